@@ -1,0 +1,3 @@
+from .contiguous import QuantizedKvCache, QuantizedKvLayer
+
+__all__ = ["QuantizedKvCache", "QuantizedKvLayer"]

@@ -1,0 +1,228 @@
+"""Contiguous multi-layer cache for simple decoders: push a step, read rows back.
+
+Storage per layer is token-major, so a decode step appends one contiguous slab:
+  codes  [capacity, num_kv_heads, head_dim]  int8 (INT8) or float16 (F16), for K and for V
+  scales [capacity, num_kv_heads]            float32, INT8 only
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..codec import decode, encode
+from ..errors import (
+    CapacityExceeded,
+    HeadOutOfRange,
+    LayerOutOfRange,
+    PositionOutOfRange,
+    ShapeMismatch,
+)
+from ..formats import KvStorageFormat
+
+Rows = torch.Tensor  # [tokens, num_kv_heads, head_dim]
+Encoded = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+class QuantizedKvLayer:
+    """One layer's K and V: only codes and scales are held, never a float copy."""
+
+    def __init__(
+        self,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        format: KvStorageFormat = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if capacity < 0 or num_kv_heads <= 0 or head_dim <= 0:
+            raise ShapeMismatch(
+                f"capacity >= 0, num_kv_heads > 0 and head_dim > 0 required, "
+                f"got {capacity}, {num_kv_heads}, {head_dim}"
+            )
+        self.format = KvStorageFormat(format)
+        self.capacity = capacity
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        shape = (capacity, num_kv_heads, head_dim)
+        self.k_codes = torch.zeros(shape, dtype=self.format.code_dtype, device=device)
+        self.v_codes = torch.zeros(shape, dtype=self.format.code_dtype, device=device)
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
+        if self.format.is_quantized:
+            self.k_scales = torch.ones(shape[:2], dtype=torch.float32, device=device)
+            self.v_scales = torch.ones(shape[:2], dtype=torch.float32, device=device)
+        self.seq_len = 0
+
+    # -- writing -----------------------------------------------------------------
+    def as_rows(self, x: object, what: str) -> Rows:
+        """Accept [H*D], [H, D] or [T, H, D] and return [T, H, D]."""
+        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+        heads, dim = self.num_kv_heads, self.head_dim
+        if t.dim() == 1 and t.shape[0] == heads * dim:
+            return t.reshape(1, heads, dim)
+        if t.dim() == 2 and tuple(t.shape) == (heads, dim):
+            return t.unsqueeze(0)
+        if t.dim() == 3 and tuple(t.shape[1:]) == (heads, dim):
+            return t
+        raise ShapeMismatch(
+            f"{what} must be [{heads * dim}], [{heads}, {dim}] or [tokens, {heads}, {dim}], got {tuple(t.shape)}"
+        )
+
+    def encode_step(self, keys: object, values: object) -> tuple[Encoded, Encoded]:
+        """Validate and encode without touching the cache (so a later failure changes nothing)."""
+        k = self.as_rows(keys, "keys")
+        v = self.as_rows(values, "values")
+        if k.shape[0] != v.shape[0]:
+            raise ShapeMismatch(f"keys have {k.shape[0]} tokens but values have {v.shape[0]}")
+        if self.seq_len + k.shape[0] > self.capacity:
+            raise CapacityExceeded(
+                f"appending {k.shape[0]} token(s) to {self.seq_len} exceeds capacity {self.capacity}"
+            )
+        device = self.k_codes.device
+        return encode(self.format, k.to(device)), encode(self.format, v.to(device))
+
+    def commit(self, k: Encoded, v: Encoded) -> None:
+        start, end = self.seq_len, self.seq_len + k[0].shape[0]
+        self.k_codes[start:end] = k[0]
+        self.v_codes[start:end] = v[0]
+        if self.k_scales is not None and self.v_scales is not None:
+            self.k_scales[start:end] = k[1]
+            self.v_scales[start:end] = v[1]
+        self.seq_len = end
+
+    def push(self, keys: object, values: object) -> None:
+        self.commit(*self.encode_step(keys, values))
+
+    # -- reading -----------------------------------------------------------------
+    def check_row(self, token_pos: int, head: int) -> None:
+        if not 0 <= token_pos < self.seq_len:
+            raise PositionOutOfRange(f"token position {token_pos} outside stored [0, {self.seq_len})")
+        if not 0 <= head < self.num_kv_heads:
+            raise HeadOutOfRange(f"head {head} outside [0, {self.num_kv_heads})")
+
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None, index: object) -> torch.Tensor:
+        return decode(self.format, codes[index], None if scales is None else scales[index])
+
+    def get_key(self, token_pos: int, head: int) -> torch.Tensor:
+        self.check_row(token_pos, head)
+        return self._decode(self.k_codes, self.k_scales, (token_pos, head))
+
+    def get_value(self, token_pos: int, head: int) -> torch.Tensor:
+        self.check_row(token_pos, head)
+        return self._decode(self.v_codes, self.v_scales, (token_pos, head))
+
+    def keys(self) -> torch.Tensor:
+        return self._decode(self.k_codes, self.k_scales, slice(0, self.seq_len))
+
+    def values(self) -> torch.Tensor:
+        return self._decode(self.v_codes, self.v_scales, slice(0, self.seq_len))
+
+    # -- accounting and rollback -------------------------------------------------
+    def bytes_per_position(self) -> int:
+        return 2 * self.num_kv_heads * self.format.bytes_per_row(self.head_dim)
+
+    def memory_bytes(self) -> int:
+        return self.seq_len * self.bytes_per_position()
+
+    def fp32_memory_bytes(self) -> int:
+        return self.seq_len * 2 * self.num_kv_heads * self.head_dim * 4
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.seq_len:
+            raise PositionOutOfRange(f"cannot truncate to {n}: stored length is {self.seq_len}")
+        self.seq_len = n
+
+    def reset(self) -> None:
+        self.seq_len = 0
+
+
+class QuantizedKvCache:
+    """A multi-layer KV cache: one `QuantizedKvLayer` per transformer layer."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        format: KvStorageFormat = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_layers <= 0:
+            raise ShapeMismatch(f"num_layers must be > 0, got {num_layers}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.format = KvStorageFormat(format)
+        self.layers = [
+            QuantizedKvLayer(capacity, num_kv_heads, head_dim, self.format, device) for _ in range(num_layers)
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedKvCache(num_layers={self.num_layers}, capacity={self.capacity}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, format={self.format}, "
+            f"seq_len={self.seq_len})"
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity
+
+    @property
+    def seq_len(self) -> int:
+        return self.layers[0].seq_len
+
+    def layer(self, index: int) -> QuantizedKvLayer:
+        if not 0 <= index < self.num_layers:
+            raise LayerOutOfRange(f"layer {index} outside [0, {self.num_layers})")
+        return self.layers[index]
+
+    def push_step(self, all_keys: Sequence[object], all_values: Sequence[object]) -> None:
+        """Append one step (or several tokens) to every layer; on any error nothing changes."""
+        if len(all_keys) != self.num_layers or len(all_values) != self.num_layers:
+            raise LayerOutOfRange(
+                f"expected {self.num_layers} per-layer entries, got {len(all_keys)} keys and {len(all_values)} values"
+            )
+        encoded = [layer.encode_step(k, v) for layer, k, v in zip(self.layers, all_keys, all_values)]
+        tokens = {k[0].shape[0] for k, _ in encoded}
+        if len(tokens) != 1:
+            raise ShapeMismatch(f"every layer must append the same number of tokens, got {sorted(tokens)}")
+        for layer, (k, v) in zip(self.layers, encoded):
+            layer.commit(k, v)
+
+    def get_key(self, layer: int, token_pos: int, head: int) -> torch.Tensor:
+        return self.layer(layer).get_key(token_pos, head)
+
+    def get_value(self, layer: int, token_pos: int, head: int) -> torch.Tensor:
+        return self.layer(layer).get_value(token_pos, head)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.layer(layer).keys()
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.layer(layer).values()
+
+    def total_memory_bytes(self) -> int:
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def total_fp32_memory_bytes(self) -> int:
+        return sum(layer.fp32_memory_bytes() for layer in self.layers)
+
+    def compression_ratio(self) -> float:
+        if self.seq_len == 0:
+            fp32_row = self.head_dim * 4
+            return fp32_row / self.format.bytes_per_row(self.head_dim)
+        return self.total_fp32_memory_bytes() / self.total_memory_bytes()
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.seq_len:
+            raise PositionOutOfRange(f"cannot truncate to {n}: stored length is {self.seq_len}")
+        for layer in self.layers:
+            layer.truncate(n)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()

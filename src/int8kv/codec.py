@@ -1,0 +1,76 @@
+"""The frozen V1 codec. Data written by V1 must decode identically forever.
+
+For each row ``x`` (the last dimension):
+
+1. any NaN or +-inf -> ``NonFiniteError``;
+2. ``x16 = float16(x)`` (round to nearest even); an overflow to inf -> ``NonFiniteError``;
+3. ``scale = float32(max|x16| / 127)`` in float32; an all-zero row gets ``scale = 1``;
+4. ``q = clamp(round_half_even(float32(x16 / scale)), -127, 127)`` as int8;
+5. decode: ``float32(q) * scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import NonFiniteError, ShapeMismatch
+from .formats import KvStorageFormat
+
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QMAX = 127
+
+
+def _describe_first(bad: torch.Tensor) -> str:
+    index = tuple(int(i) for i in torch.nonzero(bad)[0])
+    return f"{int(bad.sum())} value(s), first at index {index}"
+
+
+def round_to_f16(x: torch.Tensor, what: str = "KV input") -> torch.Tensor:
+    """Step 1-2 of V1 (and the whole F16 format): check finiteness, round to float16."""
+    if x.dtype not in INPUT_DTYPES:
+        raise ShapeMismatch(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        raise NonFiniteError(f"{what} holds NaN or inf: {_describe_first(bad)}")
+    x16 = x.to(torch.float16)
+    bad = ~torch.isfinite(x16)
+    if bool(bad.any()):
+        raise NonFiniteError(f"{what} overflows float16 (|x| > 65504): {_describe_first(bad)}")
+    return x16
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode rows of ``x`` with V1: returns int8 codes of x's shape and float32 scales ``x.shape[:-1]``."""
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ShapeMismatch(f"quantize_int8 needs rows of at least one value, got shape {tuple(x.shape)}")
+    x32 = round_to_f16(x).to(torch.float32)
+    scale = x32.abs().amax(dim=-1) / QMAX
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(x32 / scale.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Decode V1 codes: ``float32(q) * scale`` (scale broadcast over the last dimension)."""
+    if q.dtype != torch.int8:
+        raise ShapeMismatch(f"codes must be int8, got {q.dtype}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(q.shape[:-1]):
+        raise ShapeMismatch(
+            f"scales must be float32 of shape {tuple(q.shape[:-1])}, got {scale.dtype} {tuple(scale.shape)}"
+        )
+    return q.to(torch.float32) * scale.unsqueeze(-1)
+
+
+def encode(fmt: KvStorageFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Encode rows in ``fmt``: (codes, scales) for INT8, (float16 values, None) for F16."""
+    if fmt.is_quantized:
+        return quantize_int8(x)
+    return round_to_f16(x), None
+
+
+def decode(fmt: KvStorageFormat, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Decode stored rows of ``fmt`` to float32."""
+    if fmt.is_quantized:
+        assert scales is not None
+        return dequantize_int8(codes, scales)
+    return codes.to(torch.float32)

@@ -1,0 +1,43 @@
+"""Typed errors. Every error int8kv raises on bad input is a `KvCacheError`."""
+
+from __future__ import annotations
+
+
+class KvCacheError(Exception):
+    """Base class of every int8kv error about caches, formats and files."""
+
+
+class NonFiniteError(KvCacheError, ValueError):
+    """Input holds NaN or +-inf, or a value that overflows float16."""
+
+
+class LayerOutOfRange(KvCacheError, IndexError):
+    """A layer index is outside [0, num_layers), or a per-layer list has the wrong length."""
+
+
+class PositionOutOfRange(KvCacheError, IndexError):
+    """A token position is outside the stored prefix."""
+
+
+class HeadOutOfRange(KvCacheError, IndexError):
+    """A KV-head index is outside [0, num_kv_heads)."""
+
+
+class CapacityExceeded(KvCacheError):
+    """An append would go past the preallocated capacity."""
+
+
+class ShapeMismatch(KvCacheError, ValueError):
+    """A tensor's shape or dtype does not fit the cache it is meant for."""
+
+
+class KvPoolExhausted(KvCacheError):
+    """The paged block pool has too few free blocks for the request."""
+
+
+class UnknownSequence(KvCacheError, KeyError):
+    """A sequence id is not (or no longer) registered with the allocator."""
+
+
+class StoreError(KvCacheError):
+    """A saved KV file cannot be read: corrupt, truncated, or for another model."""
