@@ -43,11 +43,34 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode rows of ``x`` with V1: returns int8 codes of x's shape and float32 scales ``x.shape[:-1]``."""
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ShapeMismatch(f"quantize_int8 needs rows of at least one value, got shape {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ShapeMismatch(f"KV input must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.device.type == "cpu" and x.numel() > 0:
+        return _quantize_int8_cpu(x)
+    return quantize_int8_torch(x)
+
+
+def quantize_int8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V1 in plain torch ops: the path for non-CPU tensors, and the readable statement of the codec."""
     x32 = round_to_f16(x).to(torch.float32)
     scale = x32.abs().amax(dim=-1) / QMAX
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = torch.round(x32 / scale.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
+
+
+def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from . import _codec_cpu
+
+    # float16/bfloat16 -> float32 is exact, so rounding to float16 afterwards is still one rounding.
+    rows = x.to(torch.float32).reshape(-1, x.shape[-1]).contiguous()
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    scale = torch.empty(rows.shape[0], dtype=torch.float32)
+    bad = _codec_cpu.quantize_rows(rows.numpy(), q.numpy(), scale.numpy(), torch.get_num_threads())
+    if bad:
+        round_to_f16(x)  # raises with the location of the first bad value
+        raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")
+    return q.reshape(x.shape), scale.reshape(x.shape[:-1])
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -58,6 +81,13 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise ShapeMismatch(
             f"scales must be float32 of shape {tuple(q.shape[:-1])}, got {scale.dtype} {tuple(scale.shape)}"
         )
+    if q.device.type == "cpu" and q.numel() > 0:
+        from . import _codec_cpu
+
+        rows = q.reshape(-1, q.shape[-1]).contiguous()
+        out = torch.empty(rows.shape, dtype=torch.float32)
+        _codec_cpu.dequantize_rows(rows.numpy(), scale.reshape(-1).contiguous().numpy(), out.numpy())
+        return out.reshape(q.shape)
     return q.to(torch.float32) * scale.unsqueeze(-1)
 
 

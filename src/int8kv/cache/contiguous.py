@@ -186,11 +186,11 @@ class QuantizedKvCache:
             raise LayerOutOfRange(
                 f"expected {self.num_layers} per-layer entries, got {len(all_keys)} keys and {len(all_values)} values"
             )
-        encoded = [layer.encode_step(k, v) for layer, k, v in zip(self.layers, all_keys, all_values)]
+        encoded = [layer.encode_step(k, v) for layer, k, v in zip(self.layers, all_keys, all_values, strict=True)]
         tokens = {k[0].shape[0] for k, _ in encoded}
         if len(tokens) != 1:
             raise ShapeMismatch(f"every layer must append the same number of tokens, got {sorted(tokens)}")
-        for layer, (k, v) in zip(self.layers, encoded):
+        for layer, (k, v) in zip(self.layers, encoded, strict=True):
             layer.commit(k, v)
 
     def get_key(self, layer: int, token_pos: int, head: int) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""Codec throughput: quantize/dequantize against a plain copy of the same tensor.
+
+    python -m int8kv.bench codec [--tokens 4096 --heads 8 --head-dim 128] [--json PATH]
+
+Throughput is in GB/s of the float32 tensor (input of quantize, output of dequantize),
+so all three rows move the same logical data and the ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..codec import dequantize_int8, quantize_int8
+from .timing import best_seconds
+
+
+def run(tokens: int = 4096, heads: int = 8, head_dim: int = 128, repeat: int = 30) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, heads, head_dim, generator=gen)
+    q, s = quantize_int8(x)
+    nbytes = x.numel() * 4
+    seconds = {
+        "copy": best_seconds(lambda: x.clone(), repeat),
+        "quantize": best_seconds(lambda: quantize_int8(x), repeat),
+        "dequantize": best_seconds(lambda: dequantize_int8(q, s), repeat),
+    }
+    rows = {
+        name: {"ms": t * 1e3, "gb_per_s": nbytes / t / 1e9, "vs_copy": seconds["copy"] / t}
+        for name, t in seconds.items()
+    }
+    return {"shape": [tokens, heads, head_dim], "threads": torch.get_num_threads(), "results": rows}
+
+
+def report(result: dict) -> str:
+    lines = [f"codec on float32 {tuple(result['shape'])}, {result['threads']} threads (best of N)"]
+    lines.append(f"{'op':<12}{'ms':>9}{'GB/s':>9}{'x copy':>9}")
+    for name, row in result["results"].items():
+        lines.append(f"{name:<12}{row['ms']:>9.3f}{row['gb_per_s']:>9.2f}{row['vs_copy']:>9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m int8kv.bench codec")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    result = run(args.tokens, args.heads, args.head_dim, args.repeat)
+    print(report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

@@ -1,0 +1,28 @@
+"""Shared timing helpers for the benchmarks: best-of-N wall time, copy bandwidth."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def best_seconds(fn: Callable[[], object], repeat: int = 20, warmup: int = 3) -> float:
+    """Best wall time of `repeat` calls: on a shared machine the minimum is the least noisy estimate."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 10) -> float:
+    """Measured tensor-copy bandwidth in bytes/s (bytes read + written), for bandwidth floors."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = best_seconds(lambda: dst.copy_(src), repeat=repeat, warmup=2)
+    return 2 * nbytes / seconds

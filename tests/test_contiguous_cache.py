@@ -1,0 +1,192 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from int8kv import (
+    CapacityExceeded,
+    HeadOutOfRange,
+    KvCacheError,
+    KvStorageFormat,
+    LayerOutOfRange,
+    NonFiniteError,
+    PositionOutOfRange,
+    QuantizedKvCache,
+    ShapeMismatch,
+    dequantize_int8,
+    quantize_int8,
+)
+
+INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+F16 = KvStorageFormat.F16
+L, CAP, H, D = 3, 12, 2, 16
+
+
+def step(gen, tokens=None):
+    shape = (H * D,) if tokens is None else (tokens, H, D)
+    return [torch.randn(shape, generator=gen) for _ in range(L)], [torch.randn(shape, generator=gen) for _ in range(L)]
+
+
+def snapshot(cache):
+    out = [cache.seq_len]
+    for layer in cache.layers:
+        for t in (layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales):
+            out.append(None if t is None else t.clone())
+    return out
+
+
+def same(a, b):
+    return a[0] == b[0] and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a[1:], b[1:], strict=True))
+
+
+@pytest.mark.parametrize("fmt", [INT8, F16])
+def test_push_steps_and_prefill_read_back_exactly(fmt):
+    gen = torch.Generator().manual_seed(1)
+    cache = QuantizedKvCache(L, CAP, H, D, format=fmt)
+    pk, pv = step(gen, tokens=5)
+    cache.push_step(pk, pv)
+    steps = [step(gen) for _ in range(3)]
+    for k, v in steps:
+        cache.push_step(k, v)
+    assert cache.seq_len == 8 and cache.capacity == CAP
+    for layer in range(L):
+        want_k = torch.cat([pk[layer]] + [s[0][layer].reshape(1, H, D) for s in steps])
+        want_v = torch.cat([pv[layer]] + [s[1][layer].reshape(1, H, D) for s in steps])
+        if fmt is INT8:
+            want_k, want_v = dequantize_int8(*quantize_int8(want_k)), dequantize_int8(*quantize_int8(want_v))
+        else:
+            want_k, want_v = want_k.half().float(), want_v.half().float()
+        assert torch.equal(cache.keys(layer), want_k) and torch.equal(cache.values(layer), want_v)
+        assert torch.equal(cache.get_key(layer, 6, 1), want_k[6, 1])
+        assert torch.equal(cache.get_value(layer, 0, 0), want_v[0, 0])
+        # Error against the float64 input is within half a step of each row's scale.
+        x64 = torch.cat([pk[layer]] + [s[0][layer].reshape(1, H, D) for s in steps]).double()
+        # INT8: half a code step, plus the float16 rounding first (2^-11 relative, at most 127 steps).
+        # F16: half a float16 spacing (2^-10 relative at most), 2^-25 absolute among subnormals.
+        if fmt is INT8:
+            step_size = x64.abs().amax(-1, keepdim=True) / 127
+            bound = step_size * (0.5 + 127 * 2.0**-11 + 1e-6)
+        else:
+            bound = x64.abs() * 2.0**-11 + 2.0**-25
+        assert bool(((cache.keys(layer).double() - x64).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("shape", [(H * D,), (H, D)])
+def test_step_shapes_accepted(shape):
+    cache = QuantizedKvCache(L, CAP, H, D)
+    cache.push_step([np.ones(shape, np.float32)] * L, [torch.ones(shape)] * L)
+    assert cache.seq_len == 1
+    assert torch.equal(cache.get_key(2, 0, 1), torch.ones(D))
+
+
+def test_memory_accounting_and_compression():
+    cache = QuantizedKvCache(L, CAP, H, D)
+    assert cache.compression_ratio() == pytest.approx(64 / 20)  # 16 fp32 = 64 bytes vs 16 codes + 4
+    assert cache.total_memory_bytes() == 0
+    gen = torch.Generator().manual_seed(2)
+    cache.push_step(*step(gen, tokens=4))
+    assert cache.total_memory_bytes() == L * 4 * 2 * H * (D + 4)
+    assert cache.total_fp32_memory_bytes() == L * 4 * 2 * H * D * 4
+    assert cache.compression_ratio() == pytest.approx(64 / 20)
+    f16 = QuantizedKvCache(L, CAP, H, D, format=F16)
+    f16.push_step(*step(gen, tokens=4))
+    assert f16.compression_ratio() == pytest.approx(2.0)
+
+
+def test_no_hidden_full_precision_copy():
+    cache = QuantizedKvCache(L, CAP, H, D)
+    gen = torch.Generator().manual_seed(3)
+    cache.push_step(*step(gen, tokens=3))
+    for layer in cache.layers:
+        tensors = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        assert sorted((str(t.dtype), tuple(t.shape)) for t in tensors) == sorted(
+            [("torch.int8", (CAP, H, D))] * 2 + [("torch.float32", (CAP, H))] * 2
+        )
+
+
+def test_truncate_and_reset():
+    gen = torch.Generator().manual_seed(4)
+    cache = QuantizedKvCache(L, CAP, H, D)
+    cache.push_step(*step(gen, tokens=6))
+    kept = cache.keys(1)[:4].clone()
+    cache.truncate(4)
+    assert cache.seq_len == 4 and torch.equal(cache.keys(1), kept)
+    k, v = step(gen)
+    cache.push_step(k, v)
+    assert torch.equal(cache.get_key(0, 4, 0), dequantize_int8(*quantize_int8(k[0].reshape(H, D)))[0])
+    with pytest.raises(PositionOutOfRange):
+        cache.truncate(6)
+    cache.reset()
+    assert cache.seq_len == 0 and cache.total_memory_bytes() == 0
+
+
+def test_errors_are_typed():
+    cache = QuantizedKvCache(L, 2, H, D)
+    gen = torch.Generator().manual_seed(5)
+    cache.push_step(*step(gen))
+    with pytest.raises(LayerOutOfRange):
+        cache.get_key(L, 0, 0)
+    with pytest.raises(PositionOutOfRange):
+        cache.get_value(0, 1, 0)
+    with pytest.raises(HeadOutOfRange):
+        cache.get_key(0, 0, H)
+    with pytest.raises(LayerOutOfRange):
+        cache.push_step(*[x[:-1] for x in step(gen)])
+    with pytest.raises(CapacityExceeded):
+        cache.push_step(*step(gen, tokens=2))
+    with pytest.raises(ShapeMismatch):
+        cache.push_step([torch.ones(H * D + 1)] * L, [torch.ones(H * D + 1)] * L)
+    for err in (LayerOutOfRange, PositionOutOfRange, HeadOutOfRange, CapacityExceeded, ShapeMismatch, NonFiniteError):
+        assert issubclass(err, KvCacheError)
+
+
+def bad_step(kind, gen, layer, free):
+    k, v = step(gen, tokens=2)
+    if kind == "nan":
+        k[layer][1, 0, 3] = float("nan")
+    elif kind == "inf":
+        v[layer][0, 1, 0] = float("inf")
+    elif kind == "overflow":
+        v[layer][1, 1, 1] = 1e5
+    elif kind == "shape":
+        k[layer] = torch.ones(2, H, D + 1)
+    elif kind == "tokens":
+        v[layer] = torch.ones(3, H, D)
+    elif kind == "ragged":
+        k[layer], v[layer] = torch.ones(1, H, D), torch.ones(1, H, D)
+    elif kind == "layers":
+        k, v = k[:-1], v[:-1]
+    elif kind == "capacity":
+        k, v = step(gen, tokens=free + 1)
+    elif kind == "dtype":
+        k[layer] = torch.ones(2, H, D, dtype=torch.int64)
+    return k, v
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(
+                ["ok", "nan", "inf", "overflow", "shape", "tokens", "ragged", "layers", "capacity", "dtype"]
+            ),
+            st.integers(0, L - 1),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    st.sampled_from([INT8, F16]),
+    st.integers(0, 2**31 - 1),
+)
+def test_every_error_path_leaves_the_cache_unchanged(ops, fmt, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache = QuantizedKvCache(L, CAP, H, D, format=fmt)
+    for kind, layer in ops:
+        if kind == "ok":
+            if cache.seq_len < CAP:
+                cache.push_step(*step(gen))
+            continue
+        before = snapshot(cache)
+        with pytest.raises(KvCacheError):
+            cache.push_step(*bad_step(kind, gen, layer, CAP - cache.seq_len))
+        assert same(before, snapshot(cache))
