@@ -37,7 +37,8 @@ def snapshot(cache):
 
 
 def same(a, b):
-    return a[0] == b[0] and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a[1:], b[1:], strict=True))
+    pairs = zip(a[1:], b[1:], strict=True)
+    return a[0] == b[0] and all((x is None and y is None) or torch.equal(x, y) for x, y in pairs)
 
 
 @pytest.mark.parametrize("fmt", [INT8, F16])
