@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -12,3 +13,18 @@ settings.register_profile(
     "int8kv", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("int8kv")
+
+
+def pytest_configure(config):
+    # One converted copy of the packaged SmolLM2 for the whole run (and across runs, in pytest's cache),
+    # whichever test loads it first; a user's own INT8KV_CACHE_DIR is left alone.
+    if "INT8KV_CACHE_DIR" not in os.environ and config.cache is not None:
+        os.environ["INT8KV_CACHE_DIR"] = str(config.cache.mkdir("int8kv-models"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The packaged SmolLM2-135M-Instruct (model, tokenizer), loaded once per test session."""
+    from int8kv.models import load_model
+
+    return load_model(quiet=True)

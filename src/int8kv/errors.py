@@ -41,3 +41,15 @@ class UnknownSequence(KvCacheError, KeyError):
 
 class StoreError(KvCacheError):
     """A saved KV file cannot be read: corrupt, truncated, or for another model."""
+
+
+class ModelNotFoundError(KvCacheError, FileNotFoundError):
+    """The model path does not exist, or the packaged default model is not installed."""
+
+
+class InvalidModelError(KvCacheError, ValueError):
+    """The path exists but holds no loadable model (not a GGUF file, no config.json, or a failed load)."""
+
+
+class UnsupportedAttention(KvCacheError, NotImplementedError):
+    """The model asks for an attention variant the int8kv kernels do not implement."""

@@ -1,0 +1,11 @@
+"""Benchmarks, run as `python -m int8kv.bench <name> [options]` (see `python -m int8kv.bench --help`).
+
+Each benchmark module exposes `run(...) -> dict`, `report(dict) -> str` and `main(argv) -> dict`.
+"""
+
+BENCHMARKS = {
+    "attention": "int8kv.bench.attention",
+    "codec": "int8kv.bench.codec",
+    "e2e": "int8kv.bench.e2e",
+    "prefix": "int8kv.bench.prefix",
+}

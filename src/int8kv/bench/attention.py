@@ -1,0 +1,216 @@
+"""Paged decode attention on the CPU against its peers and its memory-bandwidth floor.
+
+    python -m int8kv.bench attention [--batch 8 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128]
+                                     [--block-size 16] [--sweep] [--json PATH]
+
+One decode step (one query token per sequence), timed as best-of-N wall time, all in one process:
+  int8 paged    int8kv cpu backend, INT8 blocks read directly (scales folded into scores and weights)
+  f16 paged     int8kv cpu backend, F16 blocks
+  torch gather  vectorised torch: gather the INT8 blocks through the block table, dequantize, then SDPA
+  sdpa f32/bf16 torch scaled_dot_product_attention (enable_gqa) over contiguous caches of the same shape
+  floor         bytes the INT8 kernel must read (codes + scales of K and V) / measured copy bandwidth
+Block tables are a random permutation of the pool, as after a long run of allocations and frees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+
+import numba
+import torch
+import torch.nn.functional as F
+
+from ..cache.paged import PagedKvCache
+from ..formats import KvStorageFormat
+from ..ops import paged_decode_attention
+from .timing import copy_bandwidth
+
+SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+METHODS = ("int8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m int8kv.bench attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=4096, help="tokens of K/V per sequence")
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=20, help="timed calls per method (fewer at long contexts)")
+    parser.add_argument("--sweep", action="store_true", help=f"contexts {SWEEP_CONTEXTS[0]}..{SWEEP_CONTEXTS[-1]}")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def _interleaved_best(
+    fns: dict[str, Callable[[], object]], repeat: int, budget_s: float = 6.0, burst: int = 3
+) -> dict[str, float]:
+    """Best-of-N seconds per method. Methods take turns, `burst` back-to-back calls each per round: the load of a
+    shared machine drifts, and turns give every method the same chances; the bursts keep a call from paying for
+    the previous method's cache footprint and still-spinning thread pool."""
+    first = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        fn()
+        first[name] = time.perf_counter() - start
+    rounds = max(2, min(repeat // burst, int(budget_s / max(burst * sum(first.values()), 1e-6))))
+    best = dict(first)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(burst):
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _paged_cache(args: argparse.Namespace, context: int, fmt: KvStorageFormat, gen: torch.Generator):
+    blocks_per_seq = math.ceil(context / args.block_size)
+    num_blocks = args.batch * blocks_per_seq + 1
+    cache = PagedKvCache(num_blocks, args.block_size, 1, args.kv_heads, args.head_dim, fmt)
+    for codes in (cache.k_codes[0], cache.v_codes[0]):
+        if fmt.is_quantized:
+            codes.copy_(torch.randint(-127, 128, codes.shape, dtype=torch.int8, generator=gen))
+        else:
+            codes.copy_(torch.randn(codes.shape, generator=gen))
+    for scales in (cache.k_scales[0], cache.v_scales[0]):
+        if scales is not None:
+            scales.copy_(torch.rand(scales.shape, generator=gen) * 0.015 + 0.005)
+    order = torch.randperm(num_blocks - 1, generator=gen)[: args.batch * blocks_per_seq] + 1
+    tables = order.reshape(args.batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((args.batch,), context, dtype=torch.int32)
+    return cache, tables, lens
+
+
+def _torch_gather(cache: PagedKvCache, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The vectorised-torch alternative: materialise dequantized K/V of every sequence, then SDPA."""
+    ctx = int(lens.max())
+    blocks = tables.long()
+    shape = (q.shape[0], -1, cache.num_kv_heads, cache.head_dim)
+    k = (
+        cache.k_codes[0][blocks].reshape(shape)[:, :ctx].float()
+        * cache.k_scales[0][blocks].reshape(shape[:3])[:, :ctx, :, None]
+    )
+    v = (
+        cache.v_codes[0][blocks].reshape(shape)[:, :ctx].float()
+        * cache.v_scales[0][blocks].reshape(shape[:3])[:, :ctx, :, None]
+    )
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    return out[:, :, 0]
+
+
+def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: torch.Tensor) -> dict:
+    """The callables to time, over inputs of the same shape (built once, all alive while timing)."""
+    int8, tables, lens = _paged_cache(args, context, KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, gen)
+    f16, f16_tables, f16_lens = _paged_cache(args, context, KvStorageFormat.F16, gen)
+    shape = (args.batch, args.kv_heads, context, args.head_dim)
+    dense = {
+        dtype: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+        for dtype in (torch.float32, torch.bfloat16)
+    }
+
+    def sdpa(dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+        k, v = dense[dtype]
+        qq = q[:, :, None].to(dtype)
+        return lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True)
+
+    return {
+        "int8_paged": lambda: paged_decode_attention(int8, 0, q, tables, lens, backend="cpu"),
+        "f16_paged": lambda: paged_decode_attention(f16, 0, q, f16_tables, f16_lens, backend="cpu"),
+        "torch_gather_int8": lambda: _torch_gather(int8, q, tables, lens),
+        "sdpa_f32": sdpa(torch.float32),
+        "sdpa_bf16": sdpa(torch.bfloat16),
+    }
+
+
+def run_context(args: argparse.Namespace, context: int, bandwidth: float) -> dict:
+    gen = torch.Generator().manual_seed(args.seed)
+    q = torch.randn(args.batch, args.q_heads, args.head_dim, generator=gen)
+    fns = _methods(args, context, gen, q)
+    agreement = _rel_diff(fns["int8_paged"](), fns["torch_gather_int8"]())
+    seconds = _interleaved_best(fns, args.repeat)
+    int8_bytes = 2 * args.batch * context * args.kv_heads * (args.head_dim + 4)  # K and V: codes + a float32 scale
+    floor = int8_bytes / bandwidth
+    return {
+        "context": context,
+        "ms": {name: seconds[name] * 1e3 for name in METHODS},
+        "int8_bytes_read": int8_bytes,
+        "floor_ms": floor * 1e3,
+        "int8_speedup_vs_sdpa_f32": seconds["sdpa_f32"] / seconds["int8_paged"],
+        "int8_speedup_vs_sdpa_bf16": seconds["sdpa_bf16"] / seconds["int8_paged"],
+        "int8_speedup_vs_torch_gather": seconds["torch_gather_int8"] / seconds["int8_paged"],
+        "int8_over_floor": seconds["int8_paged"] / floor,
+        "int8_rel_diff_vs_torch_gather": agreement,
+    }
+
+
+def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark described by `args` (see `parse_args`) and return the results as a dict."""
+    bandwidth = copy_bandwidth()
+    contexts = SWEEP_CONTEXTS if args.sweep else (args.context,)
+    return {
+        "benchmark": "paged_decode_attention_cpu",
+        "config": {
+            "batch": args.batch,
+            "q_heads": args.q_heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "block_size": args.block_size,
+        },
+        "machine": {
+            "torch_threads": torch.get_num_threads(),
+            "numba_threads": numba.get_num_threads(),
+            "numba_threading_layer": _threading_layer(),
+            "torch": torch.__version__,
+        },
+        "copy_gb_per_s": bandwidth / 1e9,
+        "results": [run_context(args, ctx, bandwidth) for ctx in contexts],
+    }
+
+
+def _threading_layer() -> str:
+    try:
+        return numba.threading_layer()
+    except ValueError:  # only known once a parallel kernel has run
+        return "not yet initialised"
+
+
+def report(result: dict) -> str:
+    c = result["config"]
+    m = result["machine"]
+    lines = [
+        f"paged decode attention (CPU): batch {c['batch']}, {c['q_heads']} q heads, {c['kv_heads']} kv heads, "
+        f"head_dim {c['head_dim']}, block {c['block_size']}; torch {m['torch_threads']} / numba "
+        f"{m['numba_threads']} threads ({m['numba_threading_layer']}); copy bandwidth "
+        f"{result['copy_gb_per_s']:.1f} GB/s (read + write); best-of-N ms",
+        f"{'context':>8}" + "".join(f"{name:>19}" for name in METHODS) + f"{'floor':>9}{'f32/int8':>10}"
+        f"{'int8/floor':>11}{'rel diff':>10}",
+    ]
+    for r in result["results"]:
+        lines.append(
+            f"{r['context']:>8}"
+            + "".join(f"{r['ms'][name]:>19.2f}" for name in METHODS)
+            + f"{r['floor_ms']:>9.2f}{r['int8_speedup_vs_sdpa_f32']:>9.2f}x{r['int8_over_floor']:>10.2f}x"
+            + f"{r['int8_rel_diff_vs_torch_gather']:>10.1e}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    print(report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,316 @@
+"""`int8kv demo | eval | bench | cache inspect`: the command-line front end.
+
+Errors a user can cause (missing model, unknown format, a budget too small, a bad text file) print one
+line and exit 1; --debug shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from . import progress
+from .errors import KvCacheError
+from .formats import KvStorageFormat
+
+INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+F16 = KvStorageFormat.F16
+DEMO_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning a new language.",
+)
+BENCHES = ("attention", "codec", "e2e", "prefix")
+
+
+class CliError(KvCacheError):
+    """A bad command-line value."""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="int8kv", description="INT8 KV-cache storage for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="F16 vs INT8 KV cache side by side on a real model")
+    demo.add_argument("--model", help="local transformers dir or .gguf file (default: packaged SmolLM2-135M)")
+    demo.add_argument("--prompt", action="append", help="your own prompt (repeatable)")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--memory", default="8GiB", help="budget for the capacity table, e.g. 8GiB")
+    demo.add_argument("--formats", default="f16,int8", help="comma-separated KV formats to compare")
+    demo.add_argument("--json", metavar="PATH")
+    demo.add_argument("--plot", metavar="PATH.png", help="KV memory versus context length per format")
+    _common(demo)
+
+    ev = sub.add_parser("eval", help="perplexity and greedy agreement per KV cache type")
+    ev.add_argument("--model")
+    ev.add_argument("--text", help="UTF-8 text file (default: the license texts in /usr/share/common-licenses)")
+    ev.add_argument("--ctx", type=int, default=512, help="tokens per perplexity window")
+    ev.add_argument("--chunk", type=int, default=128, help="tokens fed per forward (K/V written, then read)")
+    ev.add_argument("--windows", type=int, default=8, help="at most this many windows")
+    ev.add_argument("--gen-tokens", type=int, default=128)
+    ev.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts to generate from")
+    ev.add_argument("--no-fp8", action="store_true", help="skip transformers' fp8 QuantizedCache")
+    ev.add_argument("--json", metavar="PATH")
+    ev.add_argument("--plot", metavar="PATH.png", help="perplexity change per cache type")
+    _common(ev)
+
+    bench = sub.add_parser("bench", help="benchmarks (extra options go to the benchmark; see <name> --help)")
+    bench.add_argument("name", choices=BENCHES)
+    bench.add_argument("--plot", metavar="PATH.png", help="attention: latency versus context (runs --sweep)")
+    _common(bench)
+
+    cache = sub.add_parser("cache", help="saved KV files")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    inspect = cache_sub.add_parser("inspect", help="what a saved KV file holds")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", metavar="PATH")
+    _common(inspect)
+    return parser
+
+
+# -- demo ----------------------------------------------------------------------------------------------
+def _formats(text: str) -> list[KvStorageFormat]:
+    out = []
+    for name in text.split(","):
+        try:
+            out.append(KvStorageFormat.parse(name.strip()))
+        except ValueError:
+            out.append(KvStorageFormat.from_dtype(name.strip()))
+    return out
+
+
+def _chat(tokenizer, prompt: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def run_demo(args: argparse.Namespace) -> dict:
+    from .engine import LLM, SamplingParams, parse_bytes
+    from .models import load_model
+
+    budget = parse_bytes(args.memory)
+    formats = _formats(args.formats)
+    if args.max_tokens < 1:
+        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    progress.note("loading model ...")
+    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    prompts = args.prompt or list(DEMO_PROMPTS)
+    prompt_ids = [_chat(tokenizer, p) for p in prompts]
+    params = SamplingParams(max_tokens=args.max_tokens)
+    cfg = model.config
+    runs = {}
+    for fmt in formats:
+        llm = LLM(model, kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts))
+        llm.generate([prompt_ids[0][:8]], SamplingParams(max_tokens=2))  # compile kernels before timing
+        llm.stats.__init__()
+        start = time.perf_counter()
+        outs = llm.generate(prompt_ids, params)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
+        runs[fmt.as_str()] = {
+            "texts": [o.text for o in outs],
+            "token_ids": [o.token_ids for o in outs],
+            "seconds": seconds,
+            "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds,
+            "kv_bytes": tokens * llm.kv_bytes_per_token(),
+            "kv_bytes_per_token": llm.kv_bytes_per_token(),
+        }
+    dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, getattr(cfg, "head_dim", None)
+            or cfg.hidden_size // cfg.num_attention_heads)
+    capacity = {fmt.as_str(): budget // fmt.bytes_per_token(*dims) for fmt in KvStorageFormat}
+    name = os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
+    return {"model": name, "prompts": prompts, "runs": runs,
+            "memory_budget": budget, "dims": dims, "capacity_tokens": capacity}
+
+
+def format_demo(result: dict) -> str:
+    lines = []
+    runs = result["runs"]
+    names = list(runs)
+    for i, prompt in enumerate(result["prompts"]):
+        lines.append(f"\n> {prompt}")
+        for name in names:
+            lines.append(f"  [{name.split('_')[0]}] {runs[name]['texts'][i].strip()!r}")
+    lines.append("")
+    lines.append(f"{'format':<36}{'tok/s':>8}{'KV bytes':>12}{'B/token':>9}")
+    for name in names:
+        r = runs[name]
+        lines.append(f"{name:<36}{r['tokens_per_s']:>8.1f}{r['kv_bytes']:>12,}{r['kv_bytes_per_token']:>9,}")
+    if "f16" in runs and INT8.as_str() in runs:
+        ratio = runs[INT8.as_str()]["kv_bytes"] / runs["f16"]["kv_bytes"]
+        same = runs[INT8.as_str()]["token_ids"] == runs["f16"]["token_ids"]
+        agree = [a == b for a, b in zip(runs[INT8.as_str()]["token_ids"], runs["f16"]["token_ids"], strict=True)]
+        lines.append(f"INT8 / F16 KV bytes: {ratio:.3f}")
+        lines.append(f"greedy outputs identical: {'yes' if same else 'no'} ({sum(agree)}/{len(agree)} prompts)")
+    gib = result["memory_budget"] / (1 << 30)
+    lines.append(f"\ncontext that fits in {gib:g} GiB of KV memory (all layers, K and V):")
+    for name, tokens in result["capacity_tokens"].items():
+        lines.append(f"  {name:<36}{tokens:>14,} tokens")
+    return "\n".join(lines)
+
+
+def plot_memory(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    dims = result["dims"]
+    contexts = [2**k for k in range(9, 16)]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    per = {"float32": 2 * dims[0] * dims[1] * dims[2] * 4}
+    per.update({f.as_str().split("_")[0]: f.bytes_per_token(*dims) for f in KvStorageFormat})
+    for name, bpt in per.items():
+        ax.plot(contexts, [c * bpt / 2**20 for c in contexts], marker="o", label=f"{name} ({bpt:,} B/token)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("context length (tokens, one sequence)")
+    ax.set_ylabel("KV cache (MiB)")
+    ax.set_title(f"KV memory per sequence, {result['model']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# -- eval ----------------------------------------------------------------------------------------------
+def run_eval(args: argparse.Namespace) -> dict:
+    from .eval import DEFAULT_PROMPTS, cache_kinds, evaluate, read_text
+    from .models import load_model
+
+    text = read_text(args.text)
+    if args.chunk < 1 or args.windows < 1 or args.gen_tokens < 1 or not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
+        raise CliError("--chunk, --windows, --gen-tokens must be >= 1 and --prompts in [1, 4]")
+    progress.note("loading model ...")
+    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    return evaluate(
+        model, tokenizer, text, ctx=args.ctx, chunk=args.chunk, max_windows=args.windows,
+        gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts], kinds=cache_kinds(not args.no_fp8),
+    )
+
+
+def plot_eval(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    names = [r["cache"] for r in rows]
+    change = [100 * r["ppl_change_vs_baseline"] for r in rows]
+    bars = ax.bar(range(len(rows)), change, color=["#888", "#4c72b0", "#55a868", "#c44e52", "#8172b2"][: len(rows)])
+    for bar, r in zip(bars, rows, strict=True):
+        ax.annotate(f"{100 * r['ppl_change_vs_baseline']:+.3f}%\n{r['kv_bytes_per_token']:,.0f} B/tok",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom" if bar.get_height() >= 0 else "top", fontsize=8)
+    ax.set_xticks(range(len(rows)), [n.replace(" (baseline)", "\n(baseline)") for n in names], fontsize=8)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_ylabel("perplexity change vs float32 cache (%)")
+    ax.set_title(f"KV storage quality ({result['scored_tokens']} scored tokens)")
+    ax.margins(y=0.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# -- bench ---------------------------------------------------------------------------------------------
+def run_bench(args: argparse.Namespace, extra: list[str]) -> dict:
+    import importlib
+
+    module = importlib.import_module(f"int8kv.bench.{args.name}")
+    if args.plot and args.name == "attention" and "--sweep" not in extra:
+        extra = [*extra, "--sweep"]
+    result = module.main(extra)
+    if args.plot:
+        if args.name != "attention":
+            raise CliError("--plot is available for `bench attention` (eval and demo have their own)")
+        plot_attention(result, args.plot)
+    return result
+
+
+def plot_attention(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result["sweep"]
+    contexts = [p["context"] for p in points]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for method in points[0]["ms"]:
+        ax.plot(contexts, [p["ms"][method] for p in points], marker="o", label=method)
+    ax.plot(contexts, [p["floor_ms"] for p in points], "k--", label="INT8 bandwidth floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context per sequence (tokens)")
+    ax.set_ylabel("decode attention, one layer (ms)")
+    ax.set_title(result.get("title", "paged decode attention, CPU"), fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# -- entry point -----------------------------------------------------------------------------------------
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+def _dispatch(args: argparse.Namespace, extra: list[str]) -> None:
+    if args.command == "bench":
+        run_bench(args, extra)
+        return
+    if extra:
+        raise CliError(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "demo":
+        result = run_demo(args)
+        print(format_demo(result))
+        if args.plot:
+            plot_memory(result, args.plot)
+    elif args.command == "eval":
+        result = run_eval(args)
+        from .eval import format_eval
+
+        print(format_eval(result))
+        if args.plot:
+            plot_eval(result, args.plot)
+    else:
+        from .store import format_inspect, inspect_kv
+
+        result = inspect_kv(args.path)
+        print(format_inspect(result))
+    _write_json(getattr(args, "json", None), result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    progress.set_quiet(args.quiet)
+    try:
+        _dispatch(args, extra)
+    except (KvCacheError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"int8kv: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

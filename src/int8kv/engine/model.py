@@ -1,0 +1,126 @@
+"""A decoder-only transformer (Llama family, Qwen3) that runs on the paged KV cache.
+
+Weights are taken from a loaded transformers model, so whatever transformers can load (safetensors,
+GGUF) runs here. One forward handles a packed batch of chunks: prefill chunks and decode steps of
+different sequences side by side, each described by its slots and its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..cache.paged import PagedKvCache
+from ..errors import ShapeMismatch
+
+SUPPORTED = ("llama", "qwen3", "mistral", "qwen2")
+
+
+@dataclass
+class Batch:
+    """A packed step. Tokens of sequence b are input_ids[cu_seqlens_q[b]:cu_seqlens_q[b+1]]."""
+
+    input_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    slots: torch.Tensor  # [tokens] int64
+    cu_seqlens_q: torch.Tensor  # [batch + 1] int32
+    block_tables: torch.Tensor  # [batch, max_blocks] int32
+    context_lens: torch.Tensor  # [batch] int32, after this step's tokens are written
+    is_decode: bool  # every sequence contributes exactly one token
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(q + 2 kv heads) * head_dim, hidden]: one matmul, then the fused write path
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class DecoderModel:
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED:
+            raise ShapeMismatch(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        self.config = cfg
+        self.num_layers = cfg.num_hidden_layers
+        self.num_q_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        base = hf_model.model
+        with torch.no_grad():
+            self.embed = base.embed_tokens.weight.detach().float()
+            self.final_norm = base.norm.weight.detach().float()
+            self.lm_head = hf_model.lm_head.weight.detach().float()
+            self.layers = [self._layer(layer) for layer in base.layers]
+            self.cos, self.sin = self._rope_tables(base.rotary_emb, cfg.max_position_embeddings)
+
+    @staticmethod
+    def _layer(layer: torch.nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = None
+        if all(p.bias is not None for p in projs):
+            bias = torch.cat([p.bias.detach().float() for p in projs])
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach().float(),
+            qkv=torch.cat([p.weight.detach().float() for p in projs]),
+            qkv_bias=bias,
+            o=attn.o_proj.weight.detach().float(),
+            q_norm=None if q_norm is None else q_norm.weight.detach().float(),
+            k_norm=None if k_norm is None else k_norm.weight.detach().float(),
+            post_norm=layer.post_attention_layernorm.weight.detach().float(),
+            gate_up=torch.cat([mlp.gate_proj.weight.detach().float(), mlp.up_proj.weight.detach().float()]),
+            down=mlp.down_proj.weight.detach().float(),
+        )
+
+    @staticmethod
+    def _rope_tables(rotary: torch.nn.Module, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers' rotary module already applied the config's scaling to inv_freq; reuse it.
+        inv_freq = rotary.inv_freq.detach().to(torch.float64)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        return (angles.cos() * scaling).float(), (angles.sin() * scaling).float()
+
+    def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
+        return PagedKvCache(num_blocks, block_size, self.num_layers, self.num_kv_heads, self.head_dim, format)
+
+    @staticmethod
+    def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    @torch.inference_mode()
+    def forward(self, cache: PagedKvCache, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits of each sequence's last token in the batch [batch, vocab] (or of every token [tokens, vocab])."""
+        x = self.embed[batch.input_ids]
+        for i, w in enumerate(self.layers):
+            h = self._rms_norm(x, w.input_norm, self.eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            q = ops.paged_write(
+                cache, i, qkv, batch.positions, batch.slots, self.cos, self.sin, self.num_q_heads,
+                q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps,
+            )
+            if batch.is_decode:
+                attn = ops.paged_decode_attention(cache, i, q, batch.block_tables, batch.context_lens)
+            else:
+                attn = ops.paged_prefill_attention(
+                    cache, i, q, batch.cu_seqlens_q, batch.block_tables, batch.context_lens
+                )
+            x = x + F.linear(attn.reshape(x.shape[0], -1), w.o)
+            h = self._rms_norm(x, w.post_norm, self.eps)
+            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down)
+        if not all_logits:
+            x = x[batch.cu_seqlens_q[1:].long() - 1]
+        return F.linear(self._rms_norm(x, self.final_norm, self.eps), self.lm_head)

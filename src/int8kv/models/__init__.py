@@ -1,0 +1,21 @@
+"""Offline model loading (packaged SmolLM2 GGUF, local .gguf files, local transformers directories)."""
+
+from .loader import (
+    DEFAULT_GGUF_NAME,
+    InvalidModelError,
+    ModelNotFoundError,
+    cache_root,
+    default_gguf_path,
+    gguf_cache_dir,
+    load_model,
+)
+
+__all__ = [
+    "DEFAULT_GGUF_NAME",
+    "InvalidModelError",
+    "ModelNotFoundError",
+    "cache_root",
+    "default_gguf_path",
+    "gguf_cache_dir",
+    "load_model",
+]

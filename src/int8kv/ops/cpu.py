@@ -1,0 +1,486 @@
+"""Fast CPU attention over the paged cache (numba), reading INT8 (or F16) blocks directly.
+
+One kernel serves decode and chunked prefill. A work item is (sequence, a few query rows, a key range) for every
+KV head. Keys are processed TILE positions at a time: the tile's K rows of all heads are read block by block, in
+memory order (a block is [block_size, num_kv_heads, head_dim], contiguous), converted once to float32 into a
+small buffer that stays in cache, and used by every query head of each GQA group; then an online softmax
+(flash-attention style: scores, running max, exp) and the same for V, accumulating p * scale_v * v.
+The per-token INT8 scales are folded in, never materialised as a dequantized copy:
+    q . (s_k k) = s_k (q . k)        sum_t p_t (s_v,t v_t) = sum_t (p_t s_v,t) v_t
+Decode with fewer sequences than cores splits each sequence's keys into ranges (flash-decoding) and merges the
+partial softmax states afterwards. See docs/design.md, "CPU attention backend".
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from ..cache.paged import AttentionBatch, PagedKvCache
+from ..errors import ShapeMismatch
+from .write import append_paged_kv
+
+__all__ = ["append_paged_kv", "paged_decode_attention", "paged_prefill_attention"]
+
+TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
+ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
+MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
+NEG = np.float32(-1e30)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # Cody-Waite split of ln 2: n * _LN2_HI is exact for |n| < 2**15
+_LN2_LO = np.float32(-2.12194440e-4)
+
+
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """Reinterpret int32 bits as float32 (what a C union would do); numba has no scalar bitcast."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(fastmath=True, inline="always")
+def _exp_nonpos(x):
+    """exp(x) for x <= 0, relative error < 5e-7. Unlike libm expf it inlines and vectorises (no SVML here)."""
+    x = max(x, np.float32(-87.0))  # keeps 2**n a normal float32; exp(-87) is below any weight that matters
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.0 / 5040.0)
+    p = p * r + np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _bits_to_f32((np.int32(n) + np.int32(127)) << 23)
+
+
+@intrinsic
+def _f16_bits_to_f32(typingctx, bits):
+    """float16 bits (numba cannot load float16, so F16 blocks arrive as int16) -> float32. LLVM turns this into
+    vcvtph2ps on F16C/AVX-512 CPUs, vectorised like the int8 path."""
+    sig = types.float32(types.int16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+def _code_to_f32(x):  # typed by the overload below: int8 codes, or float16 bits viewed as int16
+    raise NotImplementedError
+
+
+@overload(_code_to_f32, inline="always")
+def _code_to_f32_impl(x):
+    if x == types.int8:
+        return lambda x: np.float32(x)
+    if x == types.int16:
+        return lambda x: _f16_bits_to_f32(x)
+    return None
+
+
+@njit(fastmath=True, inline="always")
+def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
+    """Positions [p0, p0 + nt) of every head -> dst[h, t] float32 and dst_scale[h, t] (1 for F16), reading each
+    block in memory order."""
+    bs = codes.shape[1]
+    hkv = codes.shape[2]
+    d = codes.shape[3]
+    index = p0 // bs
+    offset = p0 - index * bs
+    t = 0
+    while t < nt:
+        run = min(bs - offset, nt - t)
+        block_id = table[index]
+        block = codes[block_id]
+        for j in range(run):
+            for h in range(hkv):
+                src = block[offset + j, h]
+                row = dst[h, t + j]
+                for i in range(d):
+                    row[i] = _code_to_f32(src[i])
+                if scales is None:
+                    dst_scale[h, t + j] = np.float32(1.0)
+                else:
+                    dst_scale[h, t + j] = scales[block_id, offset + j, h]
+        t += run
+        index += 1
+        offset = 0
+
+
+@njit(fastmath=True, inline="always")
+def _scores(qr, kt, nt, out):
+    """out[t] = q . k_t for t < nt; four keys per pass share each load of q."""
+    d = qr.shape[0]
+    t = 0
+    while t + 4 <= nt:
+        k0, k1, k2, k3 = kt[t], kt[t + 1], kt[t + 2], kt[t + 3]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for i in range(d):
+            x = qr[i]
+            a0 += x * k0[i]
+            a1 += x * k1[i]
+            a2 += x * k2[i]
+            a3 += x * k3[i]
+        out[t], out[t + 1], out[t + 2], out[t + 3] = a0, a1, a2, a3
+        t += 4
+    while t < nt:
+        k0 = kt[t]
+        a0 = np.float32(0.0)
+        for i in range(d):
+            a0 += qr[i] * k0[i]
+        out[t] = a0
+        t += 1
+
+
+@njit(fastmath=True, inline="always")
+def _scores_pair(qa, qb, kt, nt, out_a, out_b):
+    """`_scores` for two query rows at once: each key load feeds two rows (8 sums in registers)."""
+    d = qa.shape[0]
+    t = 0
+    while t + 4 <= nt:
+        k0, k1, k2, k3 = kt[t], kt[t + 1], kt[t + 2], kt[t + 3]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+        for i in range(d):
+            x = qa[i]
+            y = qb[i]
+            c0, c1, c2, c3 = k0[i], k1[i], k2[i], k3[i]
+            a0 += x * c0
+            a1 += x * c1
+            a2 += x * c2
+            a3 += x * c3
+            b0 += y * c0
+            b1 += y * c1
+            b2 += y * c2
+            b3 += y * c3
+        out_a[t], out_a[t + 1], out_a[t + 2], out_a[t + 3] = a0, a1, a2, a3
+        out_b[t], out_b[t + 1], out_b[t + 2], out_b[t + 3] = b0, b1, b2, b3
+        t += 4
+    if t < nt:
+        _scores(qa, kt[t:], nt - t, out_a[t:])
+        _scores(qb, kt[t:], nt - t, out_b[t:])
+
+
+@njit(fastmath=True, inline="always")
+def _accumulate(acc, w, vt, nt):
+    """acc += sum_t w[t] v_t; four values per pass so acc is loaded and stored a quarter as often."""
+    d = acc.shape[0]
+    t = 0
+    while t + 4 <= nt:
+        v0, v1, v2, v3 = vt[t], vt[t + 1], vt[t + 2], vt[t + 3]
+        w0, w1, w2, w3 = w[t], w[t + 1], w[t + 2], w[t + 3]
+        for i in range(d):
+            acc[i] += w0 * v0[i] + w1 * v1[i] + w2 * v2[i] + w3 * v3[i]
+        t += 4
+    while t < nt:
+        v0 = vt[t]
+        w0 = w[t]
+        for i in range(d):
+            acc[i] += w0 * v0[i]
+        t += 1
+
+
+@njit(fastmath=True, inline="always")
+def _accumulate_pair(acc_a, acc_b, wa, wb, vt, nt):
+    """`_accumulate` for two rows: each value load feeds both accumulators."""
+    d = acc_a.shape[0]
+    t = 0
+    while t + 4 <= nt:
+        v0, v1, v2, v3 = vt[t], vt[t + 1], vt[t + 2], vt[t + 3]
+        a0, a1, a2, a3 = wa[t], wa[t + 1], wa[t + 2], wa[t + 3]
+        b0, b1, b2, b3 = wb[t], wb[t + 1], wb[t + 2], wb[t + 3]
+        for i in range(d):
+            c0, c1, c2, c3 = v0[i], v1[i], v2[i], v3[i]
+            acc_a[i] += a0 * c0 + a1 * c1 + a2 * c2 + a3 * c3
+            acc_b[i] += b0 * c0 + b1 * c1 + b2 * c2 + b3 * c3
+        t += 4
+    if t < nt:
+        _accumulate(acc_a, wa[t:], vt[t:], nt - t)
+        _accumulate(acc_b, wb[t:], vt[t:], nt - t)
+
+
+@njit(fastmath=True, inline="always")
+def _softmax_step(s, k_scale, nt, r, m, denom, acc):
+    """Fold this tile's raw scores s[:nt] of row r into the running (max m, sum denom, acc); s becomes exp weights."""
+    mx = m[r]
+    for t in range(nt):
+        x = s[t] * k_scale[t]
+        s[t] = x
+        mx = max(mx, x)
+    alpha = _exp_nonpos(m[r] - mx)
+    total = np.float32(0.0)
+    for t in range(nt):
+        e = _exp_nonpos(s[t] - mx)
+        s[t] = e
+        total += e
+    denom[r] = denom[r] * alpha + total
+    m[r] = mx
+    if alpha != np.float32(1.0):
+        a = acc[r]
+        for i in range(a.shape[0]):
+            a[i] *= alpha
+
+
+@njit(fastmath=True, cache=True)
+def _attend_item(q, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+    """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, limit) of one
+    sequence. State per (KV head, row of its group): running max m, sum denom, unnormalised output acc."""
+    hkv = kc.shape[2]
+    d = kc.shape[3]
+    g = q.shape[1] // hkv
+    rows = nrows * g
+    qr = np.empty((hkv, rows, d), np.float32)
+    limit = np.empty(rows, np.int64)
+    for h in range(hkv):
+        for i in range(nrows):
+            for j in range(g):
+                qr[h, i * g + j] = q[row0 + i, h * g + j]
+    for i in range(nrows):
+        for j in range(g):
+            limit[i * g + j] = min(row_limits[row0 + i], hi)
+    m[:] = NEG
+    denom[:] = 0.0
+    acc[:] = 0.0
+    tile = np.empty((hkv, TILE, d), np.float32)
+    tile_scale = np.empty((hkv, TILE), np.float32)
+    s = np.empty((hkv, rows, TILE), np.float32)
+    end = limit.max()
+    p0 = lo
+    while p0 < end:
+        nt = min(TILE, end - p0)
+        _load_tile(kc, ks, table, p0, nt, tile, tile_scale)
+        for h in range(hkv):
+            kt = tile[h]
+            ksc = tile_scale[h]
+            sh = s[h]
+            mh = m[h]
+            dh = denom[h]
+            ah = acc[h]
+            qh = qr[h]
+            r = 0
+            while r < rows:
+                n = min(limit[r] - p0, nt)
+                paired = r + 1 < rows and n == min(limit[r + 1] - p0, nt)  # same causal cut: share key loads
+                if n > 0 and paired:
+                    _scores_pair(qh[r], qh[r + 1], kt, n, sh[r], sh[r + 1])
+                    _softmax_step(sh[r], ksc, n, r, mh, dh, ah)
+                    _softmax_step(sh[r + 1], ksc, n, r + 1, mh, dh, ah)
+                elif n > 0:
+                    _scores(qh[r], kt, n, sh[r])
+                    _softmax_step(sh[r], ksc, n, r, mh, dh, ah)
+                r += 2 if paired else 1
+        _load_tile(vc, vs, table, p0, nt, tile, tile_scale)
+        for h in range(hkv):
+            vt = tile[h]
+            vsc = tile_scale[h]
+            sh = s[h]
+            ah = acc[h]
+            for r in range(rows):  # p_t * s_v,t: the value scales folded into the weights
+                n = min(limit[r] - p0, nt)
+                for t in range(n):
+                    sh[r, t] *= vsc[t]
+            r = 0
+            while r < rows:
+                n = min(limit[r] - p0, nt)
+                paired = r + 1 < rows and n == min(limit[r + 1] - p0, nt)
+                if n > 0 and paired:
+                    _accumulate_pair(ah[r], ah[r + 1], sh[r], sh[r + 1], vt, n)
+                elif n > 0:
+                    _accumulate(ah[r], sh[r], vt, n)
+                r += 2 if paired else 1
+        p0 += nt
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _attention_kernel(q, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
+    """items[i] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to `out`;
+    several: the unnormalised state (m, l, acc) of each split goes to part_* for `_merge_kernel`."""
+    hkv = kc.shape[2]
+    d = kc.shape[3]
+    g = q.shape[1] // hkv
+    direct = part_m.shape[0] == 0
+    for it in prange(items.shape[0]):
+        seq, row0, nrows = items[it, 0], items[it, 1], items[it, 2]
+        lo, hi, split = items[it, 3], items[it, 4], items[it, 5]
+        rows = nrows * g
+        m = np.empty((hkv, rows), np.float32)
+        denom = np.empty((hkv, rows), np.float32)
+        acc = np.empty((hkv, rows, d), np.float32)
+        _attend_item(q, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
+        for h in range(hkv):
+            for i in range(nrows):
+                for j in range(g):
+                    r = i * g + j
+                    head = h * g + j
+                    if direct:
+                        inv = np.float32(1.0) / denom[h, r] if denom[h, r] > 0 else np.float32(0.0)
+                        for c in range(d):
+                            out[row0 + i, head, c] = acc[h, r, c] * inv
+                    else:
+                        part_m[split, row0 + i, head] = m[h, r]
+                        part_l[split, row0 + i, head] = denom[h, r]
+                        for c in range(d):
+                            part_acc[split, row0 + i, head, c] = acc[h, r, c]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _merge_kernel(part_m, part_l, part_acc, out):
+    """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s."""
+    nsplit, n, hq, d = part_acc.shape
+    for w in prange(n * hq):
+        row = w // hq
+        head = w % hq
+        mx = NEG
+        for sp in range(nsplit):
+            mx = max(mx, part_m[sp, row, head])
+        total = np.float32(0.0)
+        o = out[row, head]
+        o[:] = 0.0
+        for sp in range(nsplit):
+            if part_l[sp, row, head] > 0:
+                wgt = _exp_nonpos(part_m[sp, row, head] - mx)
+                total += wgt * part_l[sp, row, head]
+                a = part_acc[sp, row, head]
+                for c in range(d):
+                    o[c] += wgt * a[c]
+        if total > 0:
+            inv = np.float32(1.0) / total
+            for c in range(d):
+                o[c] *= inv
+
+
+# -- host side ----------------------------------------------------------------------------------------------
+def _layer_arrays(cache: PagedKvCache, layer: int) -> tuple:
+    """Zero-copy numpy views of one layer; F16 codes are viewed as int16 bits."""
+    kc, vc = cache.k_codes[layer], cache.v_codes[layer]
+    if not cache.format.is_quantized:
+        kc, vc = kc.view(torch.int16), vc.view(torch.int16)
+    ks, vs = cache.k_scales[layer], cache.v_scales[layer]
+    return (kc.numpy(), None if ks is None else ks.numpy(), vc.numpy(), None if vs is None else vs.numpy())
+
+
+def _num_splits(sequences: int, longest: int) -> int:
+    """Key ranges per sequence so that about four work items exist per thread (the cores stay busy even when
+    a few long sequences dominate), but none shorter than MIN_SPLIT_KEYS."""
+    want = math.ceil(4 * numba.get_num_threads() / max(sequences, 1))
+    return max(1, min(want, longest // MIN_SPLIT_KEYS))
+
+
+def _sort_items(items: np.ndarray, row_limits: np.ndarray) -> np.ndarray:
+    """Longest first, so the dynamic schedule finishes with short items (less tail imbalance)."""
+    last_row = items[:, 1] + np.maximum(items[:, 2], 1) - 1
+    ends = np.minimum(row_limits[np.minimum(last_row, len(row_limits) - 1)], items[:, 4])
+    cost = np.maximum(ends - items[:, 3], 0) * items[:, 2]
+    return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")])
+
+
+def _decode_items(lens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, int]:
+    batch = len(lens)
+    span = np.maximum(lens - starts, 0)
+    splits = _num_splits(batch, int(span.max(initial=0)))
+    chunk = -(-span // splits)
+    seq = np.repeat(np.arange(batch), splits)
+    split = np.tile(np.arange(splits), batch)
+    lo = starts[seq] + split * chunk[seq]
+    hi = np.minimum(lo + chunk[seq], lens[seq])
+    items = np.stack([seq, seq, np.ones_like(seq), lo, np.maximum(hi, lo), split], axis=1)
+    return items.astype(np.int64), splits
+
+
+def _prefill_items(cu: np.ndarray, lens: np.ndarray, starts: np.ndarray, group: int) -> tuple:
+    counts = cu[1:] - cu[:-1]
+    seq_of_row = np.repeat(np.arange(len(counts)), counts)
+    index_in_seq = np.arange(cu[-1]) - cu[seq_of_row]
+    # Query i of the n_b new tokens sits at position ctx - n_b + i and sees keys up to and including itself.
+    row_limits = lens[seq_of_row] - counts[seq_of_row] + index_in_seq + 1
+    per_item = max(1, ROWS_PER_ITEM // group)
+    tiles = -(-counts // per_item)
+    seq = np.repeat(np.arange(len(counts)), tiles)
+    k = np.arange(tiles.sum()) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    row0 = cu[seq] + k * per_item
+    nrows = np.minimum(per_item, counts[seq] - k * per_item)
+    items = np.stack([seq, row0, nrows, starts[seq], lens[seq], np.zeros_like(seq)], axis=1)
+    return items.astype(np.int64), row_limits.astype(np.int64)
+
+
+def _run(cache: PagedKvCache, layer: int, batch: AttentionBatch, items: np.ndarray, row_limits, splits: int):
+    q = batch.q
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    if q.numel() == 0 or items.shape[0] == 0:
+        return out
+    q_scaled = (q * batch.softmax_scale).contiguous().numpy()
+    kc, ks, vc, vs = _layer_arrays(cache, layer)
+    tables = batch.block_tables.numpy()
+    items = _sort_items(items, row_limits)
+    parts = (splits, *q.shape[:2]) if splits > 1 else (0, 0, 0)
+    part_m = np.empty(parts, np.float32)
+    part_l = np.empty(parts, np.float32)
+    part_acc = np.empty((*parts, q.shape[2] if splits > 1 else 0), np.float32)
+    o = out.numpy()
+    # Items are sorted longest first and vary in cost: hand them out one at a time, not in equal slices.
+    with numba.parallel_chunksize(1):
+        _attention_kernel(q_scaled, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l, part_acc)
+    if splits > 1:
+        _merge_kernel(part_m, part_l, part_acc, o)
+    return out
+
+
+def _starts(batch: AttentionBatch, size: int) -> np.ndarray:
+    if batch.kv_starts is None:
+        return np.zeros(size, np.int64)
+    return batch.kv_starts.numpy().astype(np.int64)
+
+
+def _check_cpu(cache: PagedKvCache) -> None:
+    if cache.device.type != "cpu":
+        raise ShapeMismatch(f"the cpu backend needs a CPU cache, this one is on {cache.device}")
+
+
+def paged_decode_attention(
+    cache: PagedKvCache,
+    layer: int,
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    kv_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`q [batch, Hq, D]` attends to positions [kv_start, context_len): float32 `[batch, Hq, D]`."""
+    _check_cpu(cache)
+    batch = cache.attention_batch(layer, q, block_tables, context_lens, softmax_scale, kv_starts)
+    lens = batch.context_lens.numpy().astype(np.int64)
+    items, splits = _decode_items(lens, _starts(batch, len(lens)))
+    return _run(cache, layer, batch, items, lens, splits)
+
+
+def paged_prefill_attention(
+    cache: PagedKvCache,
+    layer: int,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    kv_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal chunked prefill: `q [total, Hq, D]` packed by `cu_seqlens_q`; float32 `[total, Hq, D]`."""
+    _check_cpu(cache)
+    batch = cache.attention_batch(layer, q, block_tables, context_lens, softmax_scale, kv_starts, cu_seqlens_q)
+    assert batch.cu_seqlens_q is not None
+    lens = batch.context_lens.numpy().astype(np.int64)
+    cu = batch.cu_seqlens_q.numpy().astype(np.int64)
+    group = q.shape[1] // cache.num_kv_heads
+    items, row_limits = _prefill_items(cu, lens, _starts(batch, len(lens)), group)
+    return _run(cache, layer, batch, items, row_limits, 1)

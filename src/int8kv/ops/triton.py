@@ -1,0 +1,665 @@
+"""Triton kernels over the paged cache: fused V1 quantize-append and attention that reads INT8 directly.
+
+The layout is the contract of docs/design.md. On a machine without a GPU these kernels run on CPU
+tensors under ``TRITON_INTERPRET=1`` (which must be set before ``triton`` is first imported).
+
+Attention, decode and prefill, is one kernel. A program owns one (sequence, KV head, query-token block,
+KV split) and stacks the query heads of the GQA group with the query tokens into the rows of one tile,
+so every K/V row it loads serves the whole group. INT8 rows are never dequantized into memory: the key
+scale multiplies the score column (``q·(s·k) = s·(q·k)``) and the value scale multiplies the softmax
+weight before ``p @ v``. Softmax is the online (flash) form in base 2. For long contexts with few
+(sequence, head) pairs the KV range is split across programs (flash-decoding) and a second kernel merges
+the partial results.
+
+Both matrix products run on float16 tensor cores yet keep float32-level accuracy (relative error ~1e-6):
+int8 codes and float16 values are exact in float16, and the float32 side (q, and the softmax weights) is
+split into a float16 high part and a float16 low part, so each product is two dots. That is a third of the
+tensor-core work of TF32x3 (decode must stay memory-bound) and works the same in the interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codec import round_to_f16
+from ..errors import LayerOutOfRange, PositionOutOfRange, ShapeMismatch
+
+__all__ = ["append_paged_kv", "paged_decode_attention", "paged_prefill_attention"]
+
+#: Value checks (slots, block ids, lengths) read device tensors back to the host, one sync each call.
+#: They keep a bad batch from turning into an illegal memory access; a caller that has already
+#: validated its metadata (or captures CUDA graphs) may switch them off.
+check_values: bool = True
+
+_LOG2E = 1.4426950408889634
+_MIN_CHUNK = 256  # shortest KV range worth a split: below it the merge costs more than it saves
+_MAX_SPLITS = 64
+
+
+# --------------------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rint_to_int32(y):
+    # torch.round is round-half-to-even. libdevice's rint is not available in the interpreter and the
+    # float magic-number trick depends on the compiler never reassociating, so round with floor plus an
+    # exact tie test: y - floor(y) is exact for every finite float32.
+    f = tl.floor(y)
+    frac = y - f
+    i = f.to(tl.int32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((i & 1) == 1))
+    return i + up.to(tl.int32)
+
+
+@triton.jit
+def _encode_rows(
+    x_ptr,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    codes_ptr,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_cd,
+    scales_ptr,
+    stride_sb,
+    stride_so,
+    stride_sh,
+    t,
+    page,
+    off,
+    num_heads,
+    head_dim,
+    IS_INT8: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < num_heads
+    mask = h_ok[:, None] & (d[None, :] < head_dim)
+    x = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :] * stride_xd, mask=mask, other=0.0)
+    # The wrapper hands over float16 already (it ran the finiteness checks on it), so this cast is exact;
+    # it keeps the kernel correct for any float input too.
+    x16 = x.to(tl.float16)
+    dst = codes_ptr + page * stride_cb + off * stride_co + h[:, None] * stride_ch + d[None, :] * stride_cd
+    if IS_INT8:
+        x32 = x16.to(tl.float32)
+        # Padding lanes hold 0 and cannot raise the max of |x|.
+        amax = tl.max(tl.abs(x32), axis=1)
+        # IEEE division, not the approximate one, so scales and codes match the torch codec bit for bit.
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        y = tl.math.div_rn(x32, tl.broadcast_to(scale[:, None], x32.shape))
+        q = _rint_to_int32(y)
+        q = tl.minimum(tl.maximum(q, -127), 127)
+        tl.store(dst, q.to(tl.int8), mask=mask)
+        tl.store(scales_ptr + page * stride_sb + off * stride_so + h * stride_sh, scale, mask=h_ok)
+    else:
+        tl.store(dst, x16, mask=mask)
+
+
+@triton.jit
+def _append_kernel(
+    k_ptr,
+    v_ptr,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    stride_yt,
+    stride_yh,
+    stride_yd,
+    slots_ptr,
+    kc_ptr,
+    vc_ptr,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_cd,
+    ks_ptr,
+    vs_ptr,
+    stride_sb,
+    stride_so,
+    stride_sh,
+    num_heads,
+    head_dim,
+    PAGE: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    page = slot // PAGE
+    off = slot % PAGE
+    _encode_rows(
+        k_ptr, stride_xt, stride_xh, stride_xd,
+        kc_ptr, stride_cb, stride_co, stride_ch, stride_cd,
+        ks_ptr, stride_sb, stride_so, stride_sh,
+        t, page, off, num_heads, head_dim, IS_INT8, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
+    _encode_rows(
+        v_ptr, stride_yt, stride_yh, stride_yd,
+        vc_ptr, stride_cb, stride_co, stride_ch, stride_cd,
+        vs_ptr, stride_sb, stride_so, stride_sh,
+        t, page, off, num_heads, head_dim, IS_INT8, BLOCK_H, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    out_ptr,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    ml_ptr,
+    stride_mls,
+    stride_mlt,
+    stride_mlh,
+    k_ptr,
+    v_ptr,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_kd,
+    ks_ptr,
+    vs_ptr,
+    stride_sb,
+    stride_so,
+    stride_sh,
+    bt_ptr,
+    stride_btb,
+    ctx_ptr,
+    start_ptr,
+    cu_ptr,
+    num_kv_heads,
+    head_dim,
+    chunk,
+    qk_scale,
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    HAS_START: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // num_kv_heads
+    kvh = pid_bh % num_kv_heads
+
+    # Metadata may come as int64; positions fit int32 and the loop bounds must share one type.
+    q_begin = tl.load(cu_ptr + b).to(tl.int32)
+    n_q = tl.load(cu_ptr + b + 1).to(tl.int32) - q_begin
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    kv_lo = 0
+    if HAS_START:
+        kv_lo = tl.load(start_ptr + b).to(tl.int32)
+
+    # Row r of the tile is query token t0 + r // GROUP, query head kvh * GROUP + r % GROUP.
+    t0 = pid_m * TOKENS
+    r = tl.arange(0, BLOCK_M)
+    t_local = t0 + r // GROUP
+    qh = kvh * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (t_local < n_q)
+    token = (q_begin + t_local).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    # Tensor cores take float16 at twice the TF32 rate, and int8 codes and F16 values are exact in float16,
+    # so only q needs care: it is carried as two float16 parts (hi + lo, about 22 significant bits), each
+    # row first scaled to max |q| = 1 so neither part can overflow and the low part keeps clear of
+    # float16 subnormals. The row's scale goes back in with the softmax scale.
+    q_max = tl.max(tl.abs(q), axis=1)
+    q_max = tl.where(q_max > 0.0, q_max, 1.0)
+    q = q / q_max[:, None]
+    q_hi = q.to(tl.float16)
+    q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    row_scale = q_max * qk_scale
+
+    # The queries are the last n_q positions: row token i sees keys < ctx - n_q + i + 1.
+    row_limit = ctx - n_q + t_local + 1
+    kv_hi = ctx - n_q + tl.minimum(t0 + TOKENS, n_q)
+    lo = kv_lo
+    hi = kv_hi
+    if SPLIT:
+        lo = kv_lo + pid_s * chunk
+        hi = tl.minimum(kv_hi, lo + chunk)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_head_off = kvh * stride_kh
+    scale_head_off = kvh * stride_sh
+
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        # Each key of the tile is gathered through the block table, so a tile may span several pages
+        # and the tile width does not depend on the page size.
+        page = tl.load(bt_ptr + b * stride_btb + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        off = (n % PAGE).to(tl.int64)
+        row_off = page * stride_kb + off * stride_ko + kv_head_off
+
+        k_t = tl.load(k_ptr + row_off[None, :] + d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0)
+        k_t = k_t.to(tl.float16)
+        s = tl.dot(q_lo, k_t)
+        s = tl.dot(q_hi, k_t, s)
+        s = s * row_scale[:, None]
+        if IS_INT8:
+            s_k = tl.load(ks_ptr + page * stride_sb + off * stride_so + scale_head_off, mask=n_ok, other=0.0)
+            s = s * s_k[None, :]
+        s = tl.where(n_ok[None, :] & (n[None, :] < row_limit[:, None]), s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with every key masked so far keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(v_ptr + row_off[:, None] + d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0)
+        v = v.to(tl.float16)
+        # p (times the value scale for INT8) goes through float16 as hi + lo too. It is first scaled so its
+        # largest possible value is 2^14: far from float16's max, and small weights stay out of subnormals.
+        # For INT8 the tile's largest value scale is factored out and applied to the product instead.
+        if IS_INT8:
+            s_v = tl.load(vs_ptr + page * stride_sb + off * stride_so + scale_head_off, mask=n_ok, other=0.0)
+            sv_max = tl.max(s_v, axis=0)
+            sv_max = tl.where(sv_max > 0.0, sv_max, 1.0)
+            pw = p * (s_v * (16384.0 / sv_max))[None, :]
+            pv_scale = sv_max / 16384.0
+        else:
+            pw = p * 16384.0
+            pv_scale = 1.0 / 16384.0
+        pw_hi = pw.to(tl.float16)
+        pw_lo = (pw - pw_hi.to(tl.float32)).to(tl.float16)
+        pv = tl.dot(pw_lo, v)
+        pv = tl.dot(pw_hi, v, pv)
+        acc = acc * alpha[:, None] + pv * pv_scale
+        m_i = m_new
+
+    out_rows = pid_s.to(tl.int64) * stride_os + token * stride_ot + qh * stride_oh
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        # Unnormalised partials; the merge kernel rescales them to a common max.
+        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc, mask=out_mask)
+        ml_rows = pid_s.to(tl.int64) * stride_mls + token * stride_mlt + qh * stride_mlh
+        tl.store(ml_ptr + ml_rows, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml_rows + 1, l_i, mask=row_ok)
+    else:
+        # No visible key (kv_start at or past the limit) gives zeros rather than NaN.
+        denom = tl.where(l_i > 0.0, l_i, 1.0)
+        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc / denom[:, None], mask=out_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    ml_ptr,
+    stride_mls,
+    stride_mlt,
+    stride_mlh,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    ml = ml_ptr + s * stride_mls + t * stride_mlt + h * stride_mlh
+    m = tl.load(ml, mask=s_ok, other=float("-inf"))
+    l_part = tl.load(ml + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_shift = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_shift)
+    l_sum = tl.sum(w * l_part, axis=0)
+    part = tl.load(
+        part_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    o = tl.sum(part * w[:, None], axis=0)
+    denom = tl.where(l_sum > 0.0, l_sum, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o / denom, mask=d_ok)
+
+
+# --------------------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------------------
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(max(1, int(n))))
+
+
+def _layer_tensors(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    num_layers = len(cache.k_codes)
+    try:
+        index = operator.index(layer)
+    except TypeError:
+        raise LayerOutOfRange(f"layer must be an integer, got {layer!r}") from None
+    if not 0 <= index < num_layers:
+        raise LayerOutOfRange(f"layer {layer!r} is outside [0, {num_layers})")
+    layer = index
+    kc, vc = cache.k_codes[layer], cache.v_codes[layer]
+    ks, vs = cache.k_scales[layer], cache.v_scales[layer]
+    shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
+    code_dtype = cache.format.code_dtype
+    for name, t in (("k_codes", kc), ("v_codes", vc)):
+        if tuple(t.shape) != shape or t.dtype != code_dtype:
+            raise ShapeMismatch(f"{name}[{layer}] is {t.dtype} {tuple(t.shape)}, expected {code_dtype} {shape}")
+    if cache.format.is_quantized:
+        for name, t in (("k_scales", ks), ("v_scales", vs)):
+            if t is None or tuple(t.shape) != shape[:3] or t.dtype != torch.float32:
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise ShapeMismatch(f"{name}[{layer}] is {got}, expected float32 {shape[:3]}")
+        # One set of strides is passed for K and V (codes) and one for both scale tensors.
+        if kc.stride() != vc.stride() or ks.stride() != vs.stride():
+            raise ShapeMismatch("K and V storage of one layer must share strides")
+    elif kc.stride() != vc.stride():
+        raise ShapeMismatch("K and V storage of one layer must share strides")
+    return kc, vc, ks, vs
+
+
+def _check_rows(x: torch.Tensor, cache, what: str, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ShapeMismatch(f"{what} must be a [tokens, num_kv_heads, head_dim] tensor")
+    if tuple(x.shape[1:]) != (cache.num_kv_heads, cache.head_dim):
+        raise ShapeMismatch(f"{what} must be [tokens, {cache.num_kv_heads}, {cache.head_dim}], got {tuple(x.shape)}")
+    if x.device != device:
+        raise ShapeMismatch(f"{what} is on {x.device} but the cache is on {device}")
+
+
+def append_paged_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Encode ``k``, ``v`` ``[tokens, num_kv_heads, head_dim]`` into ``slots`` of ``layer``.
+
+    INT8 rows are quantized in the kernel with the V1 codec (codes and scales bit-identical to
+    ``codec.quantize_int8``); F16 rows are stored rounded to float16. Every check (shapes, slot range,
+    NaN/inf, float16 overflow) runs before anything is written, so a failing call leaves the cache as it was.
+    """
+    kc, vc, ks, vs = _layer_tensors(cache, layer)
+    device = kc.device
+    _check_rows(k, cache, "keys", device)
+    _check_rows(v, cache, "values", device)
+    if k.shape[0] != v.shape[0]:
+        raise ShapeMismatch(f"keys have {k.shape[0]} tokens but values have {v.shape[0]}")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != k.shape[0]:
+        raise ShapeMismatch(f"slots must be a [{k.shape[0]}] integer tensor")
+    if slots.dtype not in (torch.int64, torch.int32) or slots.device != device:
+        raise ShapeMismatch(f"slots must be int64 (or int32) on {device}, got {slots.dtype} on {slots.device}")
+    tokens = int(k.shape[0])
+    capacity = cache.num_blocks * cache.block_size
+    if tokens and check_values:
+        # One host read for all three numbers: on a GPU each read is a sync.
+        lo, hi, distinct = torch.stack(
+            [slots.min(), slots.max(), slots.new_tensor(torch.unique(slots).numel())]
+        ).tolist()
+        if lo < 0 or hi >= capacity:
+            raise PositionOutOfRange(f"slots must lie in [0, {capacity}), got values in [{lo}, {hi}]")
+        # Two programs writing one slot could leave one token's codes beside another token's scale.
+        if distinct != tokens:
+            raise ShapeMismatch("slots must be distinct within one append")
+    # The codec's own checks raise NonFiniteError here, before the kernel can write anything.
+    k16 = round_to_f16(k, "keys")
+    v16 = round_to_f16(v, "values")
+    if tokens == 0:
+        return
+    is_int8 = cache.format.is_quantized
+    sk = ks if is_int8 else kc
+    sv = vs if is_int8 else vc
+    s_strides = ks.stride() if is_int8 else (0, 0, 0)
+    _append_kernel[(tokens,)](
+        k16, v16, *k16.stride(), *v16.stride(), slots,
+        kc, vc, *kc.stride(), sk, sv, *s_strides,
+        cache.num_kv_heads, cache.head_dim,
+        PAGE=cache.block_size, IS_INT8=is_int8,
+        BLOCK_H=_pow2(cache.num_kv_heads), BLOCK_D=_pow2(cache.head_dim),
+    )  # fmt: skip
+
+
+def _num_splits(device: torch.device, programs: int, kv_bound: int) -> int:
+    if device.type != "cuda" or kv_bound < 2 * _MIN_CHUNK:
+        return 1
+    # A decode program is one small CTA; several per SM keep enough loads in flight to cover HBM latency.
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), kv_bound // _MIN_CHUNK, _MAX_SPLITS))
+
+
+def _attention(
+    cache,
+    layer: int,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_q: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float | None,
+    kv_starts: torch.Tensor | None,
+    *,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """The shared launcher. ``max_q`` bounds the queries of any one sequence (1 for decode)."""
+    kc, vc, ks, vs = _layer_tensors(cache, layer)
+    device = kc.device
+    total, num_q_heads, head_dim = q.shape
+    num_kv_heads = cache.num_kv_heads
+    group = num_q_heads // num_kv_heads
+    batch = int(block_tables.shape[0])
+    page = cache.block_size
+
+    if block_m is None:
+        # Decode needs only the group's rows; prefill stacks several tokens to reuse each K/V tile more.
+        block_m = _pow2(group, 16) if max_q == 1 else _pow2(group, 64 if device.type == "cuda" else 16)
+    if block_m < group or block_m < 16 or block_m & (block_m - 1):
+        raise ShapeMismatch(f"block_m must be a power of two >= max(16, group={group}), got {block_m}")
+    if block_n is None:
+        block_n = 64 if device.type == "cuda" else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ShapeMismatch(f"block_n must be a power of two >= 16, got {block_n}")
+    tokens_per_prog = block_m // group
+    m_blocks = max(1, triton.cdiv(max(max_q, 0), tokens_per_prog))
+
+    # Without a host sync the block table's width is the only bound on any sequence's KV range.
+    kv_bound = max(1, int(block_tables.shape[1]) * page)
+    if num_splits is None:
+        num_splits = _num_splits(device, batch * num_kv_heads * m_blocks, kv_bound)
+    num_splits = max(1, min(int(num_splits), triton.cdiv(kv_bound, block_n)))
+    chunk = triton.cdiv(triton.cdiv(kv_bound, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(kv_bound, chunk)
+    split = num_splits > 1
+
+    out = torch.empty((total, num_q_heads, head_dim), dtype=torch.float32, device=device)
+    if total == 0 or batch == 0:
+        return out.zero_()
+    if split:
+        part = torch.empty((num_splits, total, num_q_heads, head_dim), dtype=torch.float32, device=device)
+        ml = torch.empty((num_splits, total, num_q_heads, 2), dtype=torch.float32, device=device)
+        dst, dst_strides, ml_strides = part, part.stride()[:3], ml.stride()[:3]
+    else:
+        ml = out  # never touched without a split
+        dst, dst_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0, 0)
+
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    is_int8 = cache.format.is_quantized
+    sk = ks if is_int8 else kc
+    sv = vs if is_int8 else vc
+    s_strides = ks.stride() if is_int8 else (0, 0, 0)
+    has_start = kv_starts is not None
+    starts = kv_starts if has_start else context_lens
+    launch_opts = {}
+    if num_warps is None and device.type == "cuda" and block_m >= 64:
+        # A 64-row tile keeps q twice (hi, lo), acc, scores and p in registers; 8 warps halve each
+        # thread's share. Untuned guess: gpu_check times the decode configurations, not prefill.
+        num_warps = 8
+    if num_warps is not None:
+        launch_opts["num_warps"] = num_warps
+    if num_stages is not None:
+        launch_opts["num_stages"] = num_stages
+
+    grid = (batch * num_kv_heads, m_blocks, num_splits)
+    _attention_kernel[grid](
+        q, *q.stride(),
+        dst, *dst_strides,
+        ml, *ml_strides,
+        kc, vc, *kc.stride(),
+        sk, sv, *s_strides,
+        block_tables, block_tables.stride(0),
+        context_lens, starts, cu_seqlens_q,
+        num_kv_heads, head_dim, chunk, float(softmax_scale) * _LOG2E,
+        GROUP=group, TOKENS=tokens_per_prog, PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(head_dim, 16),
+        IS_INT8=is_int8, HAS_START=has_start, SPLIT=split,
+        **launch_opts,
+    )  # fmt: skip
+    if split:
+        _merge_kernel[(total, num_q_heads)](
+            part, *part.stride()[:3],
+            ml, *ml.stride()[:3],
+            out, *out.stride()[:2],
+            num_splits, head_dim,
+            BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim),
+        )  # fmt: skip
+    return out
+
+
+def _check_batch(
+    cache,
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    kv_starts: torch.Tensor | None,
+    batch_from_q: bool,
+) -> None:
+    device = cache.k_codes[0].device if len(cache.k_codes) else q.device
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ShapeMismatch("q must be a 3-D tensor")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ShapeMismatch(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    num_q_heads, head_dim = int(q.shape[1]), int(q.shape[2])
+    if head_dim != cache.head_dim:
+        raise ShapeMismatch(f"q has head_dim {head_dim}, the cache {cache.head_dim}")
+    if num_q_heads == 0 or num_q_heads % cache.num_kv_heads:
+        raise ShapeMismatch(f"{num_q_heads} query heads is not a multiple of {cache.num_kv_heads} KV heads")
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ShapeMismatch(f"block_tables must be a 2-D int32 tensor, got {block_tables.dtype} {block_tables.dim()}-D")
+    batch = int(block_tables.shape[0])
+    if batch_from_q and int(q.shape[0]) != batch:
+        raise ShapeMismatch(f"q has {q.shape[0]} sequences but block_tables {batch}")
+    for name, t in (("context_lens", context_lens), ("kv_starts", kv_starts)):
+        if t is None:
+            continue
+        if t.dim() != 1 or int(t.shape[0]) != batch or t.dtype not in (torch.int32, torch.int64):
+            raise ShapeMismatch(f"{name} must be a [{batch}] int32 tensor, got {t.dtype} {tuple(t.shape)}")
+    for name, t in (("q", q), ("block_tables", block_tables), ("context_lens", context_lens), ("kv_starts", kv_starts)):
+        if t is not None and t.device != device:
+            raise ShapeMismatch(f"{name} is on {t.device} but the cache is on {device}")
+    if check_values and batch:
+        width = int(block_tables.shape[1])
+        stats = [context_lens.min(), context_lens.max()]
+        if width:
+            stats += [block_tables.min(), block_tables.max()]
+        if kv_starts is not None:
+            stats.append(kv_starts.min())
+        # One host read for every bound: on a GPU each read is a sync.
+        values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
+        if values[0] < 0 or values[1] > width * cache.block_size:
+            raise PositionOutOfRange(
+                f"context_lens must lie in [0, {width * cache.block_size}] (block table width x block size)"
+            )
+        if width and (values[2] < 0 or values[3] >= cache.num_blocks):
+            raise PositionOutOfRange(f"block_tables holds block ids outside [0, {cache.num_blocks})")
+        if kv_starts is not None and values[-1] < 0:
+            raise PositionOutOfRange("kv_starts must be >= 0")
+
+
+def paged_decode_attention(
+    cache,
+    layer: int,
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    kv_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per sequence: ``q [batch, num_q_heads, head_dim]`` attends to ``[kv_start, context_len)``.
+
+    Returns float32 ``[batch, num_q_heads, head_dim]``; a sequence with no visible key gets zeros.
+    """
+    _check_batch(cache, q, block_tables, context_lens, kv_starts, batch_from_q=True)
+    batch = int(q.shape[0])
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    return _attention(cache, layer, q, cu, 1, block_tables, context_lens, softmax_scale, kv_starts)
+
+
+def paged_prefill_attention(
+    cache,
+    layer: int,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    kv_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries ``q [total_tokens, num_q_heads, head_dim]``.
+
+    The ``n_b`` queries of sequence ``b`` (``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) are its last ``n_b``
+    positions; query ``i`` sees keys in ``[kv_start, context_len - n_b + i + 1)``. Returns float32 of q's shape.
+    """
+    _check_batch(cache, q, block_tables, context_lens, kv_starts, batch_from_q=False)
+    batch = int(block_tables.shape[0])
+    if (
+        not isinstance(cu_seqlens_q, torch.Tensor)
+        or cu_seqlens_q.dim() != 1
+        or int(cu_seqlens_q.shape[0]) != batch + 1
+        or cu_seqlens_q.dtype not in (torch.int32, torch.int64)
+    ):
+        raise ShapeMismatch(f"cu_seqlens_q must be a [{batch + 1}] int32 tensor")
+    if cu_seqlens_q.device != q.device:
+        raise ShapeMismatch(f"cu_seqlens_q is on {cu_seqlens_q.device} but q on {q.device}")
+    # The grid needs the longest query run, so prefill always reads cu_seqlens_q back (with context_lens: one sync).
+    host = torch.cat([cu_seqlens_q.to(torch.int64), context_lens.to(torch.int64)]).cpu()
+    cu_host, ctx_host = host[: batch + 1], host[batch + 1 :]
+    counts = cu_host[1:] - cu_host[:-1]
+    max_q = int(counts.max()) if batch else 0
+    if batch:
+        if int(cu_host[0]) != 0 or int(cu_host[-1]) != q.shape[0] or int(counts.min()) < 0:
+            raise ShapeMismatch(f"cu_seqlens_q must rise from 0 to {q.shape[0]} (the packed token count)")
+        if bool((counts > ctx_host).any()):
+            raise ShapeMismatch("a sequence has more queries than stored positions (n_b > context_len)")
+    return _attention(cache, layer, q, cu_seqlens_q, max_q, block_tables, context_lens, softmax_scale, kv_starts)

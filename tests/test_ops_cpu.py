@@ -1,0 +1,230 @@
+"""The numba CPU attention kernels against the float64 reference, and the dispatcher.
+
+Every pool is poisoned (NaN) before the real rows are written, so a kernel that reads a padding entry of a block
+table, a slot past a sequence's context or a position outside its window returns NaN and fails loudly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from int8kv.cache.paged import PagedKvCache
+from int8kv.errors import KvCacheError, LayerOutOfRange, PositionOutOfRange, ShapeMismatch
+from int8kv.formats import KvStorageFormat
+from int8kv.ops import append_paged_kv, cpu, paged_decode_attention, paged_prefill_attention, reference
+
+INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+F16 = KvStorageFormat.F16
+FORMATS = [INT8, F16]
+TOL = 1e-5
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "NaN: the kernel read a slot outside the sequence's window"
+    return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def poison(cache: PagedKvCache) -> None:
+    if cache.format.is_quantized:
+        cache._ks.fill_(float("nan"))
+        cache._vs.fill_(float("nan"))
+    else:
+        cache._k.fill_(float("nan"))
+        cache._v.fill_(float("nan"))
+
+
+def build(fmt, block_size, head_dim, num_kv_heads, lens, seed, layer=1, value_scale=1.0):
+    """A 2-layer cache holding random rows for sequences of `lens` tokens, grown in interleaved chunks so the
+    block tables are scattered; block 0 belongs to no sequence (it backs the padding entries)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    blocks = sum(-(-n // block_size) for n in lens) + 2
+    cache = PagedKvCache(blocks, block_size, 2, num_kv_heads, head_dim, fmt)
+    poison(cache)
+    cache.add_sequence("padding", 1)
+    ids = list(range(len(lens)))
+    for i in ids:
+        cache.add_sequence(i)
+    todo = dict(zip(ids, lens, strict=True))
+    while any(todo.values()):  # grow in interleaved chunks: each sequence's blocks end up scattered
+        i = int(rng.choice([j for j in ids if todo[j]]))
+        n = int(min(todo[i], rng.integers(1, 2 * block_size)))
+        cache.grow(i, n)
+        todo[i] -= n
+    for i, n in zip(ids, lens, strict=True):
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen) * 2
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen) * value_scale
+        append_paged_kv(cache, layer, k, v, cache.slots(i))
+    tables, context = cache.batch_tensors(ids, min_blocks=1)
+    return cache, tables, context
+
+
+def starts_for(context: torch.Tensor, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return torch.tensor([int(rng.integers(0, n // 2 + 1)) for n in context.tolist()], dtype=torch.int32)
+
+
+# -- decode ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference(fmt, block_size, head_dim, group):
+    seed = block_size * 1000 + head_dim * 10 + group
+    lens = [1, 37, 150, 0, 64 + block_size]
+    cache, tables, context = build(fmt, block_size, head_dim, 2, lens, seed)
+    q = torch.randn(len(lens), 2 * group, head_dim, generator=torch.Generator().manual_seed(seed))
+    for starts in (None, starts_for(context, seed)):
+        out = paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts, backend="cpu")
+        ref = reference.paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts)
+        assert rel_err(out, ref) < TOL
+        assert not out[3].any()  # the empty sequence attends to nothing
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_split_keys_match_reference(fmt):
+    """Few (sequence, KV head) pairs and long contexts: the keys are split across work items and merged."""
+    cache, tables, context = build(fmt, 32, 64, 1, [3000, 700], seed=7)
+    lens = context.numpy().astype(np.int64)
+    items, splits = cpu._decode_items(lens, np.zeros(2, np.int64))
+    if cpu.numba.get_num_threads() > 1:
+        assert splits > 1
+    q = torch.randn(2, 4, 64)
+    for starts in (None, torch.tensor([2500, 10], dtype=torch.int32), torch.tensor([3000, 700], dtype=torch.int32)):
+        out = paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts, backend="cpu")
+        ref = reference.paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts)
+        if starts is not None and starts[0] == 3000:
+            assert not out.any() and not ref.any()  # empty windows give zeros
+        else:
+            assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
+def test_decode_softmax_scale(fmt, scale):
+    """From nearly uniform to nearly one-hot weights (the online max and the exp approximation at both ends)."""
+    cache, tables, context = build(fmt, 16, 64, 2, [90, 200], seed=11)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(int(scale * 100)))
+    out = paged_decode_attention(cache, 1, q, tables, context, softmax_scale=scale, backend="cpu")
+    ref = reference.paged_decode_attention(cache, 1, q, tables, context, softmax_scale=scale)
+    # At scale 30 the logits reach several hundred: rounding them to float32 alone moves the weights by ~1e-5,
+    # for any float32 kernel, so that case gets a tolerance to match.
+    assert rel_err(out, ref) < (TOL if scale <= 1.0 else 1e-4)
+
+
+def test_f16_subnormal_values_are_read_exactly():
+    cache, tables, context = build(F16, 16, 64, 2, [40, 70], seed=12, value_scale=1e-6)
+    assert (cache._v[1].abs() < 6.1e-5).logical_and(cache._v[1] != 0).any()  # float16 subnormals are stored
+    q = torch.randn(2, 4, 64)
+    out = paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
+    ref = reference.paged_decode_attention(cache, 1, q, tables, context)
+    assert rel_err(out, ref) < TOL
+
+
+def test_decode_reads_only_its_layer():
+    cache, tables, context = build(INT8, 16, 64, 2, [20, 33], seed=13, layer=0)
+    q = torch.randn(2, 4, 64)
+    out = paged_decode_attention(cache, 0, q, tables, context, backend="cpu")
+    assert rel_err(out, reference.paged_decode_attention(cache, 0, q, tables, context)) < TOL
+
+
+# -- prefill -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_matches_reference(fmt, block_size, group):
+    seed = block_size * 100 + group
+    head_dim = 64 if group != 4 else 128
+    lens = [70, 5, 130, 40]
+    q_lens = [70, 0, 45, 1]  # a full prompt, nothing, a chunk after a cached prefix, a single token
+    cache, tables, context = build(fmt, block_size, head_dim, 2, lens, seed)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 2 * group, head_dim, generator=torch.Generator().manual_seed(seed))
+    for starts in (None, starts_for(context, seed)):
+        out = paged_prefill_attention(cache, 1, q, cu, tables, context, kv_starts=starts, backend="cpu")
+        ref = reference.paged_prefill_attention(cache, 1, q, cu, tables, context, kv_starts=starts)
+        assert rel_err(out, ref) < TOL
+
+
+def test_prefill_of_one_token_each_equals_decode():
+    cache, tables, context = build(INT8, 16, 64, 2, [33, 80, 17], seed=21)
+    q = torch.randn(3, 8, 64)
+    cu = torch.arange(4, dtype=torch.int32)
+    prefill = paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
+    decode = paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
+    assert torch.allclose(prefill, decode, rtol=1e-6, atol=1e-7)
+
+
+def test_prefill_window_start_past_a_query_gives_zeros():
+    cache, tables, context = build(F16, 8, 64, 1, [20], seed=22)
+    q = torch.randn(20, 2, 64)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    starts = torch.tensor([12], dtype=torch.int32)
+    out = paged_prefill_attention(cache, 1, q, cu, tables, context, kv_starts=starts, backend="cpu")
+    ref = reference.paged_prefill_attention(cache, 1, q, cu, tables, context, kv_starts=starts)
+    assert not out[:12].any()  # queries before the window start see no key at all
+    assert rel_err(out, ref) < TOL
+
+
+# -- dispatcher and validation -----------------------------------------------------------------------------
+def test_dispatcher_picks_cpu_for_cpu_tensors_and_reference_on_request():
+    cache, tables, context = build(INT8, 16, 64, 2, [50, 9], seed=31)
+    q = torch.randn(2, 4, 64)
+    auto = paged_decode_attention(cache, 1, q, tables, context)
+    assert torch.equal(auto, paged_decode_attention(cache, 1, q, tables, context, backend="cpu"))
+    ref = paged_decode_attention(cache, 1, q, tables, context, backend="reference")
+    assert ref.dtype == torch.float32 and torch.allclose(auto, ref, rtol=1e-5, atol=1e-6)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    qp = torch.randn(5, 4, 64)
+    auto = paged_prefill_attention(cache, 1, qp, cu, tables, context)
+    ref = paged_prefill_attention(cache, 1, qp, cu, tables, context, backend="reference")
+    assert torch.allclose(auto, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(KvCacheError):
+        paged_decode_attention(cache, 1, q, tables, context, backend="cuda")
+
+
+def test_q_dtypes_and_index_dtypes_are_accepted():
+    cache, tables, context = build(F16, 16, 64, 2, [50, 9], seed=32)
+    q = torch.randn(2, 4, 64)
+    ref = reference.paged_decode_attention(cache, 1, q.bfloat16().float(), tables, context)
+    out = paged_decode_attention(cache, 1, q.bfloat16(), tables.long(), context.long(), backend="cpu")
+    assert rel_err(out, ref) < TOL
+
+
+def test_attention_argument_errors():
+    cache, tables, context = build(INT8, 16, 64, 2, [50, 9], seed=33)
+    q = torch.randn(2, 4, 64)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    bad_decode = [
+        (LayerOutOfRange, dict(layer=2)),
+        (ShapeMismatch, dict(q=torch.randn(2, 3, 64))),  # 3 q heads over 2 kv heads
+        (ShapeMismatch, dict(q=torch.randn(2, 4, 32))),
+        (ShapeMismatch, dict(q=torch.randn(3, 4, 64))),  # batch differs from the tables
+        (ShapeMismatch, dict(tables=tables.float())),
+        (ShapeMismatch, dict(context=context[:1])),
+        (PositionOutOfRange, dict(tables=tables + cache.num_blocks)),
+        (PositionOutOfRange, dict(context=context + 1000)),
+        (PositionOutOfRange, dict(starts=torch.tensor([-1, 0], dtype=torch.int32))),
+    ]
+    for err, change in bad_decode:
+        args = dict(layer=1, q=q, tables=tables, context=context, starts=None) | change
+        with pytest.raises(err):
+            paged_decode_attention(
+                cache, args["layer"], args["q"], args["tables"], args["context"], kv_starts=args["starts"]
+            )
+    for bad_cu in (torch.tensor([0, 1, 3]), torch.tensor([1, 1, 2]), torch.tensor([0, 2, 1]), torch.tensor([0, 2])):
+        with pytest.raises(ShapeMismatch):
+            paged_prefill_attention(cache, 1, q, bad_cu.int(), tables, context)
+    with pytest.raises(ShapeMismatch):  # 10 queries for a 9-token sequence
+        paged_prefill_attention(cache, 1, torch.randn(12, 4, 64), torch.tensor([0, 2, 12]).int(), tables, context)
+    out = paged_prefill_attention(cache, 1, q, cu, tables, context)
+    assert out.shape == q.shape
+
+
+def test_empty_batch():
+    cache, tables, context = build(INT8, 16, 64, 2, [5], seed=34)
+    out = paged_decode_attention(cache, 1, torch.randn(0, 4, 64), tables[:0], context[:0], backend="cpu")
+    assert out.shape == (0, 4, 64)
