@@ -396,17 +396,6 @@ def test_memory_accounting():
 # ---------------------------------------------------------------------------------------------------------
 # the real model
 # ---------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2(request, tmp_path_factory):
-    from int8kv.models import load_model
-
-    # pytest's cache directory survives between runs, so the ~20 s GGUF conversion happens once per checkout
-    # (test_loader.py uses the same directory); without the cache plugin a temporary directory is used.
-    cache = getattr(request.config, "cache", None)
-    cache_dir = cache.mkdir("int8kv-models") if cache is not None else tmp_path_factory.mktemp("models")
-    return load_model(cache_dir=cache_dir, quiet=True)
-
-
 @pytest.mark.slow
 def test_smollm2_int8_greedy_matches_dynamic_cache(smollm2):
     """16 greedy tokens from the packaged SmolLM2 through INT8 storage. On this prompt the tokens match the

@@ -21,6 +21,16 @@ FORMATS = [INT8, F16]
 TOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The reference runs many tiny torch ops; on a busy 2-core machine each multi-threaded one can wait
+    milliseconds for a second thread. One thread keeps this file fast; the setting is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert torch.isfinite(out).all(), "NaN: the kernel read a slot outside the sequence's window"

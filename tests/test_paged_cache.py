@@ -236,7 +236,15 @@ def test_paged_write_non_finite_writes_nothing(fmt):
     qkv[0, 5 * 8] = 7e4  # finite in float32, overflows float16 in V
     with pytest.raises(NonFiniteError):
         paged_write(c, 0, qkv, torch.tensor([0, 1]), slots, cos, sin, 2)
+    bad_cos = cos.clone()
+    bad_cos[1, 2] = float("inf")  # a RoPE row that position 1 uses
+    with pytest.raises(NonFiniteError):
+        paged_write(c, 0, torch.randn(2, 6 * 8), torch.tensor([0, 1]), slots, bad_cos, sin, 2)
     assert same_state(before, state(c))
+    bad_cos = cos.clone()
+    bad_cos[5, 0] = float("nan")  # a row no token here uses: nothing to refuse
+    paged_write(c, 0, torch.randn(2, 6 * 8), torch.tensor([0, 1]), slots, bad_cos, sin, 2)
+    assert not same_state(before, state(c))
 
 
 def test_paged_write_shape_errors():

@@ -818,19 +818,10 @@ def test_int8kvcache_refusals_leave_it_untouched(tmp_path) -> None:
         save_kv(tmp_path / "x.kv", _hf().Int8KvCache(model.config))
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    loader = pytest.importorskip("int8kv.models.loader")
-    try:
-        model, tokenizer = loader.load_model(None, quiet=True)
-    except loader.ModelNotFoundError as exc:
-        pytest.skip(str(exc))
-    return model, tokenizer, model_fingerprint(model)
-
-
 @pytest.mark.slow
 def test_smollm2_generation_from_a_loaded_prefix_is_identical(tmp_path, smollm2) -> None:
-    model, tokenizer, fp = smollm2
+    model, tokenizer = smollm2
+    fp = model_fingerprint(model)
     prefix = tokenizer(
         "You are a terse assistant. Answer with one word when you can. The capital of France is Paris. "
         "The capital of Italy is Rome. The capital of Spain is",

@@ -24,6 +24,7 @@ from .errors import (
     PositionOutOfRange,
     ShapeMismatch,
     StoreError,
+    UnknownBackend,
     UnknownSequence,
     UnsupportedAttention,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "QuantizedKvLayer",
     "ShapeMismatch",
     "StoreError",
+    "UnknownBackend",
     "UnknownSequence",
     "UnsupportedAttention",
     "append_paged_kv",

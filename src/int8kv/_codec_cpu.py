@@ -9,8 +9,29 @@ fastmath stays off: RNE rounding and IEEE division are part of the format.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numba as nb
 import numpy as np
+
+# Elements below which one thread beats waking the pool: on a busy machine waking a second thread can
+# take milliseconds, while 64 Ki elements take ~20 us here. (A decode step encodes a few hundred.)
+SERIAL_ELEMENTS = 1 << 16
+
+
+@contextmanager
+def threads_for(elements: int) -> Iterator[int]:
+    """Run the enclosed kernel on one thread for small inputs; yields the thread count to split work into."""
+    threads = nb.get_num_threads()
+    if elements >= SERIAL_ELEMENTS:
+        yield threads
+        return
+    nb.set_num_threads(1)  # thread-local in numba
+    try:
+        yield 1
+    finally:
+        nb.set_num_threads(threads)
 
 
 @nb.njit(inline="always")

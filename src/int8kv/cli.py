@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--chunk", type=int, default=128, help="tokens fed per forward (K/V written, then read)")
     ev.add_argument("--windows", type=int, default=8, help="at most this many windows")
     ev.add_argument("--gen-tokens", type=int, default=128)
-    ev.add_argument("--prompts", type=int, default=4, help="how many of the built-in prompts to generate from")
+    ev.add_argument("--prompts", type=int, default=4, help="built-in prompts to generate from (0: none)")
     ev.add_argument("--no-fp8", action="store_true", help="skip transformers' fp8 QuantizedCache")
     ev.add_argument("--json", metavar="PATH")
     ev.add_argument("--plot", metavar="PATH.png", help="perplexity change per cache type")
@@ -193,8 +193,8 @@ def run_eval(args: argparse.Namespace) -> dict:
     from .models import load_model
 
     text = read_text(args.text)
-    if args.chunk < 1 or args.windows < 1 or args.gen_tokens < 1 or not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
-        raise CliError("--chunk, --windows, --gen-tokens must be >= 1 and --prompts in [1, 4]")
+    if args.chunk < 1 or args.windows < 1 or args.gen_tokens < 1 or not 0 <= args.prompts <= len(DEFAULT_PROMPTS):
+        raise CliError("--chunk, --windows, --gen-tokens must be >= 1 and --prompts in [0, 4] (0: no greedy run)")
     progress.note("loading model ...")
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
     return evaluate(
@@ -248,7 +248,7 @@ def plot_attention(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = result["sweep"]
+    points = result["results"]
     contexts = [p["context"] for p in points]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for method in points[0]["ms"]:
@@ -258,7 +258,11 @@ def plot_attention(result: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("context per sequence (tokens)")
     ax.set_ylabel("decode attention, one layer (ms)")
-    ax.set_title(result.get("title", "paged decode attention, CPU"), fontsize=9)
+    c = result["config"]
+    ax.set_title(
+        f"decode attention, batch {c['batch']}, {c['q_heads']} q / {c['kv_heads']} kv heads, head_dim "
+        f"{c['head_dim']}, {result['machine']['numba_threads']} threads", fontsize=9,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -66,7 +66,8 @@ def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.to(torch.float32).reshape(-1, x.shape[-1]).contiguous()
     q = torch.empty(rows.shape, dtype=torch.int8)
     scale = torch.empty(rows.shape[0], dtype=torch.float32)
-    bad = _codec_cpu.quantize_rows(rows.numpy(), q.numpy(), scale.numpy(), torch.get_num_threads())
+    with _codec_cpu.threads_for(rows.numel()) as threads:
+        bad = _codec_cpu.quantize_rows(rows.numpy(), q.numpy(), scale.numpy(), threads)
     if bad:
         round_to_f16(x)  # raises with the location of the first bad value
         raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")
@@ -86,7 +87,8 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
         rows = q.reshape(-1, q.shape[-1]).contiguous()
         out = torch.empty(rows.shape, dtype=torch.float32)
-        _codec_cpu.dequantize_rows(rows.numpy(), scale.reshape(-1).contiguous().numpy(), out.numpy())
+        with _codec_cpu.threads_for(rows.numel()):
+            _codec_cpu.dequantize_rows(rows.numpy(), scale.reshape(-1).contiguous().numpy(), out.numpy())
         return out.reshape(q.shape)
     return q.to(torch.float32) * scale.unsqueeze(-1)
 

@@ -53,3 +53,7 @@ class InvalidModelError(KvCacheError, ValueError):
 
 class UnsupportedAttention(KvCacheError, NotImplementedError):
     """The model asks for an attention variant the int8kv kernels do not implement."""
+
+
+class UnknownBackend(KvCacheError, ValueError):
+    """A kernel backend name that is not one of int8kv.ops.BACKENDS."""

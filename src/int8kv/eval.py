@@ -180,8 +180,8 @@ def evaluate(
                 ppl_change_vs_baseline=ppl / math.exp(nll[base]) - 1,
                 kv_bytes_per_token=per_token,
                 bytes_vs_f16=per_token / f16_bytes,
-                greedy_agreement=sum(p[0] for p in pairs) / len(pairs),
-                greedy_common_prefix=sum(p[1] for p in pairs) / len(pairs),
+                greedy_agreement=sum(p[0] for p in pairs) / len(pairs) if pairs else math.nan,
+                greedy_common_prefix=sum(p[1] for p in pairs) / len(pairs) if pairs else math.nan,
             )
         )
     return {
@@ -191,16 +191,19 @@ def evaluate(
 
 
 def format_eval(result: dict) -> str:
+    greedy = (
+        f"greedy agreement over {result['gen_tokens']} tokens x {len(result['prompts'])} prompts"
+        if result["prompts"] else "no greedy run"
+    )
     head = (
         f"perplexity over {result['scored_tokens']} scored tokens ({result['windows']} windows of {result['ctx']}, "
-        f"chunks of {result['chunk']}); greedy agreement over {result['gen_tokens']} tokens x "
-        f"{len(result['prompts'])} prompts"
+        f"chunks of {result['chunk']}); {greedy}"
     )
     lines = [head, f"{'cache':<30}{'ppl':>9}{'Δppl':>9}{'KV B/tok':>10}{'vs F16':>8}{'agree':>7}{'prefix':>8}"]
     for r in result["rows"]:
         lines.append(
             f"{r['cache']:<30}{r['perplexity']:>9.4f}{100 * r['ppl_change_vs_baseline']:>+8.3f}%"
-            f"{r['kv_bytes_per_token']:>10.0f}{r['bytes_vs_f16']:>8.3f}{100 * r['greedy_agreement']:>6.1f}%"
-            f"{r['greedy_common_prefix']:>8.1f}"
+            f"{r['kv_bytes_per_token']:>10.0f}{r['bytes_vs_f16']:>8.3f}"
+            + (f"{100 * r['greedy_agreement']:>6.1f}%{r['greedy_common_prefix']:>8.1f}" if result["prompts"] else "")
         )
     return "\n".join(lines)

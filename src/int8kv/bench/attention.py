@@ -15,7 +15,6 @@ Block tables are a random permutation of the pool, as after a long run of alloca
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from ..cache.paged import PagedKvCache
 from ..formats import KvStorageFormat
 from ..ops import paged_decode_attention
-from .timing import copy_bandwidth
+from .timing import copy_bandwidth, emit
 
 SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 METHODS = ("int8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
@@ -209,8 +208,4 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = run(args)
-    print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
+    return emit(result, report(result), args.json)

@@ -9,12 +9,11 @@ so all three rows move the same logical data and the ratios compare like with li
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from ..codec import dequantize_int8, quantize_int8
-from .timing import best_seconds
+from .timing import best_seconds, emit
 
 
 def run(tokens: int = 4096, heads: int = 8, head_dim: int = 128, repeat: int = 30) -> dict:
@@ -51,8 +50,4 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     result = run(args.tokens, args.heads, args.head_dim, args.repeat)
-    print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return emit(result, report(result), args.json)

@@ -16,7 +16,6 @@ busy core to wake its second thread (~10 ms per op), which swamps both a prefill
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch
 
 from ..formats import KvStorageFormat
 from ..store import load_kv, model_fingerprint, save_kv
+from .timing import emit
 
 FORMATS = (KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, KvStorageFormat.F16)
 
@@ -140,11 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tokens < 1 or args.repeat < 1 or (args.threads is not None and args.threads < 1):
         parser.error("--tokens, --repeat and --threads must be >= 1")
     result = run(args.tokens, args.repeat, args.model, args.threads)
-    print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return emit(result, report(result), args.json)
 
 
 if __name__ == "__main__":

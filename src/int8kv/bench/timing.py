@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -26,3 +27,12 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 10) -> float:
     dst = torch.empty_like(src)
     seconds = best_seconds(lambda: dst.copy_(src), repeat=repeat, warmup=2)
     return 2 * nbytes / seconds
+
+
+def emit(result: dict, text: str, json_path: str | None) -> dict:
+    """Print a benchmark's report and, when asked, write its results as JSON (the CLI's --json)."""
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return result

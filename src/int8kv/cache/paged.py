@@ -168,8 +168,15 @@ class PagedKvCache:
         return self.allocator.context_len(seq_id)
 
     def slots(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> torch.Tensor:
-        stop = self.context_len(seq_id) if end is None else end
-        return torch.tensor(self.allocator.slots(seq_id, start, stop), dtype=torch.int64, device=self.device)
+        length = self.context_len(seq_id)
+        stop = length if end is None else end
+        if not 0 <= start <= stop <= length:
+            raise PositionOutOfRange(f"positions [{start}, {stop}) outside stored [0, {length})")
+        # Vectorised: a long prompt has thousands of slots, too many for a Python loop per step.
+        pos = torch.arange(start, stop)
+        blocks = torch.tensor(self.allocator.block_table(seq_id), dtype=torch.int64)
+        bs = self.block_size
+        return (blocks[pos // bs] * bs + pos % bs).to(self.device)
 
     def batch_tensors(self, seq_ids: Sequence[SeqId], min_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded `block_tables [batch, max_blocks]` and `context_lens [batch]`, int32, on the cache's device."""

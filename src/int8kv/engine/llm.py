@@ -51,6 +51,14 @@ class EngineStats:
     preemptions: int = 0
     seconds: float = 0.0
     peak_blocks_used: int = 0
+    # Steps in which every scheduled sequence decoded one token: the steady-state decode rate.
+    decode_steps: int = 0
+    decode_step_tokens: int = 0
+    decode_step_seconds: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_step_tokens / self.decode_step_seconds if self.decode_step_seconds else 0.0
 
 
 class LLM:
@@ -123,7 +131,12 @@ class LLM:
         self.stats.decode_tokens += decode
         self.stats.prefill_tokens += sum(s.num_tokens for s in scheduled) - decode
         self.stats.preemptions = self.scheduler.num_preemptions
-        self.stats.seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.seconds += elapsed
+        if scheduled and decode == len(scheduled):
+            self.stats.decode_steps += 1
+            self.stats.decode_step_tokens += decode
+            self.stats.decode_step_seconds += elapsed
 
     def score(self, token_ids: Seq[int], chunk_size: int = 256) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] of one sequence, prefilled chunk by chunk through the cache.

@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 
 from ..cache.paged import PagedKvCache
-from ..errors import KvCacheError
+from ..errors import UnknownBackend
 from .write import apply_rope, prepare_qkv, rms_norm, split_qkv
 
 BACKENDS = ("reference", "cpu", "triton")
@@ -29,10 +29,6 @@ __all__ = [
     "rms_norm",
     "split_qkv",
 ]
-
-
-class UnknownBackend(KvCacheError, ValueError):
-    """`backend` is not one of BACKENDS (kept here: only the dispatcher can raise it)."""
 
 
 def resolve_backend(cache: PagedKvCache, backend: str | None = None) -> str:

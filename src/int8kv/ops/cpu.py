@@ -31,6 +31,9 @@ __all__ = ["append_paged_kv", "paged_decode_attention", "paged_prefill_attention
 TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
+# (query head, key) pairs below which one thread beats waking the pool: on a busy machine the wake-up of a
+# second thread alone can take milliseconds, more than such a call computes (~10 ns per pair).
+SERIAL_WORK = 1 << 16
 NEG = np.float32(-1e30)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -378,12 +381,13 @@ def _num_splits(sequences: int, longest: int) -> int:
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
 
-def _sort_items(items: np.ndarray, row_limits: np.ndarray) -> np.ndarray:
-    """Longest first, so the dynamic schedule finishes with short items (less tail imbalance)."""
+def _sort_items(items: np.ndarray, row_limits: np.ndarray) -> tuple[np.ndarray, int]:
+    """Longest first, so the dynamic schedule finishes with short items (less tail imbalance); also returns the
+    total (query row, key) pairs, an upper bound of the work."""
     last_row = items[:, 1] + np.maximum(items[:, 2], 1) - 1
     ends = np.minimum(row_limits[np.minimum(last_row, len(row_limits) - 1)], items[:, 4])
     cost = np.maximum(ends - items[:, 3], 0) * items[:, 2]
-    return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")])
+    return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")]), int(cost.sum())
 
 
 def _decode_items(lens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, int]:
@@ -423,17 +427,23 @@ def _run(cache: PagedKvCache, layer: int, batch: AttentionBatch, items: np.ndarr
     q_scaled = (q * batch.softmax_scale).contiguous().numpy()
     kc, ks, vc, vs = _layer_arrays(cache, layer)
     tables = batch.block_tables.numpy()
-    items = _sort_items(items, row_limits)
+    items, pairs = _sort_items(items, row_limits)
     parts = (splits, *q.shape[:2]) if splits > 1 else (0, 0, 0)
     part_m = np.empty(parts, np.float32)
     part_l = np.empty(parts, np.float32)
     part_acc = np.empty((*parts, q.shape[2] if splits > 1 else 0), np.float32)
     o = out.numpy()
-    # Items are sorted longest first and vary in cost: hand them out one at a time, not in equal slices.
-    with numba.parallel_chunksize(1):
-        _attention_kernel(q_scaled, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l, part_acc)
-    if splits > 1:
-        _merge_kernel(part_m, part_l, part_acc, o)
+    threads = numba.get_num_threads()
+    if pairs * q.shape[1] < SERIAL_WORK:
+        numba.set_num_threads(1)  # thread-local in numba, restored below
+    try:
+        # Items are sorted longest first and vary in cost: hand them out one at a time, not in equal slices.
+        with numba.parallel_chunksize(1):
+            _attention_kernel(q_scaled, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l, part_acc)
+        if splits > 1:
+            _merge_kernel(part_m, part_l, part_acc, o)
+    finally:
+        numba.set_num_threads(threads)
     return out
 
 
