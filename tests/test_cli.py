@@ -119,3 +119,21 @@ def test_cache_inspect(capsys, tmp_path):
     assert code == 1 and err.startswith("int8kv: error: ")
     code, _, err = run(capsys, "cache", "inspect", str(tmp_path / "missing.safetensors"))
     assert code == 1 and "missing.safetensors" in err
+
+
+def test_bench_attention_plot(capsys, tmp_path):
+    code, out, err = run(
+        capsys, "bench", "attention", "--batch", "1", "--q-heads", "2", "--kv-heads", "1", "--head-dim", "64",
+        "--repeat", "1", "--plot", str(tmp_path / "a.png"), "--json", str(tmp_path / "a.json"),
+    )
+    assert code == 0, err
+    result = json.loads((tmp_path / "a.json").read_text())
+    contexts = [r["context"] for r in result["results"]]
+    assert contexts == sorted(contexts) and len(contexts) > 1  # --plot turns the sweep on
+    assert all(r["floor_ms"] > 0 and r["int8_rel_diff_vs_torch_gather"] < 1e-5 for r in result["results"])
+    assert (tmp_path / "a.png").read_bytes().startswith(PNG)
+
+
+def test_plot_only_where_there_is_one(capsys):
+    code, _, err = run(capsys, "bench", "codec", "--tokens", "16", "--repeat", "1", "--plot", "x.png")
+    assert code == 1 and "--plot is available for `bench attention`" in err

@@ -231,13 +231,13 @@ def plot_eval(result: dict, path: str) -> None:
 def run_bench(args: argparse.Namespace, extra: list[str]) -> dict:
     import importlib
 
+    if args.plot and args.name != "attention":
+        raise CliError("--plot is available for `bench attention` (eval and demo have their own)")
     module = importlib.import_module(f"int8kv.bench.{args.name}")
-    if args.plot and args.name == "attention" and "--sweep" not in extra:
+    if args.plot and "--sweep" not in extra:
         extra = [*extra, "--sweep"]
     result = module.main(extra)
     if args.plot:
-        if args.name != "attention":
-            raise CliError("--plot is available for `bench attention` (eval and demo have their own)")
         plot_attention(result, args.plot)
     return result
 
