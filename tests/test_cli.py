@@ -28,7 +28,8 @@ def test_demo_on_packaged_model(capsys, tmp_path):
     f16, int8 = result["runs"]["f16"], result["runs"]["int8_per_token_head_f32_scale_v1"]
     assert int8["kv_bytes_per_token"] == 30 * 3 * 2 * (64 + 4) and f16["kv_bytes_per_token"] == 30 * 3 * 2 * 128
     assert all(len(t) == 6 for t in f16["token_ids"])
-    assert result["capacity_tokens"]["f16"] == (1 << 30) // (30 * 3 * 2 * 128)
+    # whole 16-token blocks only, as the paged pool allocates them
+    assert result["capacity_tokens"]["f16"] == (1 << 30) // (16 * 30 * 3 * 2 * 128) * 16
     assert (tmp_path / "mem.png").read_bytes().startswith(PNG)
     assert err == ""  # --quiet: no progress lines
 
@@ -40,6 +41,7 @@ def test_demo_on_packaged_model(capsys, tmp_path):
         (["demo", "--memory", "lots"], "cannot read a memory size"),
         (["demo", "--formats", "fp8"], "accepted: "),
         (["demo", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["demo", "--memory", "64KiB"], "smaller than one 16-token INT8 block"),
         (["eval", "--text", "/nonexistent.txt"], "cannot read text file"),
         (["eval", "--windows", "0"], "--windows"),
         (["demo", "--bogus"], "unrecognized arguments: --bogus"),

@@ -108,7 +108,9 @@ def test_budget_errors():
         LLM(model, memory="1KiB")
     llm = LLM(model, memory=LLM_block_bytes(model, 16, INT8) * 2)
     with pytest.raises(KvPoolExhausted, match="needs 3 blocks"):
-        llm.generate([list(range(1, 40))], SamplingParams(max_tokens=4))
+        llm.generate([[1, 2, 3], list(range(1, 40))], SamplingParams(max_tokens=4))
+    assert not llm.scheduler.has_work()  # the request that fits was not queued either
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(ValueError, match="memory size"):
         parse_bytes("lots")
     assert parse_bytes("1.5KiB") == 1536 and parse_bytes("8GiB") == 8 << 30

@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from . import progress
+from .cache.paged import PagedKvCache
 from .errors import KvCacheError
 from .formats import KvStorageFormat
 
@@ -106,15 +107,19 @@ def run_demo(args: argparse.Namespace) -> dict:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     progress.note("loading model ...")
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    cfg = model.config
+    dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, getattr(cfg, "head_dim", None)
+            or cfg.hidden_size // cfg.num_attention_heads)
+    block = PagedKvCache.bytes_per_block(16, *dims, INT8)
+    if budget < block:
+        raise CliError(f"--memory {args.memory} is smaller than one 16-token INT8 block of this model ({block:,} B)")
     prompts = args.prompt or list(DEMO_PROMPTS)
     prompt_ids = [_chat(tokenizer, p) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
-    cfg = model.config
     runs = {}
     for fmt in formats:
         llm = LLM(model, kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts))
         llm.generate([prompt_ids[0][:8]], SamplingParams(max_tokens=2))  # compile kernels before timing
-        llm.stats.__init__()
         start = time.perf_counter()
         outs = llm.generate(prompt_ids, params)
         seconds = time.perf_counter() - start
@@ -127,9 +132,7 @@ def run_demo(args: argparse.Namespace) -> dict:
             "kv_bytes": tokens * llm.kv_bytes_per_token(),
             "kv_bytes_per_token": llm.kv_bytes_per_token(),
         }
-    dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, getattr(cfg, "head_dim", None)
-            or cfg.hidden_size // cfg.num_attention_heads)
-    capacity = {fmt.as_str(): budget // fmt.bytes_per_token(*dims) for fmt in KvStorageFormat}
+    capacity = {fmt.as_str(): PagedKvCache.tokens_for_memory(budget, *dims, fmt) for fmt in KvStorageFormat}
     name = os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
     return {"model": name, "prompts": prompts, "runs": runs,
             "memory_budget": budget, "dims": dims, "capacity_tokens": capacity}

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..cache.paged import PagedKvCache
 from ..formats import KvStorageFormat
 from ..ops import paged_decode_attention
+from ..progress import progress
 from .timing import copy_bandwidth, emit
 
 SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> dict:
             "torch": torch.__version__,
         },
         "copy_gb_per_s": bandwidth / 1e9,
-        "results": [run_context(args, ctx, bandwidth) for ctx in contexts],
+        "results": [run_context(args, ctx, bandwidth) for ctx in progress(contexts, "attention: contexts")],
     }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..formats import KvStorageFormat
+from ..progress import progress
 from ..store import load_kv, model_fingerprint, save_kv
 from .timing import emit
 
@@ -97,7 +98,10 @@ def run(tokens: int = 1024, repeat: int = 3, model_path: str | None = None, thre
         }
 
     with tempfile.TemporaryDirectory(prefix="int8kv-prefix-") as tmp:
-        rows = {fmt.value: measure(fmt, Path(tmp) / f"prompt-{fmt.value}.kv") for fmt in FORMATS}
+        rows = {
+            fmt.value: measure(fmt, Path(tmp) / f"prompt-{fmt.value}.kv")
+            for fmt in progress(FORMATS, "prefix: prefill vs load_kv per format")
+        }
     int8, f16 = (rows[f.value] for f in FORMATS)
     return {
         "model": fingerprint.architecture or fingerprint.model_type,

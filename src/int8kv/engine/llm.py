@@ -93,6 +93,7 @@ class LLM:
         self.cache = m.make_cache(num_blocks, block_size, self.format)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.stats = EngineStats()
+        self._generators: dict[int, torch.Generator | None] = {}
 
     # -- public -------------------------------------------------------------------
     def generate(
@@ -104,8 +105,10 @@ class LLM:
         params = params or SamplingParams()
         seqs = [Sequence(self._encode(p), params) for p in prompts]
         for seq in seqs:
+            self.scheduler.check_fits(seq)  # all checked before any is queued: a refusal changes nothing
+        for seq in seqs:
             self.scheduler.add(seq)
-        self._generators = {s.seq_id: self._generator(s) for s in seqs}
+            self._generators[seq.seq_id] = self._generator(seq)
         while self.scheduler.has_work():
             self.step()
             if on_step is not None:
@@ -126,6 +129,7 @@ class LLM:
                 seq.output.append(self._sample(logits[row], seq))
                 if self._done(seq):
                     self.scheduler.finish(seq)
+                    self._generators.pop(seq.seq_id, None)
         decode = sum(1 for s in scheduled if s.num_tokens == 1 and s.seq.num_cached > len(s.seq.prompt))
         self.stats.steps += 1
         self.stats.decode_tokens += decode

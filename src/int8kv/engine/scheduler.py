@@ -31,13 +31,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
+        """A request that could not fit even in an empty pool would wait forever: refuse it up front."""
         need = self.cache.allocator.blocks_for_tokens(len(seq.prompt) + seq.params.max_tokens)
         if need > self.cache.num_blocks:
             raise KvPoolExhausted(
                 f"a request of {len(seq.prompt)} prompt + {seq.params.max_tokens} new tokens needs {need} blocks; "
                 f"the whole pool has {self.cache.num_blocks}"
             )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
