@@ -16,7 +16,8 @@ from .. import ops
 from ..cache.paged import PagedKvCache
 from ..errors import ShapeMismatch
 
-SUPPORTED = ("llama", "qwen3", "mistral", "qwen2")
+# The two architectures checked against transformers in tests/test_engine.py.
+SUPPORTED = ("llama", "qwen3")
 
 
 @dataclass

@@ -9,6 +9,8 @@ The per-token INT8 scales are folded in, never materialised as a dequantized cop
     q . (s_k k) = s_k (q . k)        sum_t p_t (s_v,t v_t) = sum_t (p_t s_v,t) v_t
 Decode with fewer sequences than cores splits each sequence's keys into ranges (flash-decoding) and merges the
 partial softmax states afterwards. See docs/design.md, "CPU attention backend".
+Long prefill chunks (FLASH_MIN_QUERIES, FLASH_MIN_PAIRS) go instead through torch's fused CPU flash kernel, one
+K/V tile at a time (`_flash_prefill`): there its blocked matmuls beat this kernel's dot products.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 # (query head, key) pairs below which one thread beats waking the pool: on a busy machine the wake-up of a
 # second thread alone can take milliseconds, more than such a call computes (~10 ns per pair).
 SERIAL_WORK = 1 << 16
+# A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
+# (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
+# 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
+# 512-640 keys, 32 over 1056), torch wins from ~50k (128 over 512: 15 vs 18 ms; 2048 over 2048: 2.5x) and loses
+# below, where its per-call overhead outweighs the numba kernel's slower inner loop (64 over 256: 7 vs 5 ms).
+FLASH_MIN_QUERIES = 32
+FLASH_MIN_PAIRS = 48 * 1024
+FLASH_KEY_TILE = 1024  # keys converted to float32 per step: K + V tile of 1.5 MB at 3 KV heads x 64
+FLASH_QUERY_ROWS = 1024  # (query, group head) rows per block: fewer, larger calls beat finer causal skipping
+# Torch's CPU flash-attention kernel with the log-sum-exp of each row (torch >= 2.3), which the public
+# scaled_dot_product_attention does not return and merging key tiles needs. It is a private op: should a torch
+# release drop it, long chunks simply stay on the numba kernel.
+_sdpa_tile = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 NEG = np.float32(-1e30)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -447,6 +462,89 @@ def _run(cache: PagedKvCache, layer: int, batch: AttentionBatch, items: np.ndarr
     return out
 
 
+# -- long prefill chunks: K/V tiles through torch's fused flash kernel, merged by log-sum-exp --------------
+def _load_rows(codes: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """K or V rows of `slots` as float32 `[kv_heads, tile, head_dim]`; only this tile is ever converted.
+    INT8 scales go on the tile, not on the scores or weights: q . (s_k k) = s_k (q . k) and
+    sum_t p_t (s_v,t v_t) = sum_t (p_t s_v,t) v_t either way, but the tile has head_dim values per key where the
+    scores have one per query row (hundreds), and the scaling rides along with the int8 -> float32 conversion."""
+    rows = codes.index_select(0, slots)
+    if scales is None:
+        return rows.to(torch.float32).transpose(0, 1)
+    return torch.mul(rows, scales.index_select(0, slots).unsqueeze(2)).transpose(0, 1)
+
+
+def _attend_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, state: list | None):
+    """Attention of `q [1, kv_heads, rows, head_dim]` to one K/V tile, folded into the running [output, log-sum-exp]
+    of the earlier tiles (None: this is the first). Torch's fused CPU flash kernel does the tile: it keeps each
+    row's scores in cache through max, exp and sum, where separate amax / exp / sum calls stream the score tile
+    through memory several times (3x slower here). It returns the tile's log-sum-exp, all a merge needs:
+        o = (e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b)
+    Every row must see a key of the tile, or its log-sum-exp is -inf and the merge divides 0 by 0."""
+    out, lse = _sdpa_tile(q, k, v, 0.0, False, attn_mask=mask, scale=1.0)
+    lse = lse.unsqueeze(3)
+    if state is None:
+        return [out, lse]
+    total = torch.logaddexp(state[1], lse)
+    state[0].mul_(torch.exp(state[1] - total)).add_(out.mul_(torch.exp(lse - total)))
+    state[1] = total
+    return state
+
+
+def _flash_sequence(q: torch.Tensor, layer_rows: tuple, slots: torch.Tensor, first: int, start: int) -> torch.Tensor:
+    """Causal attention of `q [kv_heads, n, group, head_dim]` (softmax scale folded in), whose query i sits at
+    position first + i >= start, over keys [start, first + n) at `slots` (indexed by position - start)."""
+    kc, ks, vc, vs = layer_rows
+    hkv, n, group, d = q.shape
+    out = torch.empty(hkv, n, group, d)
+    per_block = max(1, FLASH_QUERY_ROWS // group)
+
+    def attend(qb, lo, hi, mask, state):
+        tile = slots[lo - start : hi - start]
+        k, v = _load_rows(kc, ks, tile).unsqueeze(0), _load_rows(vc, vs, tile).unsqueeze(0)
+        return _attend_tile(qb, k, v, mask, state)
+
+    for i0 in range(0, n, per_block):
+        i1 = min(n, i0 + per_block)
+        nq = i1 - i0
+        # Rows are (query, head of the group), so one K/V tile serves the whole group in each matmul.
+        qb = q[:, i0:i1].reshape(1, hkv, nq * group, d)
+        # Keys before the block's first position are visible to all its queries: plain tiles, no mask. The
+        # causal cut only falls in the block's own nq keys, one masked tile in which every row sees itself.
+        diag = first + i0
+        state = None
+        for p0 in range(start, diag, FLASH_KEY_TILE):
+            state = attend(qb, p0, min(diag, p0 + FLASH_KEY_TILE), None, state)
+        hidden = torch.ones(nq, nq, dtype=torch.bool).triu_(1)  # query i0 + r sees key diag + c iff c <= r
+        mask = torch.zeros(nq, nq).masked_fill_(hidden, float("-inf")).repeat_interleave(group, dim=0)
+        state = attend(qb, diag, first + i1, mask, state)
+        out[:, i0:i1] = state[0].view(hkv, nq, group, d)
+    return out
+
+
+def _flash_prefill(cache: PagedKvCache, layer: int, batch: AttentionBatch, out: torch.Tensor, seqs, cu, lens, starts):
+    """Fill the rows of sequences `seqs` in `out [total, Hq, D]`, one sequence at a time."""
+    hkv, d, bs = cache.num_kv_heads, cache.head_dim, cache.block_size
+    rows = cache.num_blocks * bs
+    kc, vc = cache.k_codes[layer].view(rows, hkv, d), cache.v_codes[layer].view(rows, hkv, d)
+    ks, vs = cache.k_scales[layer], cache.v_scales[layer]
+    layer_rows = (kc, None if ks is None else ks.view(rows, hkv), vc, None if vs is None else vs.view(rows, hkv))
+    group = batch.q.shape[1] // hkv
+    for b in seqs:
+        lo, hi, ctx = int(cu[b]), int(cu[b + 1]), int(lens[b])
+        first = ctx - (hi - lo)  # position of the chunk's first query
+        skip = max(0, int(starts[b]) - first)  # queries before the window start see nothing: zeros
+        if lo + skip >= hi:
+            continue
+        start = int(starts[b])
+        pos = torch.arange(start, ctx)
+        slots = batch.block_tables[b].long()[pos // bs] * bs + pos % bs
+        q = batch.q[lo + skip : hi] * batch.softmax_scale
+        q = q.view(hi - lo - skip, hkv, group, d).transpose(0, 1)
+        o = _flash_sequence(q, layer_rows, slots, first + skip, start)
+        out[lo + skip : hi] = o.transpose(0, 1).reshape(hi - lo - skip, hkv * group, d)
+
+
 def _starts(batch: AttentionBatch, size: int) -> np.ndarray:
     if batch.kv_starts is None:
         return np.zeros(size, np.int64)
@@ -492,5 +590,13 @@ def paged_prefill_attention(
     lens = batch.context_lens.numpy().astype(np.int64)
     cu = batch.cu_seqlens_q.numpy().astype(np.int64)
     group = q.shape[1] // cache.num_kv_heads
-    items, row_limits = _prefill_items(cu, lens, _starts(batch, len(lens)), group)
-    return _run(cache, layer, batch, items, row_limits, 1)
+    starts = _starts(batch, len(lens))
+    items, row_limits = _prefill_items(cu, lens, starts, group)
+    counts = cu[1:] - cu[:-1]
+    pairs = counts * (lens - counts) + counts * (counts + 1) // 2  # visible (query, key) pairs
+    long = (counts >= FLASH_MIN_QUERIES) & (pairs >= FLASH_MIN_PAIRS)
+    if _sdpa_tile is None or not long.any():
+        return _run(cache, layer, batch, items, row_limits, 1)
+    out = _run(cache, layer, batch, items[~long[items[:, 0]]], row_limits, 1)
+    _flash_prefill(cache, layer, batch, out, np.flatnonzero(long), cu, lens, starts)
+    return out
