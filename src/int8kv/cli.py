@@ -99,7 +99,7 @@ def _chat(tokenizer, prompt: str) -> list[int]:
 
 def run_demo(args: argparse.Namespace) -> dict:
     from .engine import LLM, SamplingParams, parse_bytes
-    from .models import load_model
+    from .models import kv_dims, load_model
 
     budget = parse_bytes(args.memory)
     formats = _formats(args.formats)
@@ -107,9 +107,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     progress.note("loading model ...")
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
-    cfg = model.config
-    dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, getattr(cfg, "head_dim", None)
-            or cfg.hidden_size // cfg.num_attention_heads)
+    dims = kv_dims(model.config)
     block = PagedKvCache.bytes_per_block(16, *dims, INT8)
     if budget < block:
         raise CliError(f"--memory {args.memory} is smaller than one 16-token INT8 block of this model ({block:,} B)")

@@ -18,6 +18,7 @@ import torch
 
 from .errors import KvCacheError
 from .formats import KvStorageFormat
+from .models.config import kv_dims
 from .progress import progress
 
 DEFAULT_TEXT_GLOB = "/usr/share/common-licenses/*"
@@ -51,25 +52,19 @@ class EvalRow:
     greedy_common_prefix: float  # mean number of leading tokens equal to the baseline's
 
 
-def _dims(config) -> tuple[int, int, int]:
-    heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers, heads, head_dim
-
-
 def cache_kinds(include_fp8: bool = True) -> list[CacheKind]:
     from transformers import DynamicCache, QuantizedCache
 
     from .hf import Int8KvCache
 
     def per_elem(nbytes: float) -> Callable[[object], float]:
-        return lambda cfg: 2 * math.prod(_dims(cfg)) * nbytes
+        return lambda cfg: 2 * math.prod(kv_dims(cfg)) * nbytes
 
     def ours(fmt: KvStorageFormat) -> CacheKind:
         return CacheKind(
             f"int8kv {fmt.as_str().split('_')[0]}",
             lambda cfg: Int8KvCache(cfg, format=fmt),
-            lambda cfg: fmt.bytes_per_token(*_dims(cfg)),
+            lambda cfg: fmt.bytes_per_token(*kv_dims(cfg)),
         )
 
     kinds = [
@@ -167,7 +162,7 @@ def evaluate(
         nll[kind.name] = total / scored
         generated[kind.name] = [greedy(model, tokenizer, kind, p, gen_tokens) for p in progress(prompts, "greedy")]
     base = kinds[0].name
-    f16_bytes = KvStorageFormat.F16.bytes_per_token(*_dims(model.config))
+    f16_bytes = KvStorageFormat.F16.bytes_per_token(*kv_dims(model.config))
     rows = []
     for kind in kinds:
         ppl = math.exp(nll[kind.name])

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from ..formats import KvStorageFormat
 from ..progress import note
 from .timing import emit
 
@@ -73,13 +74,14 @@ def run(model_path: str | None, context: int, new_tokens: int, batch: int) -> di
 
     from ..engine import LLM
     from ..hf import Int8KvCache
-    from ..models import load_model
+    from ..models import kv_dims, load_model
 
     model, tokenizer = load_model(model_path)
     ids = _prompt_ids(tokenizer, context)
     cfg = model.config
-    memory = int(1.2 * batch * (context + new_tokens) * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 68)
-    llm = LLM(model, kv_format="int8", memory=max(memory, 64 << 20), max_num_seqs=batch, tokenizer=tokenizer)
+    fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+    memory = int(1.2 * batch * (context + new_tokens) * fmt.bytes_per_token(*kv_dims(cfg)))
+    llm = LLM(model, kv_format=fmt, memory=max(memory, 64 << 20), max_num_seqs=batch, tokenizer=tokenizer)
     for b in (1, batch):  # compile (or load) every kernel variant outside the timings
         engine_decode(llm, ids[:64], b, 3)
     hf_decode(model, ids[:64], 3, lambda: Int8KvCache(cfg))

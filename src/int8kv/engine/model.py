@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..cache.paged import PagedKvCache
 from ..errors import ShapeMismatch
+from ..models.config import kv_dims
 
 # The two architectures checked against transformers in tests/test_engine.py.
 SUPPORTED = ("llama", "qwen3")
@@ -52,10 +53,8 @@ class DecoderModel:
         if cfg.model_type not in SUPPORTED:
             raise ShapeMismatch(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
         self.config = cfg
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(cfg)
         self.num_q_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         base = hf_model.model
         with torch.no_grad():

@@ -1,5 +1,6 @@
 """Offline model loading (packaged SmolLM2 GGUF, local .gguf files, local transformers directories)."""
 
+from .config import kv_dims
 from .loader import (
     DEFAULT_GGUF_NAME,
     InvalidModelError,
@@ -17,5 +18,6 @@ __all__ = [
     "cache_root",
     "default_gguf_path",
     "gguf_cache_dir",
+    "kv_dims",
     "load_model",
 ]
