@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from . import codec, ops
 from .cache.paged import PagedKvCache
+from .cache.state import KvLayout, KvState
 from .errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention
 from .formats import KvStorageFormat
 
@@ -177,6 +178,26 @@ class Int8KvLayer(CacheLayerMixin):
                 if dst is not None and src is not None:
                     dst[:, :n] = src[:, :n]
         self.pool = _LayerPool(self.format, k, v, ks, vs)
+
+    def set_storage(
+        self, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor | None, vs: torch.Tensor | None, length: int
+    ) -> None:
+        """Take ``[batch, length, heads, dim]`` codes (and ``[batch, length, heads]`` scales) as the layer's
+        contents, with room to grow; the tensors' device becomes the layer's."""
+        batch, n, heads, dim = (int(d) for d in k.shape)
+        self.device = k.device
+        if not self.is_initialized:
+            self.dtype = torch.float32
+        self.seq_len = 0
+        self._allocate(batch, heads, dim, self._round_up(max(n, 1)))
+        p = self.pool
+        p.k_codes[0][:, :n] = k
+        p.v_codes[0][:, :n] = v
+        if ks is not None and vs is not None:
+            p.k_scales[0][:, :n] = ks
+            p.v_scales[0][:, :n] = vs
+        self.seq_len = n
+        self.is_initialized = True
 
     def _ensure_capacity(self, needed: int) -> None:
         p = self.pool
@@ -517,6 +538,63 @@ class Int8KvCache(Cache):
     def truncate(self, n: int) -> None:
         for layer in self.layers:
             layer.truncate(n)
+
+    # -- state (see int8kv/cache/state.py) ----------------------------------------------------------------
+    def export_state(self) -> KvState:
+        """Every layer's stored tokens (all batch rows) as a :class:`KvState` (CPU copies)."""
+        layers = list(self.layers)
+        if not layers or not all(isinstance(la, Int8KvLayer) and la.is_initialized for la in layers):
+            raise ShapeMismatch("the Int8KvCache holds nothing yet: run the prompt through the model first")
+        lengths = {la.seq_len for la in layers}
+        shapes = {(la.pool.num_blocks, la.pool.num_kv_heads, la.pool.head_dim) for la in layers}
+        if len(lengths) != 1 or len(shapes) != 1:
+            raise ShapeMismatch(f"the layers disagree (lengths {sorted(lengths)}, batch/heads/dim {sorted(shapes)})")
+        (n,), ((_, heads, dim),) = lengths, shapes
+        layout = KvLayout(len(layers), heads, dim, self.format)
+
+        def group(which: str) -> list[torch.Tensor] | None:
+            tensors = [getattr(la.pool, which)[0] for la in layers]
+            return None if tensors[0] is None else [t[:, :n] for t in tensors]
+
+        return KvState.build(layout, group("k_codes"), group("v_codes"), group("k_scales"), group("v_scales"))
+
+    def import_state(self, state: KvState, device: torch.device | str | None = None) -> None:
+        """Replace every layer's contents with ``state`` (creating the layers if the cache has none yet).
+        Atomic: on any error every layer is as it was."""
+        if not isinstance(state, KvState):
+            raise ShapeMismatch(f"expected a KvState, got {type(state).__name__}")
+        if state.format != self.format:
+            raise ShapeMismatch(f"the state stores {state.format.value} but the cache holds {self.format.value}")
+        created = not self.layers
+        if created and getattr(self, "layer_class_to_replicate", None) is None:
+            raise ShapeMismatch("the Int8KvCache has no layers and cannot create any")
+        layers = [self.layer_class_to_replicate() for _ in range(state.layout.num_layers)] if created else list(
+            self.layers
+        )
+        if len(layers) != state.layout.num_layers:
+            raise ShapeMismatch(f"the state holds {state.layout.num_layers} layers but the cache has {len(layers)}")
+        for i, la in enumerate(layers):
+            if not isinstance(la, Int8KvLayer) or la.format != state.format:
+                raise ShapeMismatch(f"layer {i} is not an Int8KvLayer of format {state.format.value}")
+            if la.is_initialized and (la.pool.num_kv_heads, la.pool.head_dim) != (
+                state.layout.num_kv_heads, state.layout.head_dim
+            ):
+                raise ShapeMismatch(
+                    f"the state holds {state.layout.num_kv_heads} kv heads of {state.layout.head_dim} but layer {i} "
+                    f"holds {la.pool.num_kv_heads} of {la.pool.head_dim}"
+                )
+        new = []
+        for i, la in enumerate(layers):
+            dev = torch.device(device) if device is not None else (la.device if la.is_initialized else "cpu")
+            new.append(
+                [None if g is None else g[i].to(dev) for g in (state.k_codes, state.v_codes, state.k_scales,
+                                                                 state.v_scales)]
+            )
+        # Everything is on its device: the assignment below cannot fail part-way for a checkable reason.
+        for la, (k, v, ks, vs) in zip(layers, new, strict=True):
+            la.set_storage(k, v, ks, vs, state.length)
+        if created:
+            self.layers.extend(layers)
 
     def memory_bytes(self) -> int:
         """Bytes of the stored tokens across layers (codes + scales, K and V, padding rows included)."""

@@ -1,5 +1,15 @@
 from .allocator import BlockAllocator
 from .contiguous import QuantizedKvCache, QuantizedKvLayer
 from .paged import PagedKvCache, tokens_per_format
+from .state import KvLayout, KvState, as_format
 
-__all__ = ["BlockAllocator", "PagedKvCache", "QuantizedKvCache", "QuantizedKvLayer", "tokens_per_format"]
+__all__ = [
+    "BlockAllocator",
+    "KvLayout",
+    "KvState",
+    "PagedKvCache",
+    "QuantizedKvCache",
+    "QuantizedKvLayer",
+    "as_format",
+    "tokens_per_format",
+]

@@ -20,6 +20,7 @@ from ..errors import (
     ShapeMismatch,
 )
 from ..formats import KvStorageFormat
+from .state import KvLayout, KvState
 
 Rows = torch.Tensor  # [tokens, num_kv_heads, head_dim]
 Encoded = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -226,3 +227,47 @@ class QuantizedKvCache:
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+
+    # -- state (see cache/state.py) --------------------------------------------------
+    @property
+    def layout(self) -> KvLayout:
+        return KvLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.format)
+
+    def export_state(self) -> KvState:
+        """The stored tokens as a batch-1 :class:`KvState` (CPU copies)."""
+        n = self.seq_len
+
+        def group(name: str) -> list[torch.Tensor] | None:
+            if getattr(self.layers[0], name) is None:
+                return None
+            return [getattr(layer, name)[:n].unsqueeze(0) for layer in self.layers]
+
+        return KvState.build(
+            self.layout, group("k_codes"), group("v_codes"), group("k_scales"), group("v_scales")
+        )
+
+    def import_state(self, state: KvState) -> None:
+        """Replace the contents with a batch-1 ``state``; on any error the cache is unchanged."""
+        if not isinstance(state, KvState):
+            raise ShapeMismatch(f"expected a KvState, got {type(state).__name__}")
+        if state.layout != self.layout:
+            raise ShapeMismatch(f"the state's layout {state.layout} differs from the cache's {self.layout}")
+        if state.batch != 1:
+            raise ShapeMismatch(f"a QuantizedKvCache holds one sequence; the state holds {state.batch}")
+        if state.length > self.capacity:
+            raise CapacityExceeded(f"the state holds {state.length} tokens but the capacity is {self.capacity}")
+        n = state.length
+        device = self.layers[0].k_codes.device
+        # Moved to the device first so an out-of-memory there happens before the first layer changes.
+        moved = [
+            [None if g is None else g[i][0].to(device) for g in (state.k_codes, state.v_codes, state.k_scales,
+                                                                   state.v_scales)]
+            for i in range(self.num_layers)
+        ]
+        for layer, (k, v, ks, vs) in zip(self.layers, moved, strict=True):
+            layer.k_codes[:n] = k
+            layer.v_codes[:n] = v
+            if ks is not None and vs is not None:
+                layer.k_scales[:n] = ks
+                layer.v_scales[:n] = vs
+            layer.seq_len = n

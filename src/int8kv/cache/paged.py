@@ -17,6 +17,7 @@ from ..codec import decode
 from ..errors import LayerOutOfRange, PositionOutOfRange, ShapeMismatch
 from ..formats import KvStorageFormat
 from .allocator import BlockAllocator, SeqId
+from .state import KvLayout, KvState
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -193,6 +194,54 @@ class PagedKvCache:
         if self._ks is not None and self._vs is not None:
             self._ks[:, dst] = self._ks[:, src]
             self._vs[:, dst] = self._vs[:, src]
+
+    # -- state (see cache/state.py) ---------------------------------------------------
+    @property
+    def layout(self) -> KvLayout:
+        return KvLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.format)
+
+    def export_state(self, seq_id: SeqId) -> KvState:
+        """The stored tokens of one sequence, in position order, as a batch-1 :class:`KvState`."""
+        # Gathering by slot follows the block table, so the state holds the rows in position order whatever
+        # blocks (shared, copied-on-write, scattered) the sequence occupies.
+        slots = self.slots(seq_id, 0, self.context_len(seq_id))
+        rows = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+
+        def gather(tensors: list, shape: tuple[int, ...]) -> list[torch.Tensor] | None:
+            if tensors[0] is None:
+                return None
+            return [t.view(shape).index_select(0, slots).unsqueeze(0) for t in tensors]
+
+        return KvState.build(
+            self.layout,
+            gather(self.k_codes, rows),
+            gather(self.v_codes, rows),
+            gather(self.k_scales, rows[:2]),
+            gather(self.v_scales, rows[:2]),
+        )
+
+    def import_state(self, seq_id: SeqId, state: KvState) -> torch.Tensor:
+        """Create sequence ``seq_id`` holding a batch-1 ``state``; returns its slots. Atomic: on any error
+        (layout, existing id, too few free blocks) nothing is allocated or written."""
+        if not isinstance(state, KvState):
+            raise ShapeMismatch(f"expected a KvState, got {type(state).__name__}")
+        if state.layout != self.layout:
+            raise ShapeMismatch(f"the state's layout {state.layout} differs from the cache's {self.layout}")
+        if state.batch != 1:
+            raise ShapeMismatch(f"a paged sequence holds one sequence; the state holds {state.batch}")
+        moved = [
+            None if g is None else [t[0].to(self.device) for t in g]
+            for g in (state.k_codes, state.v_codes, state.k_scales, state.v_scales)
+        ]
+        slots = self.add_sequence(seq_id, state.length)  # raises before allocating if it cannot
+        try:
+            for layer in range(self.num_layers):
+                k, v, ks, vs = (None if g is None else g[layer] for g in moved)
+                self.write_rows(layer, slots, (k, ks), (v, vs))
+        except BaseException:
+            self.free(seq_id)  # the rows written so far sit in blocks that go back to the pool
+            raise
+        return slots
 
     # -- rows ---------------------------------------------------------------------
     def check_layer(self, layer: int) -> None:
