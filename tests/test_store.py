@@ -1,7 +1,7 @@
 """Save/load of KV state: bit-exact round trips, every refusal, atomic writes, fuzzing, generation equivalence.
 
-Forged files are built with `write_raw`, an independent implementation of the documented layout (store.py's
-module docstring), so the refusal tests exercise one defect at a time with every digest recomputed.
+Forged files are built with `write_raw`, an independent implementation of the documented layout
+(docs/kv_file_format.md), so the refusal tests exercise one defect at a time with every digest recomputed.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from int8kv.store import (
     model_fingerprint,
     save_kv,
 )
+from int8kv.store import save as save_module
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 F16 = KvStorageFormat.F16
@@ -581,26 +582,27 @@ def test_failed_save_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch)
     def crash(*args, **kwargs):
         raise OSError("disk went away")
 
-    monkeypatch.setattr(store.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk went away"):
         save_kv(path, filled_cache(F16), metadata={"v": 2})
     assert path.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["s.kv"]
     monkeypatch.undo()
 
-    # A crash in the middle of writing the tensors (after the header went out).
+    # A crash in the middle of writing the tensors (after the header went out): save.raw_bytes feeds the
+    # file writer one tensor at a time (the hashing before it goes through format's).
     calls = {"n": 0}
-    real = store._raw_bytes
+    real = save_module.raw_bytes
 
     def interrupted(t):
         calls["n"] += 1
-        if calls["n"] > 14:  # the first 12 calls hash the 12 chunks; the write phase comes after
+        if calls["n"] > 2:
             raise KeyboardInterrupt
         return real(t)
 
-    monkeypatch.setattr(store, "_raw_bytes", interrupted)
+    monkeypatch.setattr(save_module, "raw_bytes", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_kv(tmp_path / "new.kv", filled_cache(INT8))
-    assert [p.name for p in tmp_path.iterdir()] == ["s.kv"]
+    assert calls["n"] == 3 and [p.name for p in tmp_path.iterdir()] == ["s.kv"]
     assert load_kv(path).metadata == {"v": 1}
 
 
@@ -616,8 +618,8 @@ def test_save_fsyncs_file_then_renames_then_fsyncs_directory(tmp_path, monkeypat
         events.append("replace")
         return real_replace(a, b)
 
-    monkeypatch.setattr(store.os, "fsync", fsync)
-    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     save_kv(tmp_path / "s.kv", filled_cache(INT8))
     if os.path.isdir("/proc/self/fd"):
         assert events == ["fsync-file", "replace", "fsync-dir"]
@@ -744,10 +746,10 @@ def prefill(model, ids: torch.Tensor, fmt: KvStorageFormat):
 
 
 def hf_storage(cache) -> list[tuple]:
-    return [
-        tuple(None if t is None else t[:, : layer.get_seq_length()].clone() for t in store._hf_layer_storage(layer))
-        for layer in cache.layers
-    ]
+    """Per layer (k_codes, v_codes, k_scales, v_scales) of the stored tokens, through the public export."""
+    state = cache.export_state()
+    groups = (state.k_codes, state.v_codes, state.k_scales, state.v_scales)
+    return [tuple(None if g is None else g[i] for g in groups) for i in range(state.layout.num_layers)]
 
 
 def generate(model, ids: torch.Tensor, cache, new_tokens: int = 6) -> torch.Tensor:
