@@ -77,6 +77,24 @@ def test_a_fifo_is_refused_without_blocking(tmp_path, capsys, reader) -> None:
     assert_unchanged(target, before)
 
 
+@needs_fifo
+def test_a_fifo_swapped_in_after_the_stat_does_not_block(tmp_path, monkeypatch) -> None:
+    # The path passes the stat as a regular file, then is a FIFO when opened: the non-blocking open returns at
+    # once and the fstat of the opened descriptor refuses it.
+    fifo, regular = tmp_path / "f.kv", tmp_path / "r.kv"
+    os.mkfifo(fifo)
+    regular.write_bytes(b"x" * 16)
+    real_stat = os.stat
+
+    def swapped(path, *args, **kwargs):
+        return real_stat(regular if os.fspath(path) == os.fspath(fifo) else path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", swapped)
+    result = _run_bounded(lambda: inspect_kv(fifo), fifo)
+    monkeypatch.undo()
+    assert isinstance(result.get("error"), KvFileUnreadable) and "FIFO" in str(result["error"]), result
+
+
 def test_devices_and_directories_are_refused(tmp_path) -> None:
     target = filled_cache(INT8, tokens=5)
     if os.path.exists("/dev/null"):

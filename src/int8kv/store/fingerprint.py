@@ -209,6 +209,7 @@ def _weights_sha256(module: torch.nn.Module) -> str:
 
 
 def as_fingerprint(model: Any, weights_id: str | None) -> ModelFingerprint | None:
+    """The fingerprint behind save_kv/load_kv's ``model=``: None, a fingerprint, its dict, a model or a config."""
     if model is None:
         if weights_id is not None:
             raise FingerprintError("weights_id needs model= (the model or config it identifies)")

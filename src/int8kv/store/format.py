@@ -14,6 +14,7 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 from ..cache.state import KvLayout, KvState
@@ -66,6 +67,13 @@ SCALES = ("k_scales", "v_scales")
 CODES = ("k_codes", "v_codes")
 DTYPES = {"I64": torch.int64, "F32": torch.float32, "I8": torch.int8, "F16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# The same dtypes as numpy reads them from the file's little-endian bytes (for the value checks).
+_NUMPY = {
+    torch.int64: np.dtype("<i8"),
+    torch.float32: np.dtype("<f4"),
+    torch.int8: np.dtype("i1"),
+    torch.float16: np.dtype("<f2"),
+}
 DIM_KEYS = ("num_layers", "batch", "seq_len", "num_kv_heads", "head_dim")
 _META_KEYS = frozenset(
     {
@@ -129,10 +137,6 @@ class Header:
     def layout(self) -> KvLayout:
         return KvLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.fmt)
 
-    @property
-    def dims(self) -> tuple[int, int, int, int, int]:
-        return self.num_layers, self.batch, self.seq_len, self.num_kv_heads, self.head_dim
-
 
 # ---------------------------------------------------------------------------------------------------------
 # writing
@@ -179,7 +183,7 @@ def encode(
     ``token_ids`` is ``[batch, length]`` int64 (checked by the caller); ``metadata`` passed metadata_problem.
     Raises SaveError when the header would exceed MAX_HEADER_BYTES.
     """
-    L, B, T, H, D = state.layout.num_layers, state.batch, state.length, state.layout.num_kv_heads, state.layout.head_dim
+    (L, H, D), B, T = state.layout.dims, state.batch, state.length
     fmt = state.format
     parts: list[tuple[str, torch.dtype, list[int], tuple[torch.Tensor, ...]]] = []
     if token_ids is not None:
@@ -196,7 +200,7 @@ def encode(
         for chunk in group:
             # The reader refuses values no writer produces; the writer refuses them too (a paged cache's
             # write_rows stores pre-encoded rows unchecked), so a file save_kv wrote always loads.
-            problem = _value_problem(fmt, model, name, chunk)
+            problem = _value_problem(fmt, model, name, chunk.numpy())
             if problem is not None:
                 raise SaveError(f"the cache holds values the format never stores: {problem}")
             data_digest.update(raw_bytes(chunk))
@@ -339,8 +343,7 @@ def _check_tensors(raw: dict[str, Any], fmt: KvStorageFormat, dims: dict[str, in
     names = set(raw) - {"__metadata__"}
     if names != {name for name, _, _ in expected}:
         raise HeaderShapeMismatch(
-            f"a {fmt.value} file holds the tensors {sorted(n for n, _, _ in expected)}, this one "
-            f"{short(sorted(names))}"
+            f"a {fmt.value} file holds the tensors {sorted(n for n, _, _ in expected)}, this one {short(sorted(names))}"
         )
     out = []
     offset = 0
@@ -397,7 +400,7 @@ def read_data(f: BinaryIO, header: Header, keep: Container[str]) -> dict[str, to
             _read_into(f, view)
             digest.update(view)
             if problem is None:
-                problem = _value_problem(header.fmt, header.model, t.name, torch.frombuffer(view, dtype=t.dtype))
+                problem = _value_problem(header.fmt, header.model, t.name, np.frombuffer(view, dtype=_NUMPY[t.dtype]))
         if t.name in keep:
             pos += t.nbytes
     if digest.hexdigest() != header.data_sha256:
@@ -414,27 +417,29 @@ def read_data(f: BinaryIO, header: Header, keep: Container[str]) -> dict[str, to
     return out
 
 
-def _value_problem(
-    fmt: KvStorageFormat, model: ModelFingerprint | None, name: str, values: torch.Tensor
-) -> str | None:
-    """Why these values of tensor ``name`` are not ones an int8kv writer produces, or None. The digests only
-    prove the bytes are the ones hashed, and a file can be forged with valid digests, so values that would
-    poison attention (inf keys, huge scales, out-of-range codes or token ids) are refused here."""
-    if values.numel() == 0:
+def _value_problem(fmt: KvStorageFormat, model: ModelFingerprint | None, name: str, values: np.ndarray) -> str | None:
+    """Why these values of tensor ``name`` (any shape) are not ones an int8kv writer produces, or None.
+
+    The digests only prove the bytes are the ones hashed, and a file can be forged with valid digests, so
+    values that would poison attention (inf keys, huge scales, out-of-range codes or token ids) are refused.
+    numpy, not torch: on the 2-core dev machine a 1 MiB chunk takes 0.01-1 ms here against 15-85 ms for the
+    same reductions in torch (which made a 12 MiB save 8x slower).
+    """
+    if values.size == 0:
         return None
     if name in SCALES:
-        # NaN fails both comparisons, so this also refuses NaN.
-        if not bool(((values > 0) & (values <= SCALE_MAX)).all()):
+        # NaN fails both comparisons (min/max propagate it), so this also refuses NaN.
+        if not (values.min() > 0 and values.max() <= SCALE_MAX):
             return f"{name} holds a scale outside (0, {SCALE_MAX}] (not finite, not positive, or above what V1 writes)"
     elif name in CODES:
         if fmt.is_quantized:
-            if bool((values == -128).any()):
+            if values.min() == -128:
                 return f"{name} holds -128, outside the V1 code range [-127, 127]"
-        elif not bool(torch.isfinite(values).all()):
+        elif not np.isfinite(values).all():
             return f"{name} holds NaN or inf, which the F16 format never stores"
     elif name == "token_ids":
         vocab = model.vocab_size if model is not None else None
-        if int(values.min()) < 0 or (vocab is not None and int(values.max()) >= vocab):
+        if values.min() < 0 or (vocab is not None and values.max() >= vocab):
             return f"token ids outside [0, {vocab if vocab is not None else 'vocab'})"
     return None
 
