@@ -85,8 +85,10 @@ def open_for_reading(path: str) -> Iterator[tuple[BinaryIO, int]]:
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)  # a regular file: reads behave the same, restored for clarity
         f = os.fdopen(fd, "rb")
-    except BaseException:
+    except BaseException as exc:
         os.close(fd)
+        if isinstance(exc, OSError) and not isinstance(exc, KvFileUnreadable):
+            raise KvFileUnreadable(exc.errno, f"cannot open KV file: {exc.strerror}", path) from exc
         raise
     try:
         yield f, st.st_size
