@@ -1,7 +1,7 @@
 """Save/load of KV state: bit-exact round trips, every refusal, atomic writes, fuzzing, generation equivalence.
 
-Forged files are built with `write_raw`, an independent implementation of the documented layout (store.py's
-module docstring), so the refusal tests exercise one defect at a time with every digest recomputed.
+Forged files are built with `write_raw`, an independent implementation of the documented layout
+(docs/kv_file_format.md), so the refusal tests exercise one defect at a time with every digest recomputed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,24 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from store_helpers import (  # tests/ is on sys.path under pytest's default import mode
+    DIM,
+    F16,
+    FORMATS,
+    HEADS,
+    INT8,
+    LAYERS,
+    assert_unchanged,
+    canon,
+    filled_cache,
+    forge,
+    read_raw,
+    refuses,
+    same_bits,
+    snapshot,
+    tensor_slice,
+    write_raw,
+)
 
 from int8kv import KvCacheError, KvPoolExhausted, KvStorageFormat, QuantizedKvCache, StoreError, store
 from int8kv.cache.paged import PagedKvCache
@@ -42,88 +60,7 @@ from int8kv.store import (
     model_fingerprint,
     save_kv,
 )
-
-INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
-F16 = KvStorageFormat.F16
-FORMATS = [INT8, F16]
-LAYERS, HEADS, DIM = 3, 2, 8
-
-
-# ---------------------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------------------
-def filled_cache(fmt: KvStorageFormat, tokens: int = 20, capacity: int = 32, seed: int = 0) -> QuantizedKvCache:
-    gen = torch.Generator().manual_seed(seed)
-    cache = QuantizedKvCache(LAYERS, capacity, HEADS, DIM, fmt)
-    for _ in range(tokens // 5):
-        k = [torch.randn(5, HEADS, DIM, generator=gen) * 3 for _ in range(LAYERS)]
-        v = [torch.randn(5, HEADS, DIM, generator=gen) for _ in range(LAYERS)]
-        cache.push_step(k, v)
-    return cache
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit patterns, so -0.0 != 0.0 and NaN payloads count (torch.equal on floats would hide both)."""
-    return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
-
-
-def snapshot(cache: QuantizedKvCache) -> list:
-    return [
-        (
-            layer.seq_len,
-            *(None if t is None else t.clone() for t in (layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales)),
-        )
-        for layer in cache.layers
-    ]
-
-
-def assert_unchanged(cache: QuantizedKvCache, before: list) -> None:
-    after = snapshot(cache)
-    for a, b in zip(before, after, strict=True):
-        assert a[0] == b[0]
-        assert all(same_bits(x, y) for x, y in zip(a[1:], b[1:], strict=True))
-
-
-def canon(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def read_raw(path: Path) -> tuple[dict, bytes]:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
-
-
-def write_raw(path: Path, header: dict, data: bytes, rehash: bool = True) -> None:
-    if rehash:
-        meta = header["__metadata__"]
-        meta["data_sha256"] = hashlib.sha256(data).hexdigest()
-        unsigned = {k: v for k, v in meta.items() if k != "header_sha256"}
-        meta["header_sha256"] = hashlib.sha256(canon({**header, "__metadata__": unsigned})).hexdigest()
-    body = canon(header)
-    body += b" " * (-(8 + len(body)) % 8)
-    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
-
-
-def forge(src: Path, dst: Path, header_fn=None, data_fn=None) -> Path:
-    header, data = read_raw(src)
-    if header_fn is not None:
-        header_fn(header)
-    if data_fn is not None:
-        data = data_fn(header, bytearray(data))
-    write_raw(dst, header, bytes(data))
-    return dst
-
-
-def tensor_slice(header: dict, name: str, data: bytearray) -> memoryview:
-    begin, end = header[name]["data_offsets"]
-    return memoryview(data)[begin:end]
+from int8kv.store import save as save_module
 
 
 @pytest.fixture
@@ -136,16 +73,6 @@ def int8_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def target() -> QuantizedKvCache:
     return filled_cache(INT8, tokens=10, seed=7)
-
-
-def refuses(path: Path, target: QuantizedKvCache, error: type[Exception], **kwargs) -> Exception:
-    """Loading must raise `error` and leave `target` exactly as it was."""
-    before = snapshot(target)
-    with pytest.raises(error) as info:
-        load_kv(path, target, **kwargs)
-    assert_unchanged(target, before)
-    assert isinstance(info.value, KvCacheError)
-    return info.value
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -581,26 +508,27 @@ def test_failed_save_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch)
     def crash(*args, **kwargs):
         raise OSError("disk went away")
 
-    monkeypatch.setattr(store.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk went away"):
         save_kv(path, filled_cache(F16), metadata={"v": 2})
     assert path.read_bytes() == old and [p.name for p in tmp_path.iterdir()] == ["s.kv"]
     monkeypatch.undo()
 
-    # A crash in the middle of writing the tensors (after the header went out).
+    # A crash in the middle of writing the tensors (after the header went out): save.raw_bytes feeds the
+    # file writer one tensor at a time (the hashing before it goes through format's).
     calls = {"n": 0}
-    real = store._raw_bytes
+    real = save_module.raw_bytes
 
     def interrupted(t):
         calls["n"] += 1
-        if calls["n"] > 14:  # the first 12 calls hash the 12 chunks; the write phase comes after
+        if calls["n"] > 2:
             raise KeyboardInterrupt
         return real(t)
 
-    monkeypatch.setattr(store, "_raw_bytes", interrupted)
+    monkeypatch.setattr(save_module, "raw_bytes", interrupted)
     with pytest.raises(KeyboardInterrupt):
         save_kv(tmp_path / "new.kv", filled_cache(INT8))
-    assert [p.name for p in tmp_path.iterdir()] == ["s.kv"]
+    assert calls["n"] == 3 and [p.name for p in tmp_path.iterdir()] == ["s.kv"]
     assert load_kv(path).metadata == {"v": 1}
 
 
@@ -616,8 +544,8 @@ def test_save_fsyncs_file_then_renames_then_fsyncs_directory(tmp_path, monkeypat
         events.append("replace")
         return real_replace(a, b)
 
-    monkeypatch.setattr(store.os, "fsync", fsync)
-    monkeypatch.setattr(store.os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     save_kv(tmp_path / "s.kv", filled_cache(INT8))
     if os.path.isdir("/proc/self/fd"):
         assert events == ["fsync-file", "replace", "fsync-dir"]
@@ -744,10 +672,10 @@ def prefill(model, ids: torch.Tensor, fmt: KvStorageFormat):
 
 
 def hf_storage(cache) -> list[tuple]:
-    return [
-        tuple(None if t is None else t[:, : layer.get_seq_length()].clone() for t in store._hf_layer_storage(layer))
-        for layer in cache.layers
-    ]
+    """Per layer (k_codes, v_codes, k_scales, v_scales) of the stored tokens, through the public export."""
+    state = cache.export_state()
+    groups = (state.k_codes, state.v_codes, state.k_scales, state.v_scales)
+    return [tuple(None if g is None else g[i] for g in groups) for i in range(state.layout.num_layers)]
 
 
 def generate(model, ids: torch.Tensor, cache, new_tokens: int = 6) -> torch.Tensor:

@@ -1,0 +1,173 @@
+"""load_kv: a KV file read with every check and handed to a cache through its public ``import_state``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache.contiguous import QuantizedKvCache
+from ..cache.paged import PagedKvCache
+from ..cache.state import KvState
+from ..errors import KvCacheError, KvPoolExhausted
+from ..formats import KvStorageFormat
+from ._util import int8kv_cache_class
+from .errors import CorruptKvFile, IncompatibleCache, ModelMismatch
+from .files import check_path, open_for_reading
+from .fingerprint import ModelFingerprint, as_fingerprint
+from .format import CODES, SCALES, Header, read_data, read_header
+
+__all__ = ["LoadedKv", "load_kv"]
+
+
+@dataclass(frozen=True)
+class LoadedKv:
+    """What :func:`load_kv` restored."""
+
+    cache: Any  # the cache now holding the state (the one passed in, or a new QuantizedKvCache)
+    token_ids: torch.Tensor | None  # [batch, seq_len] int64, the tokens the state was computed from
+    seq_len: int
+    batch: int
+    format: KvStorageFormat
+    model: ModelFingerprint | None
+    metadata: dict[str, Any]
+    seq_id: Any = None  # the new sequence, for a PagedKvCache
+
+
+def load_kv(
+    path: str | os.PathLike[str],
+    cache: Any = None,
+    *,
+    model: Any = None,
+    weights_id: str | None = None,
+    seq_id: Any = None,
+    device: torch.device | str | None = None,
+) -> LoadedKv:
+    """Restore a state written by :func:`save_kv` into ``cache``; on any error ``cache`` is left untouched.
+
+    Args:
+        cache: where to load. A :class:`QuantizedKvCache` or an ``int8kv.hf.Int8KvCache`` is overwritten
+            with the file's state (its previous tokens are dropped). A :class:`PagedKvCache` gets a new
+            sequence ``seq_id`` holding the state, in freshly allocated blocks. None: a new
+            :class:`QuantizedKvCache` of exactly the file's length is created on ``device``.
+        model: the model (or config, or :class:`ModelFingerprint`) the state is loaded for; the file's
+            fingerprint must equal it field by field. None skips the check (the target's shapes are still
+            checked). Pass a precomputed fingerprint to avoid re-hashing the weights on every load.
+        weights_id: with a model/config, the id given to :func:`save_kv` instead of the weight hash.
+        device: where new storage goes when the target has none yet (a new cache, an Int8KvCache before its
+            first forward); default: the device of ``model`` if it is a torch module, else the CPU.
+
+    Raises (all :class:`~int8kv.errors.StoreError`, except a full paged pool): KvPathError, UnsupportedKvFile,
+    CorruptKvFile (TruncatedKvFile, ChecksumMismatch, HeaderShapeMismatch), ModelMismatch, IncompatibleCache,
+    KvFileUnreadable; KvPoolExhausted when the paged pool lacks the blocks.
+    """
+    name = check_path(path)
+    expected = as_fingerprint(model, weights_id)
+    if device is None and isinstance(model, torch.nn.Module):
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else None
+    with open_for_reading(name) as (f, size):
+        header = read_header(f, size)
+        if expected is not None:
+            _check_model(header, expected)
+        # Everything that can refuse is checked before the data is read and before the target changes.
+        commit = _plan(header, cache, seq_id, device)
+        tensors = read_data(f, header, keep={t.name for t in header.tensors})
+    target = commit(_to_state(header, tensors))
+    token_ids = tensors["token_ids"].clone() if header.has_token_ids else None
+    return LoadedKv(target, token_ids, header.seq_len, header.batch, header.fmt, header.model, header.metadata, seq_id)
+
+
+def _check_model(header: Header, expected: ModelFingerprint) -> None:
+    if header.model is None:
+        raise ModelMismatch("the file records no model fingerprint; load it with model=None to skip the check")
+    diffs = header.model.differences(expected)
+    if diffs:
+        raise ModelMismatch("the KV state was computed by another model (file != model): " + "; ".join(diffs))
+
+
+def _to_state(header: Header, t: dict[str, torch.Tensor]) -> KvState:
+    """The checked tensors as a KvState: per layer ``[batch, seq_len, heads, dim]`` codes (views, no copy)."""
+    k_codes, v_codes = (list(t[name].unbind(0)) for name in CODES)
+    k_scales, v_scales = (list(t[name].unbind(0)) for name in SCALES) if header.fmt.is_quantized else (None, None)
+    try:
+        return KvState.build(header.layout, k_codes, v_codes, k_scales, v_scales)
+    except KvCacheError as exc:  # cannot happen for a header read_header accepted; kept typed regardless
+        raise CorruptKvFile(f"the file's tensors do not form a KV state: {exc}") from exc
+
+
+def _check_fits(header: Header, what: str, layout: Any) -> None:
+    if layout.format != header.fmt:
+        raise IncompatibleCache(f"the file stores {header.fmt.value} but the {what} holds {layout.format.value}")
+    if layout.dims != header.layout.dims:
+        raise IncompatibleCache(
+            f"the file holds (layers, kv heads, head_dim) {header.layout.dims} but the {what} has {layout.dims}"
+        )
+
+
+def _plan(header: Header, cache: Any, seq_id: Any, device: torch.device | str | None) -> Callable[[KvState], Any]:
+    """Check that the state fits ``cache`` and return the function that imports it there. The caches'
+    import_state methods are atomic and check again; checking here first refuses before the data is read,
+    with the store's own errors."""
+    if seq_id is not None and not isinstance(cache, PagedKvCache):
+        raise IncompatibleCache("seq_id is only meaningful when loading into a PagedKvCache")
+    if cache is None or isinstance(cache, QuantizedKvCache):
+        if header.batch != 1:
+            raise IncompatibleCache(f"the file holds a batch of {header.batch}; load it into an Int8KvCache")
+        if cache is None:
+            return lambda state: _into_new_cache(state, device)
+        _check_fits(header, "cache", cache.layout)
+        if header.seq_len > cache.capacity:
+            raise IncompatibleCache(
+                f"the file holds {header.seq_len} tokens but the cache's capacity is {cache.capacity}"
+            )
+        return lambda state: _imported(cache, cache.import_state, state)
+    if isinstance(cache, PagedKvCache):
+        if header.batch != 1:
+            raise IncompatibleCache(f"the file holds a batch of {header.batch}; a paged sequence holds one")
+        if seq_id is None:
+            raise IncompatibleCache("loading into a PagedKvCache needs seq_id= (the new sequence to create)")
+        _check_fits(header, "paged cache", cache.layout)
+        if seq_id in cache.allocator:
+            raise IncompatibleCache(f"sequence {seq_id!r} already exists in the paged cache")
+        need = cache.allocator.blocks_for_tokens(header.seq_len)
+        if need > cache.num_free_blocks:
+            raise KvPoolExhausted(f"the state needs {need} block(s), only {cache.num_free_blocks} are free")
+        return lambda state: _imported(cache, cache.import_state, seq_id, state)
+    hf_cache = int8kv_cache_class()
+    if hf_cache is not None and isinstance(cache, hf_cache):
+        if cache.format != header.fmt:
+            raise IncompatibleCache(
+                f"the file stores {header.fmt.value} but the Int8KvCache holds {cache.format.value}"
+            )
+        layers = len(cache.layers)
+        if layers and layers != header.num_layers:
+            raise IncompatibleCache(f"the file holds {header.num_layers} layers but the cache has {layers}")
+        # Heads and head_dim of layers already filled are checked by import_state (atomic, nothing changed).
+        return lambda state: _imported(cache, cache.import_state, state, device=device)
+    raise IncompatibleCache(
+        f"cannot load into a {type(cache).__name__}: expected QuantizedKvCache, PagedKvCache, Int8KvCache or None"
+    )
+
+
+def _into_new_cache(state: KvState, device: torch.device | str | None) -> QuantizedKvCache:
+    layout = state.layout
+    cache = QuantizedKvCache(
+        layout.num_layers, state.length, layout.num_kv_heads, layout.head_dim, layout.format, device or "cpu"
+    )
+    return _imported(cache, cache.import_state, state)
+
+
+def _imported(cache: Any, import_state: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a cache's import_state; a refusal it makes (the cache unchanged) becomes IncompatibleCache, except a
+    full pool, which stays KvPoolExhausted."""
+    try:
+        import_state(*args, **kwargs)
+    except KvPoolExhausted:
+        raise
+    except KvCacheError as exc:
+        raise IncompatibleCache(f"the {type(cache).__name__} refused the state: {exc}") from exc
+    return cache
