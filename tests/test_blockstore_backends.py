@@ -78,15 +78,13 @@ def test_lookup_stops_at_first_miss_and_blocks_round_trip(store):
         assert store.put(k, v)
     assert store.put(keys[6], values[6])  # present, but after the gap at 5
     assert store.lookup(keys) == 5
-    got = store.get_blocks(keys, spec)
-    assert len(got) == 5
-    for i, s in enumerate(got):
-        assert s.equal(state.slice(4 * i, 4 * i + 4))
+    got = store.get_prefix(keys, spec)
+    assert got.equal(state.slice(0, 5 * 4))  # one state of the 5 blocks, bit-exact
     raw = store.get(keys)
     assert raw[:5] == values[:5] and raw[5] is None and raw[6] == values[6] and raw[7] is None
     stats = store.stats()
     assert (stats.puts, stats.errors, stats.invalid) == (6, 0, 0)
-    assert stats.hits == 6 + 6 and stats.misses == 2 + 2  # get_blocks and get each asked all 8 keys
+    assert stats.hits == 6 + 6 and stats.misses == 2 + 2  # get_prefix and get each asked all 8 keys
 
 
 def test_a_middle_block_deleted_stops_reuse_at_it(store):
@@ -97,7 +95,7 @@ def test_a_middle_block_deleted_stops_reuse_at_it(store):
         store.put(k, v)
     assert store.lookup(keys) == 6
     store.delete(keys[3])  # evicted by the server (or another process) after a lookup
-    assert len(store.get_blocks(keys, spec)) == 3
+    assert store.get_prefix(keys, spec).length == 3 * 4
     assert store.lookup(keys) == 3
 
 
@@ -121,12 +119,11 @@ def test_damaged_value_is_a_miss_and_is_replaced(store):
     for k, v in zip(keys, [values[0], bytes(damaged), values[2]], strict=True):
         store.put(k, v)
     assert store.lookup(keys) == 3  # present, but not valid
-    assert len(store.get_blocks(keys, spec)) == 1
+    assert store.get_prefix(keys, spec).length == 4
     assert store.stats().invalid == 1
     assert store.get([keys[1]]) == [None]  # a damaged value is deleted so a writer can replace it
     assert store.put(keys[1], values[1])
-    got = store.get_blocks(keys, spec)
-    assert len(got) == 3 and got[1].equal(state.slice(4, 8))
+    assert store.get_prefix(keys, spec).equal(state)
 
 
 def test_wrong_version_or_fingerprint_is_a_miss_and_left_alone(store):
@@ -135,13 +132,13 @@ def test_wrong_version_or_fingerprint_is_a_miss_and_left_alone(store):
     keys = key_chain(2, seed=6)
     newer = reframe(values[0], version=2)
     store.put(keys[0], newer)
-    assert store.get_blocks(keys, spec) == []
+    assert store.get_prefix(keys, spec) is None
     assert store.get([keys[0]]) == [newer]  # another reader may understand it
     other = small_spec(fingerprint="another-model")
     _, (theirs,) = blocks(other, 1, seed=6)
     store.put(keys[1], theirs)
-    assert store.get_blocks(keys[1:], spec) == []
-    assert len(store.get_blocks(keys[1:], other)) == 1
+    assert store.get_prefix(keys[1:], spec) is None
+    assert store.get_prefix(keys[1:], other).length == 4
     assert store.stats().invalid == 2
 
 
@@ -200,7 +197,7 @@ def test_server_killed_mid_run_gives_misses_not_exceptions():
         assert_gone(pid)
         assert store.lookup(keys) == 0
         assert store.get(keys) == [None] * 4
-        assert store.get_blocks(keys, spec) == []
+        assert store.get_prefix(keys, spec) is None
         assert store.put(keys[2], values[2]) is False
         store.delete(keys[0])
         accepted = sum(writer.submit(k, v) for k, v in zip(keys * 3, values * 3, strict=True))
@@ -309,9 +306,9 @@ def test_disk_store_survives_a_partial_temp_file_and_a_truncated_block(tmp_path)
     partial.write_bytes(values[0][:100])  # a writer died mid-write
     assert store.lookup(keys) == 0 and store.total_bytes() == 0
     assert store.put(keys[0], values[0]) and store.put(keys[1], values[1])
-    assert len(store.get_blocks(keys, spec)) == 2
+    assert store.get_prefix(keys, spec).equal(state)
     store.path_of(keys[1]).write_bytes(values[1][:-10])  # a block damaged on disk
-    assert len(store.get_blocks(keys, spec)) == 1
+    assert store.get_prefix(keys, spec).length == 4
     assert not store.path_of(keys[1]).exists()
     # A stale temp file is removed when a store opens the directory; a fresh one is left to its writer.
     os.utime(partial, (0, 0))
@@ -320,7 +317,7 @@ def test_disk_store_survives_a_partial_temp_file_and_a_truncated_block(tmp_path)
     DiskBlockStore(tmp_path, namespace="crash")
     assert not partial.exists() and fresh.exists()
     assert not any(p.name.startswith(".tmp-") and p != fresh for p in store.root.iterdir())
-    assert store.get_blocks(keys[:1], spec)[0].equal(state.slice(0, 4))
+    assert store.get_prefix(keys[:1], spec).equal(state.slice(0, 4))
 
 
 def test_disk_store_ttl_expires_by_write_time(tmp_path):

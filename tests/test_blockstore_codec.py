@@ -18,9 +18,11 @@ from int8kv.blockstore import (
     IncompatibleBlock,
     InvalidBlockValues,
     UnsupportedBlock,
+    assemble_blocks,
     decode_block,
     encode_block,
     read_header,
+    verify_block,
 )
 from int8kv.cache.state import KvLayout
 from int8kv.codec import quantize_int8_torch
@@ -235,3 +237,26 @@ def test_spec_refuses_bad_fields(kwargs):
     args = {"layout": KvLayout(2, 2, 8, INT8), "block_size": 4, "fingerprint": "m", **kwargs}
     with pytest.raises(BlockEncodeError):
         BlockSpec(**args)
+
+
+def test_assemble_blocks_concatenates_verified_blocks_in_order():
+    spec = small_spec()
+    state, values = blocks(spec, 5, seed=12)
+    for v in values:
+        verify_block(spec, v)
+    assert assemble_blocks(spec, values).equal(state)
+    assert assemble_blocks(spec, values[1:3]).equal(state.slice(4, 12))
+    with pytest.raises(BlockEncodeError):
+        assemble_blocks(spec, [])
+
+
+def test_header_with_extra_padding_is_refused():
+    spec = small_spec()
+    _, (value,) = blocks(spec, 1, seed=13)
+    header_len = read_header(value).header_len
+    padded = bytearray(value[:header_len]) + bytes(8) + value[header_len:-4]
+    FIXED.pack_into(padded, 0, *[header_len + 8 if f == "header_len" else v
+                                 for f, v in zip(FIELDS, FIXED.unpack_from(padded, 0), strict=True)])
+    forged = bytes(padded) + struct.pack("<I", zlib.crc32(padded))
+    with pytest.raises(CorruptBlock, match="header length"):
+        decode_block(spec, forged)

@@ -2,7 +2,7 @@
 
     store = open_block_store("embedded" | "disk:/path" | "redis://host:6379/0" | "redis+cluster://h:p,h:p")
     n = store.lookup(keys)                      # longest cached prefix of a 32-byte key chain
-    states = store.get_blocks(keys[:n], spec)   # verified KvState per block; stops at the first miss
+    state = store.get_prefix(keys[:n], spec)    # one verified KvState of the blocks; stops at the first miss
     BackgroundWriter(store).submit(key, encode_block(spec, state.slice(a, b)))
 
 Store faults are misses (counted in ``store.stats()``, logged once per interval), never exceptions.
@@ -10,7 +10,16 @@ The value format is specified in docs/block_store.md.
 """
 
 from .base import BlockStore, StoreStats
-from .codec import VALUE_VERSION, BlockHeader, BlockSpec, decode_block, encode_block, read_header
+from .codec import (
+    VALUE_VERSION,
+    BlockHeader,
+    BlockSpec,
+    assemble_blocks,
+    decode_block,
+    encode_block,
+    read_header,
+    verify_block,
+)
 from .errors import (
     BlockEncodeError,
     BlockStoreError,
@@ -43,8 +52,10 @@ __all__ = [
     "StoreStats",
     "StoreUnavailable",
     "UnsupportedBlock",
+    "assemble_blocks",
     "decode_block",
     "encode_block",
     "open_block_store",
     "read_header",
+    "verify_block",
 ]

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from ..cache.state import KvState
-from .codec import BlockSpec, decode_block
+from .codec import BlockSpec, assemble_blocks, verify_block
 from .errors import BlockValueError, CorruptBlock, InvalidBlockKey
 
 __all__ = ["BlockStore", "StoreStats", "check_key", "check_namespace"]
@@ -36,7 +36,7 @@ class StoreStats:
     """Counters of one store (read with :meth:`BlockStore.stats`, a copy).
 
     hits / misses: keys asked of ``get`` that came back with a value / without one (absent, or the call
-    failed). invalid: values returned but refused by the codec in ``get_blocks`` (damaged, other version or
+    failed). invalid: values returned but refused by the codec in ``get_prefix`` (damaged, other version or
     model). errors: store calls that failed (connection, timeout, I/O). puts: values this store wrote;
     existing: puts skipped because the key was already set (first writer wins). dropped_writes: blocks not
     written (the background writer's queue was full, or the put failed).
@@ -152,26 +152,28 @@ class BlockStore(ABC):
         self._count(puts=int(written), existing=int(not written))
         return written
 
-    def get_blocks(self, keys: Sequence[bytes], spec: BlockSpec) -> list[KvState]:
-        """Decoded states of the longest run of ``keys`` whose values are present and pass every check.
+    def get_prefix(self, keys: Sequence[bytes], spec: BlockSpec) -> KvState | None:
+        """The batch-1 state of the longest run of ``keys`` whose values are present and pass every check
+        (``n * spec.block_size`` tokens for n blocks), or None if the first block is already a miss.
 
         Stops at the first miss: absent (e.g. evicted since :meth:`lookup`), failed, or refused by the codec.
         A damaged value (framing, checksum, values) is deleted so a later writer can replace it; a valid value
         of another version or model is left alone (another reader may want it).
         """
-        states: list[KvState] = []
+        good: list[bytes] = []
         for key, value in zip(keys, self.get(keys), strict=True):
             if value is None:
                 break
             try:
-                states.append(decode_block(spec, value))
+                verify_block(spec, value)
             except BlockValueError as exc:
                 self._count(invalid=1)
                 self._log(f"{self.scheme} store: refused block {bytes(key).hex()[:16]}: {exc}")
                 if isinstance(exc, CorruptBlock):
                     self.delete(key)
                 break
-        return states
+            good.append(value)
+        return assemble_blocks(spec, good) if good else None
 
     def delete(self, key: bytes) -> None:
         """Remove ``key`` if present (a fault is counted and ignored)."""

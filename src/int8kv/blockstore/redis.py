@@ -214,17 +214,18 @@ class RedisBlockStore(BlockStore):
         """The Redis key of a block key: ``namespace:hex``."""
         return self._prefix + bytes(key).hex().encode()
 
-    def _pipeline(self) -> Any:
+    def pipeline(self) -> Any:
+        """A non-transactional pipeline of the client (a cluster pipeline splits it per node)."""
         return self.client.pipeline() if self.cluster else self.client.pipeline(transaction=False)
 
     def _exists(self, keys: list[bytes]) -> Sequence[bool]:
-        pipe = self._pipeline()
+        pipe = self.pipeline()
         for key in keys:
             pipe.exists(self.key_name(key))
         return [bool(n) for n in pipe.execute()]
 
     def _get(self, keys: list[bytes]) -> Sequence[bytes | None]:
-        pipe = self._pipeline()
+        pipe = self.pipeline()
         for key in keys:
             pipe.get(self.key_name(key))
         return pipe.execute()
