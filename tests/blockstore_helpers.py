@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 
 import torch
+import xxhash
 
 from int8kv.blockstore import BlockSpec, encode_block
 from int8kv.cache.state import KvLayout, KvState
@@ -53,3 +55,22 @@ def blocks(spec: BlockSpec, n: int, seed: int = 0) -> tuple[KvState, list[bytes]
     state = random_state(spec.layout, n * spec.block_size, seed)
     bs = spec.block_size
     return state, [encode_block(spec, state.slice(i * bs, (i + 1) * bs)) for i in range(n)]
+
+
+# The fixed header as docs/block_store.md states it, written out here independently of the codec.
+FIXED = struct.Struct("<8sHHHBBIIIIIIQ")
+FIELDS = [
+    "magic", "version", "storage_version", "header_len", "name_len", "fp_len",
+    "num_layers", "head_start", "head_end", "head_dim", "block_size", "tokens", "payload_len",
+]
+
+
+def reframe(value: bytes, payload_patch=None, **fields) -> bytes:
+    """``value`` with header fields replaced and/or payload bytes patched, and a recomputed valid digest."""
+    buf = bytearray(value[:-16])
+    header = dict(zip(FIELDS, FIXED.unpack_from(buf, 0), strict=True))
+    header.update(fields)
+    FIXED.pack_into(buf, 0, *(header[name] for name in FIELDS))
+    if payload_patch is not None:
+        payload_patch(buf, dict(zip(FIELDS, FIXED.unpack_from(value, 0), strict=True))["header_len"])
+    return bytes(buf) + xxhash.xxh3_128_digest(bytes(buf))

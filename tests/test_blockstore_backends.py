@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
-from blockstore_helpers import blocks, key_chain, small_spec
-from test_blockstore_codec import reframe
+from blockstore_helpers import F16, INT8, blocks, key_chain, reframe, small_spec
 from valkey_servers import ValkeyCluster, assert_gone, node
 
 from int8kv.blockstore import BackgroundWriter, open_block_store
@@ -69,8 +70,9 @@ def store(request, tmp_path):
         assert_gone(pid)
 
 
-def test_lookup_stops_at_first_miss_and_blocks_round_trip(store):
-    spec = small_spec()
+@pytest.mark.parametrize("fmt", [INT8, F16])
+def test_lookup_stops_at_first_miss_and_blocks_round_trip(store, fmt):
+    spec = small_spec(fmt)
     state, values = blocks(spec, 8, seed=1)
     keys = key_chain(8, seed=1)
     assert store.lookup(keys) == 0
@@ -180,7 +182,7 @@ def test_cluster_spreads_blocks_over_its_nodes(valkey_cluster):
     store.close()
 
 
-def test_server_killed_mid_run_gives_misses_not_exceptions():
+def test_server_killed_mid_run_gives_misses_not_exceptions(caplog):
     server = node()
     pid = server.pid
     try:
@@ -195,6 +197,7 @@ def test_server_killed_mid_run_gives_misses_not_exceptions():
         writer = BackgroundWriter(store, max_pending=2)
         server.kill()
         assert_gone(pid)
+        caplog.set_level(logging.WARNING, logger="int8kv.blockstore")
         assert store.lookup(keys) == 0
         assert store.get(keys) == [None] * 4
         assert store.get_prefix(keys, spec) is None
@@ -204,15 +207,46 @@ def test_server_killed_mid_run_gives_misses_not_exceptions():
         assert writer.flush(timeout=30)
         writer.close()
         stats = store.stats()
-        assert stats.errors >= 5
-        assert stats.dropped_writes == 1 + accepted + (12 - accepted)  # failed puts + full-queue drops
-        assert accepted < 12  # the bounded queue dropped some
+        assert stats.errors == 5 + accepted  # lookup, get, get_prefix's get, put, delete, each writer put
+        assert stats.dropped_writes == 1 + 12  # the direct put, and every submitted block: failed or dropped
+        assert writer.dropped == 12 - accepted
+        # One warning line for the whole burst of faults (rate-limited), naming the failure.
+        lines = [r for r in caplog.records if r.name == "int8kv.blockstore"]
+        assert len(lines) == 1 and "lookup failed" in lines[0].getMessage()
         # With the default back-off, calls during the window do not touch the network at all.
         store.retry_after = 60.0
         store.lookup(keys)
         errors = store.stats().errors
         assert store.lookup(keys) == 0 and store.get(keys) == [None] * 4
         assert store.stats().errors == errors
+        store.close()
+    finally:
+        server.stop()
+    assert_gone(pid)
+
+
+def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
+    server = node()
+    pid = server.pid
+    try:
+        store = open_block_store(server.url + "?timeout=0.5", namespace=_namespace())
+        spec = small_spec()
+        _, values = blocks(spec, 3, seed=16)
+        keys = key_chain(3, seed=16)
+        store.put(keys[0], values[0])
+        os.kill(pid, signal.SIGSTOP)  # the server accepts connections but never answers
+        try:
+            writer = BackgroundWriter(store, max_pending=2)
+            # The first put holds the writer thread for the 0.5 s socket timeout: the queue fills up.
+            accepted = [writer.submit(k, v) for k, v in zip(keys * 4, values * 4, strict=True)]
+            assert accepted.count(False) >= 12 - 1 - 2  # at most one in flight and two queued
+            assert store.lookup(keys) == 0  # a timeout (or the back-off window after it): a miss
+            assert writer.flush(timeout=30)
+            writer.close()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        stats = store.stats()
+        assert stats.errors >= 1 and stats.dropped_writes == 12 and stats.puts == 1
         store.close()
     finally:
         server.stop()

@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 import xxhash
-from blockstore_helpers import F16, INT8, blocks, random_state, small_spec
+from blockstore_helpers import F16, FIELDS, FIXED, INT8, blocks, random_state, reframe, small_spec
 
 from int8kv.blockstore import (
     BlockEncodeError,
@@ -26,24 +26,6 @@ from int8kv.blockstore import (
 )
 from int8kv.cache.state import KvLayout
 from int8kv.codec import quantize_int8_torch
-
-# The fixed header as docs/block_store.md states it, written out here independently of the codec.
-FIXED = struct.Struct("<8sHHHBBIIIIIIQ")
-FIELDS = [
-    "magic", "version", "storage_version", "header_len", "name_len", "fp_len",
-    "num_layers", "head_start", "head_end", "head_dim", "block_size", "tokens", "payload_len",
-]
-
-
-def reframe(value: bytes, payload_patch=None, **fields) -> bytes:
-    """``value`` with header fields replaced and/or payload bytes patched, and a recomputed valid digest."""
-    buf = bytearray(value[:-16])
-    header = dict(zip(FIELDS, FIXED.unpack_from(buf, 0), strict=True))
-    header.update(fields)
-    FIXED.pack_into(buf, 0, *(header[name] for name in FIELDS))
-    if payload_patch is not None:
-        payload_patch(buf, dict(zip(FIELDS, FIXED.unpack_from(value, 0), strict=True))["header_len"])
-    return bytes(buf) + xxhash.xxh3_128_digest(bytes(buf))
 
 
 @pytest.mark.parametrize("fmt", [INT8, F16])
