@@ -253,6 +253,31 @@ def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
     assert_gone(pid)
 
 
+def test_a_dead_cluster_node_gives_misses_not_exceptions():
+    cluster = ValkeyCluster(3)  # private: this test kills one of its nodes
+    pids = cluster.pids
+    try:
+        store = open_block_store(cluster.url, namespace=_namespace())
+        store.retry_after = 0.0
+        spec = small_spec()
+        _, values = blocks(spec, 12, seed=17)
+        keys = key_chain(12, seed=17)
+        for k, v in zip(keys, values, strict=True):
+            store.put(k, v)
+        assert store.lookup(keys) == 12
+        cluster.nodes[1].kill()
+        assert store.lookup(keys) < 12
+        got = store.get_prefix(keys, spec)
+        assert got is None or got.length < 12 * 4
+        store.put(key_chain(1, seed=18)[0], values[0])
+        assert store.stats().errors >= 2
+        store.close()
+    finally:
+        cluster.stop()
+    for pid in pids:
+        assert_gone(pid)
+
+
 def test_unreachable_server_at_open_is_a_miss():
     server = node()
     url = server.url

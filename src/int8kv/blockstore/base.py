@@ -168,7 +168,7 @@ class BlockStore(ABC):
                 verify_block(spec, value)
             except BlockValueError as exc:
                 self._count(invalid=1)
-                self._log(f"{self.scheme} store: refused block {bytes(key).hex()[:16]}: {exc}")
+                self._log(f"{self!r}: refused block {bytes(key).hex()[:16]}: {exc}")
                 if isinstance(exc, CorruptBlock):
                     self.delete(key)
                 break
@@ -202,6 +202,9 @@ class BlockStore(ABC):
             self._close()
         except Exception as exc:
             self._fault("close", exc)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.scheme}, namespace={self.namespace!r})"
 
     def __enter__(self) -> BlockStore:
         return self
@@ -242,7 +245,7 @@ class BlockStore(ABC):
     def _fault(self, operation: str, exc: BaseException) -> None:
         self._count(errors=1)
         self._down_until = time.monotonic() + self.retry_after
-        self._log(f"{self.scheme} store: {operation} failed, treated as a miss: {type(exc).__name__}: {exc}")
+        self._log(f"{self!r}: {operation} failed, treated as a miss: {type(exc).__name__}: {exc}")
 
     def _log(self, message: str) -> None:
         """One warning line, at most one per ``log_interval`` seconds per store; the rest are counted."""

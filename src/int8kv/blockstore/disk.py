@@ -185,7 +185,7 @@ class DiskBlockStore(BlockStore):
             self._total = total
 
     def __repr__(self) -> str:
-        return f"DiskBlockStore({str(self.root)!r}, max_bytes={self.max_bytes})"
+        return f"DiskBlockStore({str(self.root)!r}, namespace={self.namespace!r}, max_bytes={self.max_bytes})"
 
 
 def _fsync_dir(directory: Path) -> None:
