@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -18,9 +19,9 @@ import pytest
 from blockstore_helpers import F16, INT8, blocks, key_chain, reframe, small_spec
 from valkey_servers import ValkeyCluster, assert_gone, node
 
-from int8kv.blockstore import BackgroundWriter, open_block_store
+from int8kv.blockstore import BackgroundWriter, StoreUnavailable, open_block_store
 from int8kv.blockstore.disk import DiskBlockStore
-from int8kv.blockstore.embedded import EmbeddedValkeyStore
+from int8kv.blockstore.embedded import EmbeddedValkeyStore, ValkeyProcess
 
 BACKENDS = ["disk", "valkey", "cluster", "embedded"]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -390,3 +391,13 @@ def test_disk_store_ttl_expires_by_write_time(tmp_path):
     assert store.lookup(keys) == 1
     assert store.get(keys)[1] is None and not store.path_of(keys[1]).exists()
     assert store.put(keys[1], values[1])  # the expired key can be written again
+
+
+def test_a_taken_port_is_a_typed_start_error_and_leaves_nothing():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = ValkeyProcess(port=taken.getsockname()[1])
+        with pytest.raises(StoreUnavailable, match="in use"):
+            server.start()
+    assert server.pid is None and server.directory is None

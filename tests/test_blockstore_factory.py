@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from int8kv.blockstore import InvalidBlockKey, InvalidStoreUrl, open_block_store
+from int8kv.blockstore import InvalidBlockKey, InvalidStoreUrl, StoreUnavailable, open_block_store
 from int8kv.blockstore.disk import DiskBlockStore, parse_size
 from int8kv.blockstore.redis import RedisBlockStore, parse_redis_url
 
@@ -94,3 +94,10 @@ def test_parse_size():
     for bad in ("", "0", "-1", "1x", "1.5g", 0):
         with pytest.raises(InvalidStoreUrl):
             parse_size(bad)
+
+
+def test_disk_store_on_an_unusable_path_is_a_typed_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(StoreUnavailable):
+        open_block_store(f"disk:{blocker}")

