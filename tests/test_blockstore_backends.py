@@ -230,7 +230,7 @@ def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
     server = node()
     pid = server.pid
     try:
-        store = open_block_store(server.url + "?timeout=0.5", namespace=_namespace())
+        store = open_block_store(server.url + "?timeout=1", namespace=_namespace())
         spec = small_spec()
         _, values = blocks(spec, 3, seed=16)
         keys = key_chain(3, seed=16)
@@ -238,7 +238,7 @@ def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
         os.kill(pid, signal.SIGSTOP)  # the server accepts connections but never answers
         try:
             writer = BackgroundWriter(store, max_pending=2)
-            # The first put holds the writer thread for the 0.5 s socket timeout: the queue fills up.
+            # The first put holds the writer thread for the 1 s socket timeout: the queue fills up.
             accepted = [writer.submit(k, v) for k, v in zip(keys * 4, values * 4, strict=True)]
             assert accepted.count(False) >= 12 - 1 - 2  # at most one in flight and two queued
             assert store.lookup(keys) == 0  # a timeout (or the back-off window after it): a miss
