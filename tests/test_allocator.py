@@ -1,17 +1,33 @@
-"""Block allocator: bookkeeping, fork / copy-on-write, atomic failures, and no leaks under any op sequence."""
+"""Block allocator: bookkeeping, fork / copy-on-write, prefix caching (hits, LRU eviction), atomic failures,
+and no leaks under any op sequence."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from int8kv.cache.allocator import BlockAllocator
-from int8kv.errors import KvCacheError, KvPoolExhausted, ShapeMismatch, UnknownSequence
+from int8kv.cache.prefix import PrefixHasher
+from int8kv.cache.state import KvLayout
+from int8kv.errors import KvCacheError, KvPoolExhausted, PrefixKeyError, ShapeMismatch, UnknownSequence
 
 
 def snapshot(a: BlockAllocator) -> tuple:
-    return (list(a._free), list(a._refcounts), {k: (list(s.blocks), s.length) for k, s in a._seqs.items()})
+    """Everything the allocator knows, through its public queries."""
+    blocks = range(a.num_blocks)
+    return (
+        a.free_blocks(),
+        a.cached_blocks(),
+        [a.refcount(b) for b in blocks],
+        [a.block_key(b) for b in blocks],
+        {s: (a.block_table(s), a.context_len(s)) for s in a.sequences()},
+        (a.queried_tokens, a.hit_tokens, a.evictions),
+    )
+
+
+def hasher(block_size: int) -> PrefixHasher:
+    return PrefixHasher(KvLayout(2, 2, 8), "test-model", block_size)
 
 
 def test_add_grow_free_bookkeeping():
@@ -102,6 +118,208 @@ def test_copy_on_write_exhaustion_changes_nothing():
     with pytest.raises(KvPoolExhausted):
         a.grow("c", 1)  # the copy needs a block and none is free
     assert snapshot(a) == before
+
+
+def test_freed_keyed_blocks_stay_cached_and_are_reused():
+    a, h = BlockAllocator(8, 4), hasher(4)
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    keys = h.block_keys(prompt)
+    assert a.add_sequence("a", len(prompt), keys) == 0  # empty cache: a miss
+    table = a.block_table("a")
+    assert a.register_blocks("a", keys) == 2
+    assert [a.block_key(b) for b in table] == [*keys, None] and a.lookup(keys[1]) == table[1]
+    a.free("a")
+    # The two keyed blocks are cached (and still allocatable); the partial one is plain free.
+    assert a.num_free_blocks == 8 and a.num_cached_blocks == 2
+    assert set(a.cached_blocks()) == set(table[:2]) and table[2] in a.free_blocks()
+    # A new request with the same first 9 tokens reuses both blocks and computes only the rest.
+    other = prompt[:9] + [7, 7, 7]
+    okeys = h.block_keys(other)
+    assert a.match_prefix(okeys, len(other)) == 8
+    assert a.add_sequence("b", len(other), okeys) == 8
+    assert a.block_table("b")[:2] == table[:2] and a.num_cached_blocks == 0
+    assert a.refcount(table[0]) == 1 and a.num_free_blocks == 5
+    # Queried: the full blocks offered, 2 of "a" and 3 of "b".
+    assert (a.queried_tokens, a.hit_tokens, a.evictions) == (20, 8, 0) and a.hit_rate == 8 / 20
+
+
+def test_a_full_hit_leaves_at_least_one_token_to_compute():
+    a, h = BlockAllocator(8, 4), hasher(4)
+    prompt = list(range(12))  # exactly 3 blocks
+    keys = h.block_keys(prompt)
+    a.add_sequence("a", 12, keys)
+    a.register_blocks("a", keys)
+    a.free("a")
+    # All three blocks are cached, but reusing all of them would leave nothing to compute the logits from.
+    assert a.match_prefix(keys, 12) == 8
+    assert a.add_sequence("b", 12, keys) == 8
+    assert len(a.block_table("b")) == 3 and a.block_table("b")[2] not in [a.lookup(k) for k in keys[:2]]
+    # The cap follows num_tokens: a sequence that holds one more token may reuse all three.
+    assert a.match_prefix(keys, 13) == 12
+    for n in (0, 1, 4):
+        assert a.match_prefix(keys, n) == 0
+    assert a.match_prefix(keys, 5) == 4
+
+
+def test_hit_on_a_running_sequence_shares_its_blocks_for_free():
+    a, h = BlockAllocator(6, 4), hasher(4)
+    keys = h.block_keys(list(range(8)) + [1])
+    a.add_sequence("a", 9, keys)
+    a.register_blocks("a", keys)
+    assert a.blocks_needed_to_add(9, keys) == 1  # two shared blocks cost nothing, the third is new
+    a.free("a")
+    assert a.blocks_needed_to_add(9, keys) == 3  # now the two are cached: taking them uses allocatable ones
+    a.add_sequence("a", 9, keys)
+    assert a.add_sequence("b", 9, keys) == 8
+    shared = a.block_table("a")[:2]
+    assert a.block_table("b")[:2] == shared and [a.refcount(b) for b in shared] == [2, 2]
+    assert a.num_free_blocks == 6 - 4
+    a.free("a")
+    assert a.num_cached_blocks == 0  # b still references them
+    a.free("b")
+    assert a.num_cached_blocks == 2 and a.num_free_blocks == 6
+
+
+def test_eviction_takes_free_blocks_first_then_least_recently_freed():
+    a, h = BlockAllocator(6, 2), hasher(2)
+    seqs = {name: h.block_keys([i, i, i, i]) for i, name in enumerate("xyz")}
+    for name, keys in seqs.items():
+        a.add_sequence(name, 4, keys)
+        a.register_blocks(name, keys)
+    for name in "yxz":
+        a.free(name)
+    # LRU order: y's blocks (tail first), then x's, then z's.
+    order = [a.lookup(k) for name in "yxz" for k in reversed(seqs[name])]
+    assert a.cached_blocks() == order and a.free_blocks() == []
+    a.add_sequence("n", 5)  # 3 blocks: evicts y's two and x's tail
+    assert a.evictions == 3 and sorted(a.block_table("n")) == sorted(order[:3])
+    assert a.lookup(seqs["y"][0]) is None and a.lookup(seqs["x"][1]) is None
+    assert all(a.block_key(b) is None for b in a.block_table("n"))
+    # x's head block survives, but its successor is gone: reuse stops at the gap.
+    assert a.match_prefix(seqs["x"], 5) == 2 and a.match_prefix(seqs["z"], 5) == 4
+    a.free("n")  # unkeyed blocks go back to the free list and are handed out before any cached one
+    a.add_sequence("m", 6)
+    assert a.evictions == 3 and a.num_cached_blocks == 3
+    # A hit moves a block out of the LRU; freeing it again makes it the most recent.
+    a.free("m")
+    a.add_sequence("x2", 3, seqs["x"])
+    a.free("x2")
+    assert a.cached_blocks()[-1] == a.lookup(seqs["x"][0])
+
+
+def test_middle_block_evicted_stops_reuse_and_recompute_registers_again():
+    a, h = BlockAllocator(4, 2), hasher(2)
+    tokens = [5, 6, 7, 8, 9, 10]
+    keys = h.block_keys(tokens)
+    a.add_sequence("a", 6, keys)
+    a.register_blocks("a", keys)
+    a.free("a")
+    lru = a.cached_blocks()  # tail first: the third block, then the second, then the first
+    a.add_sequence("t", 2)  # takes the free block, no eviction
+    a.add_sequence("u", 2)  # evicts the least recent: the third block
+    assert a.evictions == 1 and a.lookup(keys[2]) is None and a.block_table("u") == [lru[0]]
+    a.free("t")
+    a.free("u")
+    assert a.match_prefix(keys, 7) == 4
+    assert a.add_sequence("b", 7, keys) == 4
+    assert a.register_blocks("b", keys) == 1  # only the recomputed third block is new
+    assert a.lookup(keys[2]) == a.block_table("b")[2]
+
+
+def test_preempted_sequence_hits_its_own_blocks_when_it_returns():
+    a, h = BlockAllocator(10, 4), hasher(4)
+    tokens = list(range(30, 43))  # 13 tokens: prompt and generated so far
+    keys = h.block_keys(tokens)
+    a.add_sequence(1, 13)
+    a.register_blocks(1, keys)
+    table = a.block_table(1)
+    a.free(1)  # preempted
+    assert a.add_sequence(1, 13, keys) == 12
+    assert a.block_table(1)[:3] == table[:3]
+
+
+def test_chunked_prefill_registers_blocks_as_they_fill():
+    a, h = BlockAllocator(12, 4), hasher(4)
+    prompt = list(range(20))
+    keys = h.block_keys(prompt)
+    assert a.add_sequence("a", 6, keys) == 0  # first chunk of 6 tokens
+    assert a.register_blocks("a", keys[:1]) == 1
+    with pytest.raises(PrefixKeyError):
+        a.register_blocks("a", keys[:2])  # the second block is not full yet
+    a.grow("a", 6)
+    assert a.register_blocks("a", keys[:3]) == 2
+    assert a.register_blocks("a", keys[:3]) == 0  # registering again is a no-op
+    # A second request with the same prompt, while the first is still prefilling, reuses what is done.
+    assert a.add_sequence("b", 13, keys) == 12
+    assert a.block_table("b")[:3] == a.block_table("a")[:3]
+
+
+def test_fork_and_copy_on_write_keep_keyed_blocks_intact():
+    a, h = BlockAllocator(8, 4), hasher(4)
+    tokens = list(range(6))  # one full block, one partial
+    keys = h.block_keys(tokens)
+    a.add_sequence("p", 6, keys)
+    a.register_blocks("p", keys)
+    full, partial = a.block_table("p")
+    a.fork("p", "c")
+    copies = a.grow("c", 1)  # copy-on-write of the partial block only, as without prefix caching
+    assert len(copies) == 1 and copies[0][0] == partial and a.block_key(copies[0][1]) is None
+    assert a.block_table("c")[0] == full and a.refcount(full) == 2 and a.block_key(full) == keys[0]
+    a.grow("c", 1)  # the child's private block is full now; registering it follows its own tokens
+    ckeys = h.block_keys(tokens + [9, 9])
+    assert a.register_blocks("c", ckeys) == 1
+    a.free("p")
+    a.free("c")
+    assert a.num_cached_blocks == 2 and a.num_free_blocks == 8
+    assert a.match_prefix(ckeys, 9) == 8 and a.match_prefix(keys + [h.root], 9) == 4
+
+
+def test_duplicate_prefix_first_registration_wins():
+    a, h = BlockAllocator(8, 4), hasher(4)
+    keys = h.block_keys(list(range(9)))
+    a.add_sequence("a", 9, keys)  # both admitted before either registered: computed twice
+    a.add_sequence("b", 9, keys)
+    assert a.register_blocks("a", keys) == 2
+    assert a.register_blocks("b", keys) == 0
+    assert [a.lookup(k) for k in keys] == a.block_table("a")[:2]
+    assert all(a.block_key(b) is None for b in a.block_table("b"))
+    a.free("b")
+    assert a.num_cached_blocks == 0  # b's copies carry no key: plain free blocks
+
+
+def test_prefix_errors_change_nothing():
+    a, h = BlockAllocator(4, 4), hasher(4)
+    keys = h.block_keys(list(range(12)))
+    a.add_sequence("a", 12, keys)
+    a.register_blocks("a", keys[:2])
+    other = h.block_keys([0] * 12)
+    before = snapshot(a)
+    for call in (
+        lambda: a.register_blocks("a", [keys[0], other[1]]),  # block 1 is registered under keys[1]
+        lambda: a.register_blocks("a", keys + [keys[0]]),  # more keys than full blocks
+        lambda: a.register_blocks("a", [keys[0], "x"]),
+        lambda: a.register_blocks("a", keys[0]),  # one key, not a list of keys
+        lambda: a.add_sequence("b", 4, ["abc"]),
+        lambda: a.match_prefix([1, 2], 8),
+    ):
+        with pytest.raises(PrefixKeyError):
+            call()
+        assert snapshot(a) == before
+    with pytest.raises(UnknownSequence):
+        a.register_blocks("zz", keys)
+    with pytest.raises(ShapeMismatch):
+        a.match_prefix(keys, -1)
+    with pytest.raises(ShapeMismatch):
+        a.add_sequence("b", -1, keys)
+    with pytest.raises(KvPoolExhausted):
+        a.add_sequence("b", 12, other)  # 3 blocks needed, 1 free
+    assert snapshot(a) == before
+    # A hit makes the same request fit: two of its three blocks are shared with "a".
+    assert not a.can_add(12, other) and a.can_add(12, keys)
+    assert a.add_sequence("b", 12, keys) == 8 and a.num_free_blocks == 0
+    # A repeated key (bad input) is never matched twice: no block appears twice in a table.
+    a.free("b")
+    assert a.match_prefix([keys[0], keys[0], keys[1]], 13) == 4
 
 
 class AllocatorMachine(RuleBasedStateMachine):
