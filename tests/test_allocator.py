@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from int8kv.cache.allocator import BlockAllocator
 from int8kv.cache.prefix import PrefixHasher
@@ -322,23 +322,100 @@ def test_prefix_errors_change_nothing():
     assert a.match_prefix([keys[0], keys[0], keys[1]], 13) == 4
 
 
+BS = 4  # the machine's block size
+# Prompts: random, or the start of one of two shared prompts plus a random tail, so that prefixes repeat.
+SHARED = ([0, 1, 2, 0, 1, 2, 2, 1, 0, 0, 2, 1, 1, 1, 0, 2], [2, 2, 0, 1, 0, 0, 1, 2, 2, 0, 1, 1])
+TAIL = st.lists(st.integers(0, 2), max_size=8)
+TOKENS = st.one_of(
+    st.lists(st.integers(0, 2), max_size=20),
+    st.builds(lambda p, n, tail: p[:n] + tail, st.sampled_from(SHARED), st.integers(0, 16), TAIL),
+)
+
+
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random add / grow / fork / free: refcounts always match the tables, nothing leaks, failures are atomic."""
+    """Random add (plain or with a prefix hit) / grow / register / fork / free / preempt-and-return over a pool
+    that remembers the token written at each slot.
+
+    Invariants: refcounts match the tables; every block is exactly one of referenced, cached (keyed) or free,
+    so nothing leaks; a shared block sits at the same position in every table that holds it; every position
+    of every sequence reads back the token it was written with (so no write ever reached another sequence's
+    block); a keyed block holds the tokens its key was computed from. Per rule: failures are atomic; writes go
+    only to private unkeyed blocks; allocation never hands out a referenced block, and evicts (drops the key
+    of) exactly the cached blocks it hands out; a hit returns the blocks registered under its keys, is the
+    longest run and leaves a token to compute; a preempted sequence that returns hits its own blocks.
+    """
 
     seqs = Bundle("seqs")
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = BlockAllocator(num_blocks=12, block_size=4)
+        self.a = BlockAllocator(num_blocks=12, block_size=BS)
+        self.h = hasher(BS)
         self.next_id = 0
+        self.pool: list[int | None] = [None] * (12 * BS)  # the token last written at each slot
+        self.tokens: dict[int, list[int]] = {}  # written tokens of each live sequence: its positions [0, len)
+        self.pending: dict[int, list[int]] = {}  # prompt tokens not reserved yet (chunked prefill)
+        self.key_tokens: dict[bytes, tuple[int, ...]] = {}  # the block tokens behind every key computed
 
     def _new_id(self) -> int:
         self.next_id += 1
         return self.next_id
 
-    @rule(target=seqs, n=st.integers(0, 20))
-    def add(self, n):
+    def _keys(self, tokens: list[int]) -> list[bytes]:
+        keys = self.h.block_keys(tokens)
+        for i, key in enumerate(keys):
+            self.key_tokens[key] = tuple(tokens[i * BS : (i + 1) * BS])
+        return keys
+
+    def _write(self, sid: int, toks: list[int]) -> None:
+        """The forward pass: write `toks` after the sequence's written tokens, only into blocks it owns alone."""
+        start = len(self.tokens[sid])
+        for slot, t in zip(self.a.slots(sid, start, start + len(toks)), toks, strict=True):
+            assert self.a.refcount(slot // BS) == 1 and self.a.block_key(slot // BS) is None
+            self.pool[slot] = t
+        self.tokens[sid] += toks
+
+    def _check_fresh(self, fresh: list[int], refs_before: list[int], keys_before: list, evictions: int) -> None:
+        """Blocks just handed out were unreferenced; the keyed ones among them were evicted and lost their key."""
+        assert all(refs_before[b] == 0 and self.a.refcount(b) == 1 for b in fresh)
+        evicted = [b for b in fresh if keys_before[b] is not None]
+        assert self.a.evictions - evictions == len(evicted)
+        assert all(self.a.block_key(b) is None and self.a.lookup(keys_before[b]) is None for b in evicted)
+
+    def _add_with_keys(self, sid: int, toks: list[int], num: int) -> int | None:
+        """add_sequence(sid, num, keys of toks) with every check; the hit, or None if the pool was exhausted."""
+        a = self.a
+        keys = self._keys(toks)
+        hit = a.match_prefix(keys, len(toks))
+        hb, cap = hit // BS, max(0, (len(toks) - 1) // BS)
+        assert hb <= cap and (hb in (cap, len(keys)) or a.lookup(keys[hb]) is None)  # capped, and the longest run
+        registered = [a.lookup(k) for k in keys[:hb]]
+        before = snapshot(a)
+        refs, held = before[2], before[3]
+        need = a.blocks_needed_to_add(num, keys)
+        counters = (a.queried_tokens, a.hit_tokens, a.evictions)
+        try:
+            got = a.add_sequence(sid, num, keys)
+        except KvPoolExhausted:
+            assert need > a.num_free_blocks
+            assert snapshot(a) == before
+            return None
+        assert got == hit and a.context_len(sid) == num
+        table = a.block_table(sid)
+        assert table[:hb] == registered  # a hit returns the blocks registered under those keys
+        self._check_fresh(table[hb:], refs, held, counters[2])
+        assert len(before[0]) + len(before[1]) - a.num_free_blocks == need
+        assert (a.queried_tokens - counters[0], a.hit_tokens - counters[1]) == (len(keys) * BS, hit)
+        # The hit positions already hold this prompt's tokens: nothing to compute there.
+        assert [self.pool[s] for s in a.slots(sid, 0, hit)] == toks[:hit]
+        self.tokens[sid] = list(toks[:hit])
+        self._write(sid, toks[hit:num])
+        return hit
+
+    @rule(target=seqs, toks=TOKENS)
+    def add(self, toks):
         sid = self._new_id()
+        n = len(toks)
         before = snapshot(self.a)
         try:
             self.a.add_sequence(sid, n)
@@ -346,10 +423,24 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert snapshot(self.a) == before
             return sid  # not registered: later rules on it must raise UnknownSequence
         assert self.a.context_len(sid) == n
+        self._check_fresh(self.a.block_table(sid), before[2], before[3], before[5][2])
+        self.tokens[sid], self.pending[sid] = [], []
+        self._write(sid, toks)
         return sid
 
-    @rule(sid=seqs, n=st.integers(0, 9))
-    def grow(self, sid, n):
+    @rule(target=seqs, toks=TOKENS, chunk=st.integers(1, 20))
+    def add_with_prefix(self, toks, chunk):
+        """Admission as the scheduler does it: match, then hold the hit plus the first chunk of the rest."""
+        sid = self._new_id()
+        hit = self.a.match_prefix(self._keys(toks), len(toks))
+        num = min(len(toks), hit + chunk)
+        if self._add_with_keys(sid, toks, num) is not None:
+            self.pending[sid] = list(toks[num:])
+        return sid
+
+    @rule(sid=seqs, extra=st.lists(st.integers(0, 2), max_size=9))
+    def grow(self, sid, extra):
+        n = len(extra)
         if sid not in self.a:
             with pytest.raises(UnknownSequence):
                 self.a.grow(sid, n)
@@ -360,13 +451,36 @@ class AllocatorMachine(RuleBasedStateMachine):
         try:
             copies = self.a.grow(sid, n)
         except KvPoolExhausted:
-            assert need > len(before[0])
+            assert need > self.a.num_free_blocks
             assert snapshot(self.a) == before
             return
-        assert self.a.num_free_blocks == len(before[0]) - need
+        assert self.a.num_free_blocks == len(before[0]) + len(before[1]) - need
         assert self.a.context_len(sid) == length + n
+        table = self.a.block_table(sid)
+        self._check_fresh([b for b in table if b not in before[4][sid][0]], before[2], before[3], before[5][2])
         for src, dst in copies:  # the copied block was shared; the writer now owns a private one
             assert self.a.refcount(dst) == 1 and self.a.refcount(src) >= 1
+            self.pool[dst * BS : (dst + 1) * BS] = self.pool[src * BS : (src + 1) * BS]
+        new = (self.pending[sid] + extra)[:n]  # the rest of the prompt first, then generated tokens
+        self.pending[sid] = self.pending[sid][n:]
+        self._write(sid, new)
+
+    @rule(sid=seqs)
+    def register(self, sid):
+        if sid not in self.a:
+            with pytest.raises(UnknownSequence):
+                self.a.register_blocks(sid, [])
+            return
+        keys = self._keys(self.tokens[sid])
+        table = self.a.block_table(sid)
+        held = [self.a.block_key(b) for b in table]
+        added = self.a.register_blocks(sid, keys)
+        for i, key in enumerate(keys):
+            now = self.a.block_key(table[i])
+            # Registered under its key, or left without one because another block already holds that key.
+            assert now == key or (now is None and self.a.lookup(key) not in (None, table[i]))
+        assert added == sum(1 for i in range(len(keys)) if held[i] is None and self.a.block_key(table[i]))
+        assert self.a.register_blocks(sid, keys) == 0
 
     @rule(target=seqs, parent=seqs)
     def fork(self, parent):
@@ -379,12 +493,44 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.fork(parent, child)
         assert self.a.num_free_blocks == free  # forking never allocates
         assert self.a.block_table(child) == self.a.block_table(parent)
+        self.tokens[child], self.pending[child] = list(self.tokens[parent]), list(self.pending[parent])
         return child
 
     @rule(sid=consumes(seqs))
     def free(self, sid):
-        if sid in self.a:
-            self.a.free(sid)
+        if sid not in self.a:
+            return
+        table = self.a.block_table(sid)
+        cached = self.a.cached_blocks()
+        self.a.free(sid)
+        released = [b for b in reversed(table) if self.a.refcount(b) == 0]
+        keyed = [b for b in released if self.a.block_key(b) is not None]
+        assert self.a.cached_blocks() == cached + keyed  # most recently freed last, the tail before the head
+        assert set(released) - set(keyed) <= set(self.a.free_blocks())
+        del self.tokens[sid], self.pending[sid]
+
+    @rule(sid=seqs)
+    def preempt_and_return(self, sid):
+        """Preemption frees a sequence; when it is admitted again it hits whatever is still registered."""
+        if sid not in self.a:
+            return
+        toks = self.tokens[sid]
+        keys = self._keys(toks)
+        table = self.a.block_table(sid)
+        expected = self.a.match_prefix(keys, len(toks))
+        own = 0
+        while own < len(keys) and self.a.block_key(table[own]) == keys[own]:
+            own += 1
+        assert expected >= min(own, max(0, (len(toks) - 1) // BS)) * BS
+        pending = self.pending[sid]
+        self.a.free(sid)
+        assert self.a.match_prefix(keys, len(toks)) == expected  # freeing evicts nothing
+        hit = self._add_with_keys(sid, toks, len(toks))
+        if hit is None:  # a block it shared unkeyed (a fork's partial block) has no room now: it waits
+            del self.tokens[sid], self.pending[sid]
+            return
+        assert hit == expected
+        self.pending[sid] = pending
 
     @invariant()
     def refcounts_match_tables(self):
@@ -395,9 +541,36 @@ class AllocatorMachine(RuleBasedStateMachine):
             for block in table:
                 counts[block] += 1
         assert counts == [self.a.refcount(b) for b in range(self.a.num_blocks)]
-        free = set(self.a._free)
-        assert len(free) == self.a.num_free_blocks  # no block listed twice
-        assert free == {b for b, c in enumerate(counts) if c == 0}  # free exactly when unreferenced
+        free, cached = self.a.free_blocks(), self.a.cached_blocks()
+        assert len(set(free)) == len(free) and len(set(cached)) == len(cached)  # no block listed twice
+        assert len(free) + len(cached) == self.a.num_free_blocks
+        assert not set(free) & set(cached)
+        # No leak: free + cached + referenced == all blocks, and the unreferenced ones are exactly free or cached.
+        assert set(free) | set(cached) == {b for b, c in enumerate(counts) if c == 0}
+        assert all(self.a.block_key(b) is None for b in free) and all(self.a.block_key(b) for b in cached)
+
+    @invariant()
+    def shared_blocks_hold_the_same_positions(self):
+        where: dict[int, set[int]] = {}
+        for sid in self.a.sequences():
+            for i, block in enumerate(self.a.block_table(sid)):
+                where.setdefault(block, set()).add(i)
+        assert all(len(positions) == 1 for positions in where.values())
+
+    @invariant()
+    def every_position_reads_back_its_token(self):
+        for sid in self.a.sequences():
+            n = self.a.context_len(sid)
+            assert len(self.tokens[sid]) == n
+            assert [self.pool[s] for s in self.a.slots(sid, 0, n)] == self.tokens[sid]
+
+    @invariant()
+    def keyed_blocks_hold_their_tokens(self):
+        for b in range(self.a.num_blocks):
+            key = self.a.block_key(b)
+            if key is not None:
+                assert self.a.lookup(key) == b
+                assert tuple(self.pool[b * BS : (b + 1) * BS]) == self.key_tokens[key]
 
     def teardown(self):
         for sid in self.a.sequences():

@@ -186,9 +186,7 @@ class BlockAllocator:
             raise KvCacheError(f"sequence {seq_id!r} is already registered")
         need = self.blocks_needed_to_add(num_tokens, block_keys)  # validates num_tokens and the keys
         if need > self.num_free_blocks:
-            raise KvPoolExhausted(
-                f"need {need} free block(s), only {self.num_free_blocks} of {self.num_blocks} free"
-            )
+            raise KvPoolExhausted(f"need {need} free block(s), only {self.num_free_blocks} of {self.num_blocks} free")
         hits = self._match(block_keys, num_tokens) if block_keys is not None else []
         for block in hits:
             # Claimed before `_take` runs, so the eviction it may do cannot pick a block this sequence reuses.
