@@ -39,6 +39,11 @@ class UnknownSequence(KvCacheError, KeyError):
     """A sequence id is not (or no longer) registered with the allocator."""
 
 
+class PrefixKeyError(KvCacheError, ValueError):
+    """Prefix-cache block keys that do not fit: a key that is not bytes, more keys than full blocks, a block
+    already registered under another key, or a token id that is not an int in [0, 2**64)."""
+
+
 class StoreError(KvCacheError):
     """A saved KV file cannot be read: corrupt, truncated, or for another model."""
 

@@ -1,17 +1,38 @@
-"""Block allocator for the paged cache: reference-counted blocks, sequences as block lists, fork and copy-on-write.
+"""Block allocator for the paged cache: reference-counted blocks, sequences as block lists, fork and copy-on-write,
+and automatic prefix caching.
 
 The allocator only does bookkeeping; it never touches tensors. When a write would land in a block that another
 sequence still shares, `grow` hands back the (source, destination) block pairs the cache must copy first.
-Every mutating call checks that it can succeed before changing anything, so a `KvPoolExhausted` leaves the
-allocator exactly as it was.
+Every mutating call checks that it can succeed before changing anything, so a `KvPoolExhausted` (or any other
+error) leaves the allocator exactly as it was.
+
+Prefix caching (keys: cache/prefix.py). Every block is in exactly one of three states:
+  referenced  refcount > 0, in one or more block tables;
+  cached      refcount 0 but registered under a key: its K/V is kept for reuse, in LRU order;
+  free        refcount 0, no key.
+A full, computed block is registered with `register_blocks`. When its last sequence frees it, it becomes
+cached instead of free. `add_sequence(..., block_keys=...)` shares the longest run of registered blocks
+(cached or still referenced) from the start of the key chain instead of allocating them. Allocation takes
+free blocks first and then evicts cached ones, least recently freed first; so cached blocks count as
+allocatable in `num_free_blocks`, and a block is never evicted while referenced. A registered block is full
+and a sequence only writes at positions >= its length, so a block with a key is never written again;
+copy-on-write only ever concerns a partial last block, which has no key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import KvCacheError, KvPoolExhausted, PositionOutOfRange, ShapeMismatch, UnknownSequence
+from ..errors import (
+    KvCacheError,
+    KvPoolExhausted,
+    PositionOutOfRange,
+    PrefixKeyError,
+    ShapeMismatch,
+    UnknownSequence,
+)
 
 SeqId = Hashable
 BlockCopy = tuple[int, int]  # (source block, destination block)
@@ -24,7 +45,12 @@ class _Sequence:
 
 
 class BlockAllocator:
-    """Hands out fixed-size blocks of token slots to sequences."""
+    """Hands out fixed-size blocks of token slots to sequences; keeps freed blocks with a key for reuse.
+
+    Counters for the engine's stats (monotonic): ``queried_tokens`` (tokens of the block keys offered to
+    `add_sequence`), ``hit_tokens`` (of those, tokens served from registered blocks) and ``evictions``
+    (cached blocks handed out again, their K/V lost).
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -34,18 +60,53 @@ class BlockAllocator:
         self._refcounts = [0] * num_blocks
         # Popped from the end, so low block ids are handed out first (easier to read in debug dumps).
         self._free = list(range(num_blocks - 1, -1, -1))
+        # Unreferenced blocks that carry a key, least recently freed first (the next to be evicted).
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._key_of: dict[int, bytes] = {}  # every registered block, referenced or cached
+        self._block_of: dict[bytes, int] = {}  # the inverse: one block per key
         self._seqs: dict[SeqId, _Sequence] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evictions = 0
 
     def __repr__(self) -> str:
         return (
             f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"free={self.num_free_blocks}, sequences={len(self._seqs)})"
+            f"free={self.num_free_blocks}, cached={self.num_cached_blocks}, sequences={len(self._seqs)})"
         )
 
     # -- queries ------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: the free ones plus the cached (unreferenced, keyed) ones, which are
+        evicted on demand."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks kept for their key (a part of `num_free_blocks`)."""
+        return len(self._cached)
+
+    @property
+    def hit_rate(self) -> float:
+        """hit_tokens / queried_tokens (0.0 before any query)."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def free_blocks(self) -> list[int]:
+        """Unreferenced blocks without a key, the next one handed out first."""
+        return self._free[::-1]
+
+    def cached_blocks(self) -> list[int]:
+        """Unreferenced blocks with a key, the next one evicted first (least recently freed)."""
+        return list(self._cached)
+
+    def block_key(self, block: int) -> bytes | None:
+        """The key `block` is registered under, or None."""
+        return self._key_of.get(block)
+
+    def lookup(self, key: bytes) -> int | None:
+        """The block registered under `key` (referenced or cached), or None."""
+        return self._block_of.get(key)
 
     def refcount(self, block: int) -> int:
         return self._refcounts[block]
@@ -90,14 +151,81 @@ class BlockAllocator:
         bs = self.block_size
         return [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
-    # -- mutations ----------------------------------------------------------------
-    def add_sequence(self, seq_id: SeqId, num_tokens: int = 0) -> None:
-        if seq_id in self._seqs:
-            raise KvCacheError(f"sequence {seq_id!r} is already registered")
+    def match_prefix(self, block_keys: Sequence[bytes], num_tokens: int) -> int:
+        """Tokens of a sequence of `num_tokens` tokens, with full-block keys `block_keys`, that the pool already
+        holds: the longest run of registered blocks from the first key, in whole blocks, and never all of
+        `num_tokens` (at most ``(num_tokens - 1) // block_size`` blocks), so at least one token is left to
+        compute the next logits from. A query: nothing changes. `add_sequence` with the same arguments hits as
+        many tokens while no allocation or free happens in between."""
         if num_tokens < 0:
             raise ShapeMismatch(f"num_tokens must be >= 0, got {num_tokens}")
-        blocks = self._take(self.blocks_for_tokens(num_tokens))
+        return len(self._match(block_keys, num_tokens)) * self.block_size
+
+    def blocks_needed_to_add(self, num_tokens: int, block_keys: Sequence[bytes] | None = None) -> int:
+        """Blocks `add_sequence(_, num_tokens, block_keys)` would take out of `num_free_blocks`: the new ones,
+        plus the hit blocks that are cached now (a hit on a referenced block costs nothing)."""
+        if num_tokens < 0:
+            raise ShapeMismatch(f"num_tokens must be >= 0, got {num_tokens}")
+        hits = self._match(block_keys, num_tokens) if block_keys is not None else []
+        return self.blocks_for_tokens(num_tokens) - len(hits) + sum(1 for b in hits if self._refcounts[b] == 0)
+
+    def can_add(self, num_tokens: int, block_keys: Sequence[bytes] | None = None) -> bool:
+        return self.blocks_needed_to_add(num_tokens, block_keys) <= self.num_free_blocks
+
+    # -- mutations ----------------------------------------------------------------
+    def add_sequence(self, seq_id: SeqId, num_tokens: int = 0, block_keys: Sequence[bytes] | None = None) -> int:
+        """Register a sequence holding `num_tokens` positions; returns how many of them hit the prefix cache.
+
+        Without `block_keys` every block is new and the result is 0. With them (the keys of the full blocks of
+        the sequence's tokens, see `PrefixHasher.block_keys`; more keys than `num_tokens` covers are fine), the
+        first `match_prefix(block_keys, num_tokens)` tokens share the registered blocks: positions
+        ``[0, hit)`` already hold valid K/V and the caller computes ``[hit, num_tokens)``, which is never
+        empty when `num_tokens` > 0. Counts `queried_tokens` (``len(block_keys) * block_size``) and `hit_tokens`.
+        """
+        if seq_id in self._seqs:
+            raise KvCacheError(f"sequence {seq_id!r} is already registered")
+        need = self.blocks_needed_to_add(num_tokens, block_keys)  # validates num_tokens and the keys
+        if need > self.num_free_blocks:
+            raise KvPoolExhausted(f"need {need} free block(s), only {self.num_free_blocks} of {self.num_blocks} free")
+        hits = self._match(block_keys, num_tokens) if block_keys is not None else []
+        for block in hits:
+            # Claimed before `_take` runs, so the eviction it may do cannot pick a block this sequence reuses.
+            self._cached.pop(block, None)
+            self._refcounts[block] += 1
+        blocks = hits + self._take(self.blocks_for_tokens(num_tokens) - len(hits))
         self._seqs[seq_id] = _Sequence(blocks, num_tokens)
+        hit = len(hits) * self.block_size
+        if block_keys is not None:
+            self.queried_tokens += len(block_keys) * self.block_size
+            self.hit_tokens += hit
+        return hit
+
+    def register_blocks(self, seq_id: SeqId, block_keys: Sequence[bytes]) -> int:
+        """Register block ``i`` of a sequence under ``block_keys[i]``, so later sequences can reuse it; returns
+        how many blocks got a key now.
+
+        Call it once those blocks are full *and written* (after the forward pass that computed them): the
+        caller vouches for their content. Keys may be passed again as a sequence grows (already registered
+        blocks are skipped). A key already held by another block (the same prefix computed twice at once)
+        leaves this block without a key: the first registration wins. Raises `PrefixKeyError`, changing
+        nothing, for more keys than full blocks or a block already registered under a different key.
+        """
+        seq = self._seq(seq_id)
+        self._check_keys(block_keys)
+        full = seq.length // self.block_size
+        if len(block_keys) > full:
+            raise PrefixKeyError(f"{len(block_keys)} keys but sequence {seq_id!r} has {full} full block(s)")
+        for block, key in zip(seq.blocks, block_keys, strict=False):
+            held = self._key_of.get(block)
+            if held is not None and held != key:
+                raise PrefixKeyError(f"block {block} of sequence {seq_id!r} is registered under another key")
+        added = 0
+        for block, key in zip(seq.blocks, block_keys, strict=False):
+            if block not in self._key_of and key not in self._block_of:
+                self._key_of[block] = key
+                self._block_of[key] = block
+                added += 1
+        return added
 
     def grow(self, seq_id: SeqId, num_tokens: int) -> list[BlockCopy]:
         """Reserve `num_tokens` more positions; returns the block copies to do before writing into them."""
@@ -127,12 +255,17 @@ class BlockAllocator:
         self._seqs[child] = _Sequence(list(src.blocks), src.length)
 
     def free(self, seq_id: SeqId) -> None:
+        """Drop a sequence. Its unshared blocks become cached (those with a key) or free."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        # Last block first: a sequence's tail is the least likely part to be shared, so it is evicted first.
         for block in reversed(seq.blocks):
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
-                self._free.append(block)
+                if block in self._key_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
 
     # -- internals ----------------------------------------------------------------
     def _new_blocks(self, seq: _Sequence, num_tokens: int) -> int:
@@ -142,10 +275,36 @@ class BlockAllocator:
         partial = seq.length % self.block_size != 0
         return num_tokens > 0 and partial and self._refcounts[seq.blocks[-1]] > 1
 
+    def _check_keys(self, block_keys: Sequence[bytes]) -> None:
+        if isinstance(block_keys, (bytes, str)) or not all(isinstance(k, bytes) for k in block_keys):
+            raise PrefixKeyError("block_keys must be a sequence of bytes keys (see PrefixHasher.block_keys)")
+
+    def _match(self, block_keys: Sequence[bytes] | None, num_tokens: int) -> list[int]:
+        """Registered blocks of the longest run of `block_keys` from the start, capped to leave a token."""
+        if block_keys is None:
+            return []
+        self._check_keys(block_keys)
+        cap = max(0, (num_tokens - 1) // self.block_size)
+        hits: list[int] = []
+        seen: set[int] = set()
+        for key in block_keys[:cap]:
+            block = self._block_of.get(key)
+            if block is None or block in seen:  # a repeated key (bad input) would alias two positions
+                break
+            hits.append(block)
+            seen.add(block)
+        return hits
+
     def _take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KvPoolExhausted(f"need {n} free block(s), only {len(self._free)} of {self.num_blocks} free")
-        taken = [self._free.pop() for _ in range(n)]
+        """`n` blocks with refcount 1: free ones first, then cached ones evicted in LRU order."""
+        if n > self.num_free_blocks:
+            raise KvPoolExhausted(f"need {n} free block(s), only {self.num_free_blocks} of {self.num_blocks} free")
+        taken = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        while len(taken) < n:
+            block, _ = self._cached.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.evictions += 1
+            taken.append(block)
         for block in taken:
             self._refcounts[block] = 1
         return taken
