@@ -12,6 +12,7 @@ frees its blocks and leaves the engine as a fresh one would be. Calls from sever
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import threading
 import time
@@ -33,10 +34,12 @@ from .sequence import SamplingParams, Sequence, is_int, positive_int
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
-def parse_bytes(value: int | str) -> int:
+def parse_bytes(value: int | float | str) -> int:
     """'512MiB', '8GiB', '1.5GB' or a plain number of bytes; InvalidEngineConfig unless finite and >= 0."""
     if is_int(value):
         number, unit = float(value) if abs(value) < 2**1000 else math.inf, ""
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number, unit = float(value), ""
     elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
         digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
@@ -189,10 +192,11 @@ class LLM:
             batch = self.scheduler.schedule()
             if not batch:
                 return 0
+            used = self.cache.num_blocks - self.cache.num_free_blocks  # the step's peak: before anyone finishes
             decode_phase = self.scheduler.in_decode_phase(batch)
             logits, errors = self.runner.run(batch)
             generated = self._retire(batch, logits, errors)
-            self._record(batch, errors, generated, decode_phase, preempted, time.perf_counter() - start)
+            self._record(batch, errors, generated, decode_phase, preempted, used, time.perf_counter() - start)
             return len(batch)
 
     def score(self, token_ids: Seq[int], chunk_size: int = 256) -> torch.Tensor:
@@ -309,9 +313,17 @@ class LLM:
         return generated
 
     def _record(
-        self, batch: list[Scheduled], errors: list, generated: int, decode_phase: bool, preempted: int, elapsed: float
+        self,
+        batch: list[Scheduled],
+        errors: list,
+        generated: int,
+        decode_phase: bool,
+        preempted: int,
+        blocks_used: int,
+        elapsed: float,
     ) -> None:
         s = self.stats
+        s.peak_blocks_used = max(s.peak_blocks_used, blocks_used)
         ok = [item for item, e in zip(batch, errors, strict=True) if e is None]
         decode = sum(1 for item in ok if item.is_decode)
         s.steps += 1
@@ -321,7 +333,6 @@ class LLM:
         s.failed_requests += sum(e is not None for e in errors)
         s.preemptions += self.scheduler.num_preemptions - preempted
         s.seconds += elapsed
-        s.peak_blocks_used = max(s.peak_blocks_used, self.cache.num_blocks - self.cache.num_free_blocks)
         if decode_phase:
             s.decode_phase_steps += 1
             s.decode_phase_tokens += generated
