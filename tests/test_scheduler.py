@@ -116,10 +116,8 @@ def test_add_checks_every_request_before_queueing_any():
     assert not sched.has_work()
 
 
-def test_decode_phase_means_every_unfinished_request_decodes():
-    cache, sched = make(budget=8)
-    a, b = seq(4, 5), seq(8, 5)
-    sched.add([a, b])
+def phases_until_idle(sched):
+    """Run to the end as `step` does, recording `in_decode_phase` of each step."""
     phases = []
     while sched.has_work():
         batch = sched.schedule()
@@ -127,8 +125,17 @@ def test_decode_phase_means_every_unfinished_request_decodes():
         for item in batch:
             if sched.advance(item) and item.seq.append(7, ()):
                 sched.finish(item.seq)
-    # steps: a4+b4 | a1 (decode) + b4 | a, b decode x4 (b's 5th token ends it after a's)
-    assert phases == [False, False, True, True, True, True]
+    return phases
+
+
+def test_decode_phase_means_the_whole_batch_decodes():
+    cache, sched = make(budget=8)
+    sched.add([seq(4, 5), seq(8, 3)])
+    # a4+b4 | a1 (decode) + b4 (prefill) | a, b decode x2 (b's third token ends it) | a alone: not the batch
+    assert phases_until_idle(sched) == [False, False, True, True, False]
+    sched.add([seq(2, 3)])  # the scheduler was idle: a new batch of one
+    assert sched.batch_size == 1
+    assert phases_until_idle(sched) == [False, True, True]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, None])

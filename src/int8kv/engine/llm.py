@@ -76,10 +76,13 @@ class EngineStats:
       prefill_tokens    prompt tokens run through the model, plus tokens recomputed after a preemption
       decode_tokens     generated tokens fed back through the model (one per decoding sequence per step)
       generated_tokens  tokens sampled and handed to requests (each request's first comes from its prefill)
-    The decode phase is the steps in which every unfinished request decodes: nothing waits, nothing prefills
-    (`Scheduler.in_decode_phase`). `decode_tokens_per_s` is the tokens generated in those steps over their wall
-    time: "tokens per second while all the batch's sequences decode", whatever the prefill chunking, the
-    figure `generate` timed once per token (after the first) gives for transformers.
+    The decode phase is the steps that decode the whole batch: every request queued since the engine was last
+    idle is running and feeds back one generated token (none waits, prefills, or has finished; see
+    `Scheduler.in_decode_phase`). `decode_tokens_per_s` is the tokens generated in those steps over their wall
+    time: "tokens per second while all the batch's sequences decode", whatever the prefill chunking; the
+    figure transformers' generate gives when timed once per token after the first. It is 0.0 when the batch
+    never decoded whole (e.g. more requests than max_num_seqs, or sequences staggered by chunked prefill
+    that finish before the last one has started decoding).
     """
 
     steps: int = 0

@@ -40,6 +40,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Requests queued since the scheduler was last idle: "the batch" whose decode phase is measured.
+        self.batch_size = 0
 
     def check_fits(self, seq: Sequence) -> None:
         """A request that could not fit even in an empty pool would wait forever: refuse it up front."""
@@ -55,6 +57,9 @@ class Scheduler:
         seqs = list(seqs)
         for seq in seqs:
             self.check_fits(seq)
+        if not self.has_work():
+            self.batch_size = 0
+        self.batch_size += len(seqs)
         self.waiting.extend(seqs)
 
     def has_work(self) -> bool:
@@ -87,12 +92,14 @@ class Scheduler:
         return batch
 
     def in_decode_phase(self, batch: list[Scheduled]) -> bool:
-        """True when this step decodes every unfinished request: nothing waits, nothing prefills, and each
-        running sequence feeds back its one generated token. Steps that pass this are the ones whose rate is
-        "tokens generated per second while all the batch's sequences decode" (EngineStats.decode_tokens_per_s).
+        """True when this step decodes the whole batch: every request queued since the scheduler was last idle
+        is running (none waits, none has finished or failed) and feeds back its one generated token. These
+        steps give "tokens generated per second while all the batch's sequences decode"
+        (EngineStats.decode_tokens_per_s): with chunked prefill the first-prefilled sequences decode alongside
+        later prefills (not counted: the step also prefills) and finish early (then not all of the batch decodes).
         """
         return (
-            bool(batch) and not self.waiting and len(batch) == len(self.running)
+            len(batch) == len(self.running) == self.batch_size and not self.waiting
             and all(item.is_decode for item in batch)
         )
 
