@@ -81,12 +81,16 @@ def test_seed_repeats_and_different_seeds_differ():
 
 
 def test_a_non_finite_row_fails_alone():
-    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(5, 10, generator=torch.Generator().manual_seed(0))
     logits[1, 4] = float("nan")
-    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams()]
+    logits[3, 0] = float("inf")
+    logits[4, 2] = -float("inf")  # probability 0: still a usable row
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(),
+              SamplingParams(temperature=1.0, seed=2)]
     out = sample(logits, params, [make_generator(p, 0) for p in params])
-    assert isinstance(out[1], NonFiniteError)
+    assert isinstance(out[1], NonFiniteError) and isinstance(out[3], NonFiniteError)
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    assert isinstance(out[4], int) and out[4] != 2
 
 
 @pytest.mark.parametrize(

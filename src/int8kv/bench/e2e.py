@@ -69,7 +69,7 @@ def hf_decode(model, ids: list[int], batch: int, new_tokens: int, make_cache) ->
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(
-            inputs, attention_mask=torch.ones_like(inputs), past_key_values=cache, do_sample=False,
+            inputs, attention_mask=torch.ones_like(inputs), cache=cache, do_sample=False,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
             stopping_criteria=StoppingCriteriaList([clock]),
         )
