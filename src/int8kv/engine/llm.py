@@ -142,7 +142,10 @@ class LLM:
                 f"memory budget {memory!r} holds no block ({layout.bytes_per_block(block_size)} bytes each)"
             )
         _check_host_memory(num_blocks * layout.bytes_per_block(block_size), memory)
-        self.cache = m.make_cache(num_blocks, block_size, self.format)
+        try:
+            self.cache = m.make_cache(num_blocks, block_size, self.format)
+        except (RuntimeError, MemoryError) as e:  # the allocator refused (memory taken by other processes)
+            raise InvalidEngineConfig(f"cannot allocate the pool for memory budget {memory!r}: {e}") from None
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
