@@ -180,3 +180,21 @@ def test_engine_stats_count_exactly_the_tokens_of_a_known_schedule(name):
         assert s.decode_tokens_per_s == 0.0
     # The engine's own run equals what it hands back: every generated token reached a request.
     assert s.generated_tokens == sum(len(o.token_ids) for o in outs)
+
+
+def test_runner_block_tables_follow_the_allocator_through_preemption():
+    model = tiny("llama", seed=1)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (30, 7, 45, 12, 26)]
+    llm = LLM(model, kv_format=F16, memory=30 * LLM_block_bytes(model, 4, F16), block_size=4,
+              max_num_seqs=4, max_num_batched_tokens=20)
+    checked = []
+
+    def compare(stats):
+        for seq in llm.scheduler.running:  # every running sequence was in the step just run
+            assert seq.block_table[: seq.num_table_blocks].tolist() == llm.cache.block_table(seq.seq_id)
+            checked.append(seq.seq_id)
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), on_step=compare)
+    assert llm.stats.preemptions > 0 and len(checked) > 20
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]

@@ -243,7 +243,14 @@ params_st = st.builds(
     ignore_eos=st.booleans(),
     seed=st.integers(0, 2**32),  # always seeded: the same request must sample the same tokens on any engine
 )
-request = st.tuples(st.sampled_from(["valid", "valid", "poison", "invalid"]), valid_ids, invalid_ids, params_st)
+bad_params = st.sampled_from([
+    {"temperature": float("nan")}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 2.0}, {"max_tokens": 0},
+    {"max_tokens": 2.5}, {"seed": 2**64}, {"seed": 0.5},
+])
+request = st.tuples(
+    st.sampled_from(["valid", "valid", "poison", "invalid", "bad-params"]), valid_ids, invalid_ids, params_st,
+    bad_params,
+)
 
 SHARED: dict = {}
 
@@ -253,10 +260,16 @@ SHARED: dict = {}
 def test_random_request_mixes_never_leak_or_change_valid_outputs(model, requests):
     llm = SHARED.setdefault("llm", engine(model, max_num_seqs=3, max_num_batched_tokens=24))
     prompts, params, kinds = [], [], []
-    for kind, ids, bad, p in requests:
+    for kind, ids, bad, p, bad_kwargs in requests:
+        if kind == "bad-params":  # refused where it is built, before an engine ever sees it
+            with pytest.raises(InvalidRequest):
+                SamplingParams(**bad_kwargs)
+            continue
         prompts.append(bad if kind == "invalid" else [*ids, POISON] if kind == "poison" else ids)
         params.append(p)
         kinds.append(kind)
+    if not prompts:
+        return
     if "invalid" in kinds:
         with pytest.raises(InvalidRequest):
             llm.generate(prompts, params)
