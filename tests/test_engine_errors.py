@@ -285,3 +285,13 @@ def test_random_request_mixes_never_leak_or_change_valid_outputs(model, requests
     assert outputs([got[i] for i in valid]) == outputs(want)
     for out, kind in zip(got, kinds, strict=True):
         assert out.finish_reason == "error" if kind == "poison" else out.finish_reason in ("stop", "length", "error")
+
+
+def test_integer_tensors_and_numpy_ints_are_accepted_as_token_ids(model, fresh_good):
+    import numpy as np
+
+    llm = engine(model)
+    prompts = [torch.tensor(GOOD[0]), [np.int64(t) for t in GOOD[1]], tuple(GOOD[2])]
+    assert outputs(llm.generate(prompts, GREEDY)) == fresh_good
+    assert llm.generate([], GREEDY) == []
+    assert_idle(llm)
