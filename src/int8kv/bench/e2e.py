@@ -1,18 +1,33 @@
-"""End-to-end decode speed on a real model, every peer in one process on the same prompt.
+"""End-to-end decode speed on a real model: a context sweep, every peer at the same batch, in one process.
 
-    python -m int8kv.bench e2e [--model PATH] [--context 2048] [--new-tokens 32] [--json PATH]
+    python -m int8kv.bench e2e [--model PATH] [--contexts 512,2048,7000] [--batches 1,8] [--runs 3]
+                               [--new-tokens 32] [--max-batch-tokens 16384] [--json PATH]
 
-Decode tokens/s counts only steps after the prefill: transformers' generate is timestamped once per new
-token (a stopping criterion that never stops), the engine times its pure-decode steps. So the figure is the
-cost of decoding at `context` tokens of history, with the prefill reported beside it.
-  hf DynamicCache   transformers generate, batch 1, float32 cache (sdpa)
-  hf Int8KvCache    transformers generate, batch 1, our INT8 cache read by the int8kv attention
-  engine int8 bN    our continuous-batching engine, INT8 paged cache, N copies of the prompt
+Peers, each given `batch` copies of the same `context`-token prompt:
+  hf dynamic    transformers generate, DynamicCache (float32), SDPA attention
+  hf int8kv     transformers generate, int8kv.hf.Int8KvCache (INT8), int8kv attention kernels
+  engine int8   int8kv.engine.LLM, INT8 paged cache
+  engine f16    int8kv.engine.LLM, F16 paged cache
+
+Every peer's decode rate counts the same thing: tokens generated per second while all the batch's
+sequences decode, i.e. after the prefill (and so after the first token, which the prefill produces) until
+the last token. transformers' generate is timestamped once per new token by a stopping criterion that never
+stops: rate = batch * (new_tokens - 1) / (last stamp - first stamp). The engine reports the same window as
+`EngineStats.decode_tokens_per_s`; it is given a token budget of batch * context so the whole batch is
+prefilled in one step, as generate does, and all sequences then decode in lockstep. Each figure is the
+median of `runs` runs; prefill seconds are reported beside it.
+
+Sweep size: on the 2-core CPU this was written on, one run of the four peers costs about (prefill
+dominates) 3 s at 1 x 512, 7 s at 1 x 2,048, 20 s at 1 x 7,000, 10 s at 8 x 512 and 35 s at 8 x 2,048
+per peer, so the default sweep (three runs) takes about 15 minutes. 8 x 7,000 tokens would add ~150 s per
+peer and run (quadratic prefill) - half an hour for the cell alone - so cells above --max-batch-tokens
+(batch x context) are skipped and listed; raise the limit to include them.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -21,13 +36,15 @@ from ..formats import KvStorageFormat
 from ..progress import note
 from .timing import emit
 
+PEERS = ("hf dynamic", "hf int8kv", "engine int8", "engine f16")
+
 
 def _prompt_ids(tokenizer, context: int) -> list[int]:
     from ..eval import read_text
 
     ids = tokenizer(read_text(None))["input_ids"]
     if len(ids) < context:
-        raise ValueError(f"the default text has only {len(ids)} tokens; use a smaller --context")
+        raise ValueError(f"the default text has only {len(ids)} tokens; use a smaller context")
     return ids[:context]
 
 
@@ -42,21 +59,27 @@ class _TokenClock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def hf_decode(model, ids: list[int], new_tokens: int, make_cache) -> dict:
+def hf_decode(model, ids: list[int], batch: int, new_tokens: int, make_cache) -> dict:
+    """transformers generate on `batch` copies of `ids`: prefill seconds and decode tokens/s."""
     from transformers import StoppingCriteriaList
 
-    inputs = torch.tensor([ids])
+    inputs = torch.tensor([ids] * batch)
     clock = _TokenClock()
+    cache = make_cache()  # built first: Int8KvCache switches the model to its attention function
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(
-            inputs, attention_mask=torch.ones_like(inputs), cache=make_cache(), do_sample=False,
+            inputs, attention_mask=torch.ones_like(inputs), cache=cache, do_sample=False,
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
             stopping_criteria=StoppingCriteriaList([clock]),
         )
-    # The first stamp follows the prefill; the ones after it are pure decode steps.
+    # The first stamp follows the prefill (which produced token 1); each later one ends a decode step.
     decode_s = clock.stamps[-1] - clock.stamps[0]
-    return {"prefill_s": clock.stamps[0] - start, "decode_tok_per_s": (len(clock.stamps) - 1) / decode_s}
+    return {
+        "prefill_s": clock.stamps[0] - start,
+        "decode_tokens": batch * (len(clock.stamps) - 1),
+        "decode_tok_per_s": batch * (len(clock.stamps) - 1) / decode_s,
+    }
 
 
 def engine_decode(llm, ids: list[int], batch: int, new_tokens: int) -> dict:
@@ -66,59 +89,128 @@ def engine_decode(llm, ids: list[int], batch: int, new_tokens: int) -> dict:
     start = time.perf_counter()
     llm.generate([ids] * batch, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     total = time.perf_counter() - start
-    return {"prefill_s": total - llm.stats.decode_step_seconds, "decode_tok_per_s": llm.stats.decode_tokens_per_s}
+    s = llm.stats
+    return {
+        "prefill_s": total - s.decode_phase_seconds,
+        "decode_tokens": s.decode_phase_tokens,
+        "decode_tok_per_s": s.decode_tokens_per_s,
+    }
 
 
-def run(model_path: str | None, context: int, new_tokens: int, batch: int) -> dict:
+def _peers(model, tokenizer, ids: list[int], batch: int, new_tokens: int) -> dict:
+    """name -> a callable doing one timed run, for one (context, batch) cell."""
     from transformers import DynamicCache
 
+    from ..cache.state import KvLayout
     from ..engine import LLM
     from ..hf import Int8KvCache
-    from ..models import kv_dims, load_model
+
+    def dynamic() -> dict:
+        model.set_attn_implementation("sdpa")  # plain transformers, whatever a previous Int8KvCache attached
+        return hf_decode(model, ids, batch, new_tokens, DynamicCache)
+
+    def engine(fmt: KvStorageFormat):
+        context = len(ids)
+        per_token = KvLayout.from_config(model.config, fmt).bytes_per_token
+        memory = int(1.1 * batch * (context + new_tokens) * per_token) + (16 << 20)
+        llm = LLM(model, kv_format=fmt, memory=memory, max_num_seqs=batch,
+                  max_num_batched_tokens=batch * context, tokenizer=tokenizer)
+        engine_decode(llm, ids[:64], batch, 3)  # compile (or load) the kernels outside the timings
+        return lambda: engine_decode(llm, ids, batch, new_tokens)
+
+    return {
+        "hf dynamic": dynamic,
+        "hf int8kv": lambda: hf_decode(model, ids, batch, new_tokens, lambda: Int8KvCache(model.config)),
+        "engine int8": engine(KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1),
+        "engine f16": engine(KvStorageFormat.F16),
+    }
+
+
+def run(model_path: str | None, contexts: list[int], batches: list[int], runs: int, new_tokens: int,
+        max_batch_tokens: int) -> dict:
+    from ..hf import Int8KvCache
+    from ..models import load_model
 
     model, tokenizer = load_model(model_path)
-    ids = _prompt_ids(tokenizer, context)
-    cfg = model.config
-    fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
-    memory = int(1.2 * batch * (context + new_tokens) * fmt.bytes_per_token(*kv_dims(cfg)))
-    llm = LLM(model, kv_format=fmt, memory=max(memory, 64 << 20), max_num_seqs=batch, tokenizer=tokenizer)
-    for b in (1, batch):  # compile (or load) every kernel variant outside the timings
-        engine_decode(llm, ids[:64], b, 3)
-    hf_decode(model, ids[:64], 3, lambda: Int8KvCache(cfg))
-    peers = {
-        "hf DynamicCache b1": lambda: hf_decode(model, ids, new_tokens, DynamicCache),
-        "hf Int8KvCache b1": lambda: hf_decode(model, ids, new_tokens, lambda: Int8KvCache(cfg)),
-        "engine int8 b1": lambda: engine_decode(llm, ids, 1, new_tokens),
-        f"engine int8 b{batch}": lambda: engine_decode(llm, ids, batch, new_tokens),
+    hf_decode(model, _prompt_ids(tokenizer, 64), 1, 3, lambda: Int8KvCache(model.config))  # compile kernels
+    cells, skipped = [], []
+    for context in contexts:
+        ids = _prompt_ids(tokenizer, context)
+        for batch in batches:
+            if batch * context > max_batch_tokens:
+                skipped.append({"context": context, "batch": batch})
+                continue
+            peers = _peers(model, tokenizer, ids, batch, new_tokens)
+            samples: dict[str, list[dict]] = {name: [] for name in PEERS}
+            for r in range(runs):  # interleaved, so a slow spell of the shared machine hits every peer
+                for name in PEERS:
+                    note(f"e2e: context {context}, batch {batch}, run {r + 1}/{runs}: {name} ...")
+                    samples[name].append(peers[name]())
+            results = {name: _median(rows) for name, rows in samples.items()}
+            cells.append({"context": context, "batch": batch, "results": results, "ratios": _ratios(results)})
+    return {
+        "new_tokens": new_tokens, "runs": runs, "threads": torch.get_num_threads(),
+        "max_batch_tokens": max_batch_tokens, "cells": cells, "skipped": skipped,
     }
-    results = {}
-    for name, fn in peers.items():
-        note(f"e2e: {name} ...")
-        results[name] = fn()
-    base = results["hf DynamicCache b1"]["decode_tok_per_s"]
-    for row in results.values():
-        row["vs_hf_dynamic_b1"] = row["decode_tok_per_s"] / base
-    return {"context": context, "new_tokens": new_tokens, "threads": torch.get_num_threads(), "results": results}
+
+
+def _median(rows: list[dict]) -> dict:
+    out = {key: statistics.median(r[key] for r in rows) for key in ("prefill_s", "decode_tok_per_s")}
+    out["decode_tok_per_s_runs"] = [r["decode_tok_per_s"] for r in rows]
+    out["decode_tokens"] = rows[0]["decode_tokens"]
+    return out
+
+
+def _ratios(results: dict) -> dict:
+    rate = {name: r["decode_tok_per_s"] for name, r in results.items()}
+    return {
+        "hf int8kv / hf dynamic": rate["hf int8kv"] / rate["hf dynamic"],
+        "engine int8 / hf dynamic": rate["engine int8"] / rate["hf dynamic"],
+        "engine int8 / hf int8kv": rate["engine int8"] / rate["hf int8kv"],
+        "engine int8 / engine f16": rate["engine int8"] / rate["engine f16"],
+    }
 
 
 def report(result: dict) -> str:
     lines = [
-        f"decode at {result['context']} tokens of context, {result['new_tokens']} new tokens, "
-        f"{result['threads']} threads",
-        f"{'peer':<22}{'prefill s':>10}{'decode tok/s':>14}{'x hf dyn b1':>13}",
+        f"decode tokens/s while the whole batch decodes ({result['new_tokens']} new tokens, median of "
+        f"{result['runs']} runs, {result['threads']} threads)",
+        f"{'context':>8}{'batch':>6}  {'peer':<13}{'prefill s':>10}{'decode tok/s':>14}",
     ]
-    for name, r in result["results"].items():
-        lines.append(f"{name:<22}{r['prefill_s']:>10.2f}{r['decode_tok_per_s']:>14.2f}{r['vs_hf_dynamic_b1']:>13.2f}")
+    for cell in result["cells"]:
+        for name, r in cell["results"].items():
+            rate = r["decode_tok_per_s"]
+            lines.append(f"{cell['context']:>8}{cell['batch']:>6}  {name:<13}{r['prefill_s']:>10.2f}{rate:>14.2f}")
+        lines.append("    " + ", ".join(f"{k} {v:.2f}x" for k, v in cell["ratios"].items()))
+    for cell in result["skipped"]:
+        lines.append(f"skipped {cell['batch']} x {cell['context']} tokens (> --max-batch-tokens "
+                     f"{result['max_batch_tokens']})")
     return "\n".join(lines)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m int8kv.bench e2e")
+    parser = argparse.ArgumentParser(prog="python -m int8kv.bench e2e",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None, help="local transformers dir or .gguf (default: packaged SmolLM2)")
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--contexts", type=_int_list, default=[512, 2048, 7000], help="prompt lengths in tokens")
+    parser.add_argument("--batches", type=_int_list, default=[1, 8], help="copies of the prompt decoded together")
+    parser.add_argument("--runs", type=int, default=3, help="runs per peer and cell (the median is reported)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per sequence (>= 2)")
+    parser.add_argument("--max-batch-tokens", type=int, default=16384,
+                        help="skip cells whose batch x context exceeds this (8 x 7000 alone takes ~30 min)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    result = run(args.model, args.context, args.new_tokens, args.batch)
+    if args.runs < 1 or args.new_tokens < 2:
+        parser.error("--runs must be >= 1 and --new-tokens >= 2 (the decode window starts after token 1)")
+    result = run(args.model, args.contexts, args.batches, args.runs, args.new_tokens, args.max_batch_tokens)
     return emit(result, report(result), args.json)
