@@ -28,8 +28,7 @@ FORMATS = [INT8, F16]
 
 
 def state(cache: PagedKvCache) -> list[torch.Tensor]:
-    parts = [cache._k, cache._v] + ([cache._ks, cache._vs] if cache._ks is not None else [])
-    return [p.clone() for p in parts]
+    return [p.clone() for p in cache.pool.storage() if p is not None]
 
 
 def same_state(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
