@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 import int8kv.codec
 import int8kv.hf
+import int8kv.hf.attention
 from int8kv.errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
 from int8kv.formats import KvStorageFormat
 from int8kv.hf import Int8KvCache, UnsupportedAttention, int8kv_attention_forward
@@ -241,7 +242,7 @@ def test_kernels_serve_every_step_without_dequantizing(monkeypatch):
 
     monkeypatch.setattr(int8kv.codec, "decode", forbidden)
     monkeypatch.setattr(int8kv.codec, "dequantize_int8", forbidden)
-    monkeypatch.setattr(int8kv.hf, "sdpa_attention_forward", forbidden)
+    monkeypatch.setattr(int8kv.hf.attention, "sdpa_attention_forward", forbidden)
     ids, mask = left_padded([7, 4])
     cache = Int8KvCache(model.config)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache)

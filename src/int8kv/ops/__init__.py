@@ -92,7 +92,7 @@ def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan) -> torch.Ten
     # Refused on every backend alike: a NaN query would give NaN rows on one backend and zeros on another.
     if not bool(torch.isfinite(q).all()):
         raise NonFiniteError("q holds NaN or inf")
-    return q.to(torch.float32).contiguous()
+    return q.detach().to(torch.float32).contiguous()
 
 
 def attention(

@@ -39,7 +39,7 @@ def split_qkv(
         raise ShapeMismatch(f"qkv must be [tokens, {width}] ((q + 2 * kv heads) * head_dim), got {got}")
     if qkv.dtype not in FLOAT_DTYPES:
         raise ShapeMismatch(f"qkv must be float32, float16 or bfloat16, got {qkv.dtype}")
-    x = qkv.to(torch.float32)
+    x = qkv.detach().to(torch.float32)  # a KV cache stores values, not graphs
     q, k, v = x.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     tokens = qkv.shape[0]
     return (
@@ -149,7 +149,8 @@ def check_rows(pool, x: torch.Tensor, what: str) -> torch.Tensor:
         raise ShapeMismatch(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
     if x.device != pool.device:
         raise ShapeMismatch(f"{what} is on {x.device} but the cache is on {pool.device}")
-    return x
+    # A KV cache stores values, not graphs: rows computed with autograd on are taken without their grad_fn.
+    return x.detach()
 
 
 def encode_kv(fmt, k: torch.Tensor, v: torch.Tensor):
@@ -172,6 +173,25 @@ def store_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     pool.write_rows(layer, slots, k_rows, v_rows)
 
 
+def _check_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pool.check_layer(layer)
+    k = check_rows(pool, k, "k")
+    v = check_rows(pool, v, "v")
+    if k.shape[0] != v.shape[0]:
+        raise ShapeMismatch(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    return k, v
+
+
+def append_rows(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, backend: str) -> None:
+    """Check and store rows at int64 ``slots`` that the caller built and vouches for (distinct, in range, on the
+    pool's device): a validated plan's slots, or the transformers layer's own positions."""
+    k, v = _check_kv(pool, layer, k, v)
+    if not isinstance(slots, torch.Tensor) or slots.shape != (k.shape[0],):
+        raise ShapeMismatch(f"slots must be [{k.shape[0]}]")
+    if k.shape[0]:
+        store_kv(pool, layer, k, v, slots, backend)
+
+
 def append_paged_kv(
     pool,
     layer: int,
@@ -183,16 +203,11 @@ def append_paged_kv(
     backend: str = "cpu",
 ) -> None:
     """Check, encode and store ``k, v [tokens, num_kv_heads, head_dim]`` at ``slots`` (or ``plan.slots``)."""
-    pool.check_layer(layer)
-    k = check_rows(pool, k, "k")
-    v = check_rows(pool, v, "v")
-    if k.shape[0] != v.shape[0]:
-        raise ShapeMismatch(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    k, v = _check_kv(pool, layer, k, v)
     if plan is not None and slots is None:
+        if plan.slots is None:
+            raise ShapeMismatch("the plan holds no slots: build it with slots= or pass them here")
         s = plan.slots
-        if s is None or s.shape[0] != k.shape[0]:
-            raise ShapeMismatch(f"the plan holds no slots for {k.shape[0]} tokens")
     else:
         s = check_slots(pool, slots, k.shape[0])
-    if k.shape[0]:
-        store_kv(pool, layer, k, v, s, backend)
+    append_rows(pool, layer, k, v, s, backend=backend)
