@@ -192,10 +192,10 @@ def test_transformers_forward_validates_once_whatever_the_layers(num_layers, mon
     mask[1, :2] = 0  # left padding: the plan carries kv_starts and the packed queries
     calls = counting_validations(monkeypatch)
     with torch.no_grad():
-        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
         assert len(calls) == 1
         nxt = out.logits[:, -1:].argmax(-1)
-        model(nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1), past_key_values=cache,
+        model(nxt, attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1), cache=cache,
               use_cache=True)
     assert len(calls) == 2
     assert cache.attention_calls == 2 * num_layers

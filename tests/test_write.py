@@ -321,5 +321,5 @@ def test_transformers_cache_writes_through_the_write_path(monkeypatch):
     cache = Int8KvCache(model.config)
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, cache=cache, use_cache=True)
     assert stored == [2 * 5] * 3  # every layer, batch x tokens rows, through ops.write

@@ -188,7 +188,7 @@ def validate_values(
 
     i_tab = add(tables.min(), tables.max()) if tables.numel() else None
     i_len = add(lens.min(), lens.max()) if lens.numel() else None
-    i_start = add(starts.min()) if starts is not None and starts.numel() else None
+    i_start = add(starts.min(), starts.max()) if starts is not None and starts.numel() else None
     i_cu = None
     if cu is not None:
         c = cu.to(torch.int64)
@@ -208,7 +208,7 @@ def validate_values(
     capacity = tables.shape[1] * pool.block_size
     if i_len is not None and (v[i_len] < 0 or v[i_len + 1] > min(capacity, INT32_MAX)):
         raise PositionOutOfRange(f"context_lens must lie in [0, {capacity}] (block_tables width x block_size)")
-    if i_start is not None and (v[i_start] < 0 or v[i_start] > INT32_MAX):
+    if i_start is not None and (v[i_start] < 0 or v[i_start + 1] > INT32_MAX):
         raise PositionOutOfRange("kv_starts must lie in [0, 2**31)")
     batch = tables.shape[0]
     if cu is None:
