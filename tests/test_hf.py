@@ -36,6 +36,12 @@ INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 VOCAB = 128
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Tiny models and their inputs come from the global RNG: seeded per test, so failures reproduce."""
+    torch.manual_seed(1234)
+
+
 def tiny_model(kind: str = "llama") -> torch.nn.Module:
     common = dict(
         vocab_size=VOCAB,
@@ -357,6 +363,84 @@ def test_non_finite_step_leaves_every_layer_unchanged():
         model(ids[:, :6], cache=fresh_cache, use_cache=True)
         fresh = model(ids[:, 6:], cache=fresh_cache, use_cache=True).logits
     torch.testing.assert_close(resumed, fresh, atol=0, rtol=0)
+
+
+def test_attention_error_in_a_later_layer_rolls_back_every_layer():
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, VOCAB, (2, 7))
+    cache = Int8KvCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :5], cache=cache, use_cache=True)
+        snapshot = [layer.dequantize() for layer in cache.layers]
+        # Layer 1's queries turn NaN: layers 0 and 1 have stored the step when its attention refuses it.
+        hook = model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, i, o: o * float("nan"))
+        with pytest.raises(NonFiniteError):
+            model(ids[:, 5:], cache=cache, use_cache=True)
+        hook.remove()
+    assert [layer.get_seq_length() for layer in cache.layers] == [5, 5]
+    for layer, (k, v) in zip(cache.layers, snapshot, strict=True):
+        assert torch.equal(layer.dequantize()[0], k) and torch.equal(layer.dequantize()[1], v)
+
+
+def test_autograd_on_stores_values_not_graphs():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 6))
+    cache = Int8KvCache(model.config)
+    out = model(ids, cache=cache, use_cache=True)  # no torch.no_grad()
+    assert out.logits.requires_grad
+    out = model(ids[:, :1], cache=cache, use_cache=True)
+    for layer in cache.layers:
+        assert all(t is None or (not t.requires_grad and t.grad_fn is None) for t in layer.stored())
+    with torch.no_grad():
+        ref_cache = Int8KvCache(model.config)
+        model(ids, cache=ref_cache, use_cache=True)
+        want = model(ids[:, :1], cache=ref_cache, use_cache=True).logits
+    torch.testing.assert_close(out.logits.detach(), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_state_round_trip_continues_identically(fmt):
+    model = tiny_model("llama")
+    ids, mask = left_padded([9, 6])
+    cache = Int8KvCache(model.config, format=fmt)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        state = cache.export_state()
+        assert state.batch == 2 and state.length == 9 and state.format == fmt
+        restored = Int8KvCache(model.config, format=fmt)
+        restored.import_state(state)
+        assert restored.export_state().equal(state)
+        step = torch.tensor([[5], [7]])
+        full = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        a = model(step, attention_mask=full, cache=cache, use_cache=True).logits
+        b = model(step, attention_mask=full, cache=restored, use_cache=True).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_import_state_is_atomic_when_an_allocation_fails_part_way(monkeypatch):
+    model = tiny_model("llama")
+    cache = Int8KvCache(model.config)
+    other = Int8KvCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(3, VOCAB, (1, 5)), cache=cache, use_cache=True)
+        model(torch.randint(3, VOCAB, (1, 8)), cache=other, use_cache=True)
+    before = cache.export_state()
+    real = int8kv.hf.Int8KvLayer.storage_from
+    made = []
+
+    def failing(self, *args):
+        if made:
+            raise MemoryError("simulated: out of memory at the second layer")
+        made.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(int8kv.hf.Int8KvLayer, "storage_from", failing)
+    with pytest.raises(MemoryError):
+        cache.import_state(other.export_state())
+    assert cache.export_state().equal(before)
+    with pytest.raises(ShapeMismatch):
+        cache.import_state("not a state")
+    assert cache.export_state().equal(before)
 
 
 def test_unsupported_patterns_raise_and_roll_back():
