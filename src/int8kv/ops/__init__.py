@@ -74,8 +74,15 @@ def resolve_backend(cache: PagedKvCache | KvPool, backend: str | None = None) ->
     return backend
 
 
+_MODULES: dict[str, Any] = {}
+
+
 def _module(name: str) -> Any:
-    return importlib.import_module(f"{__name__}.{name}")
+    # A dict lookup per layer instead of importlib's (import lock, spec checks) once a backend is loaded.
+    mod = _MODULES.get(name)
+    if mod is None:
+        mod = _MODULES[name] = importlib.import_module(f"{__name__}.{name}")
+    return mod
 
 
 def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
