@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..cache.paged import PagedKvCache
+from ..cache.state import KvLayout
 from ..errors import ShapeMismatch
-from ..models.config import kv_dims
 from ..ops.plan import AttentionPlan, plan_attention
 from ..ops.write import rms_norm
 
@@ -55,7 +55,8 @@ class DecoderModel:
         if cfg.model_type not in SUPPORTED:
             raise ShapeMismatch(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
         self.config = cfg
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(cfg)
+        self.layout = KvLayout.from_config(cfg)  # format: the engine picks it per cache (make_cache)
+        self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
         self.num_q_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         base = hf_model.model
@@ -96,7 +97,7 @@ class DecoderModel:
         return (angles.cos() * scaling).float(), (angles.sin() * scaling).float()
 
     def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
-        return PagedKvCache(num_blocks, block_size, self.num_layers, self.num_kv_heads, self.head_dim, format)
+        return PagedKvCache(num_blocks, block_size, *self.layout.dims, format)
 
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:
         """The step's attention plan (block tables, lengths, slots, positions), checked once for all layers."""
