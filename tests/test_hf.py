@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 import int8kv.codec
 import int8kv.hf
+import int8kv.hf.attention
 from int8kv.errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
 from int8kv.formats import KvStorageFormat
 from int8kv.hf import Int8KvCache, UnsupportedAttention, int8kv_attention_forward
@@ -33,6 +34,12 @@ from int8kv.hf import Int8KvCache, UnsupportedAttention, int8kv_attention_forwar
 F16 = KvStorageFormat.F16
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Tiny models and their inputs come from the global RNG: seeded per test, so failures reproduce."""
+    torch.manual_seed(1234)
 
 
 def tiny_model(kind: str = "llama") -> torch.nn.Module:
@@ -241,7 +248,7 @@ def test_kernels_serve_every_step_without_dequantizing(monkeypatch):
 
     monkeypatch.setattr(int8kv.codec, "decode", forbidden)
     monkeypatch.setattr(int8kv.codec, "dequantize_int8", forbidden)
-    monkeypatch.setattr(int8kv.hf, "sdpa_attention_forward", forbidden)
+    monkeypatch.setattr(int8kv.hf.attention, "sdpa_attention_forward", forbidden)
     ids, mask = left_padded([7, 4])
     cache = Int8KvCache(model.config)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache)
@@ -336,15 +343,19 @@ def test_reorder_and_batch_selection():
         cache.reorder_cache(torch.tensor([5]))
 
 
-def test_non_finite_step_leaves_every_layer_unchanged():
+@pytest.mark.parametrize("proj", ["k_proj", "q_proj"])
+def test_non_finite_step_leaves_every_layer_unchanged(proj):
+    """k_proj: layer 1's write refuses the step (Int8KvCache.update rolls back); q_proj: layer 1's attention
+    refuses it after both layers stored it (the forward's plan rolls back every layer it wrote)."""
     model = tiny_model("llama")
     ids = torch.randint(3, VOCAB, (1, 8))
     cache = Int8KvCache(model.config)
     with torch.no_grad():
         model(ids[:, :6], cache=cache, use_cache=True)
         snapshot = [layer.dequantize() for layer in cache.layers]
-        # Layer 1's keys turn NaN: layer 0 has already stored the step when layer 1 fails.
-        hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, o: o * float("nan"))
+        # Layer 1's keys (queries) turn NaN: layer 0 has already stored the step when layer 1 fails.
+        poisoned = getattr(model.model.layers[1].self_attn, proj)
+        hook = poisoned.register_forward_hook(lambda m, i, o: o * float("nan"))
         with pytest.raises(NonFiniteError):
             model(ids[:, 6:7], cache=cache, use_cache=True)
         hook.remove()
@@ -356,6 +367,67 @@ def test_non_finite_step_leaves_every_layer_unchanged():
         model(ids[:, :6], cache=fresh_cache, use_cache=True)
         fresh = model(ids[:, 6:], cache=fresh_cache, use_cache=True).logits
     torch.testing.assert_close(resumed, fresh, atol=0, rtol=0)
+
+
+def test_autograd_on_stores_values_not_graphs():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 6))
+    cache = Int8KvCache(model.config)
+    out = model(ids, cache=cache, use_cache=True)  # no torch.no_grad()
+    assert out.logits.requires_grad
+    out = model(ids[:, :1], cache=cache, use_cache=True)
+    for layer in cache.layers:
+        assert all(t is None or (not t.requires_grad and t.grad_fn is None) for t in layer.stored())
+    with torch.no_grad():
+        ref_cache = Int8KvCache(model.config)
+        model(ids, cache=ref_cache, use_cache=True)
+        want = model(ids[:, :1], cache=ref_cache, use_cache=True).logits
+    torch.testing.assert_close(out.logits.detach(), want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_state_round_trip_continues_identically(fmt):
+    model = tiny_model("llama")
+    ids, mask = left_padded([9, 6])
+    cache = Int8KvCache(model.config, format=fmt)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        state = cache.export_state()
+        assert state.batch == 2 and state.length == 9 and state.format == fmt
+        restored = Int8KvCache(model.config, format=fmt)
+        restored.import_state(state)
+        assert restored.export_state().equal(state)
+        step = torch.tensor([[5], [7]])
+        full = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
+        a = model(step, attention_mask=full, cache=cache, use_cache=True).logits
+        b = model(step, attention_mask=full, cache=restored, use_cache=True).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_import_state_is_atomic_when_an_allocation_fails_part_way(monkeypatch):
+    model = tiny_model("llama")
+    cache = Int8KvCache(model.config)
+    other = Int8KvCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(3, VOCAB, (1, 5)), cache=cache, use_cache=True)
+        model(torch.randint(3, VOCAB, (1, 8)), cache=other, use_cache=True)
+    before = cache.export_state()
+    real = int8kv.hf.Int8KvLayer.storage_from
+    made = []
+
+    def failing(self, *args):
+        if made:
+            raise MemoryError("simulated: out of memory at the second layer")
+        made.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(int8kv.hf.Int8KvLayer, "storage_from", failing)
+    with pytest.raises(MemoryError):
+        cache.import_state(other.export_state())
+    assert cache.export_state().equal(before)
+    with pytest.raises(ShapeMismatch):
+        cache.import_state("not a state")
+    assert cache.export_state().equal(before)
 
 
 def test_unsupported_patterns_raise_and_roll_back():

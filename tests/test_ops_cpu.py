@@ -38,12 +38,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def poison(cache: PagedKvCache) -> None:
-    if cache.format.is_quantized:
-        cache._ks.fill_(float("nan"))
-        cache._vs.fill_(float("nan"))
-    else:
-        cache._k.fill_(float("nan"))
-        cache._v.fill_(float("nan"))
+    k, v, ks, vs = cache.pool.storage()
+    for t in (ks, vs) if cache.format.is_quantized else (k, v):
+        t.fill_(float("nan"))
 
 
 def build(fmt, block_size, head_dim, num_kv_heads, lens, seed, layer=1, value_scale=1.0):
@@ -127,7 +124,7 @@ def test_decode_softmax_scale(fmt, scale):
 
 def test_f16_subnormal_values_are_read_exactly():
     cache, tables, context = build(F16, 16, 64, 2, [40, 70], seed=12, value_scale=1e-6)
-    assert (cache._v[1].abs() < 6.1e-5).logical_and(cache._v[1] != 0).any()  # float16 subnormals are stored
+    assert (cache.v_codes[1].abs() < 6.1e-5).logical_and(cache.v_codes[1] != 0).any()  # float16 subnormals are stored
     q = torch.randn(2, 4, 64)
     out = paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
     ref = reference.paged_decode_attention(cache, 1, q, tables, context)

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from int8kv import ops  # noqa: E402
 from int8kv.cache.paged import PagedKvCache  # noqa: E402
 from int8kv.codec import encode, quantize_int8  # noqa: E402
 from int8kv.errors import LayerOutOfRange, NonFiniteError, PositionOutOfRange, ShapeMismatch  # noqa: E402
@@ -55,6 +56,19 @@ def stored_rows(cache, layer, slots):
     if cache.format.is_quantized:
         out += [cache.k_scales[layer].reshape(-1, h)[slots], cache.v_scales[layer].reshape(-1, h)[slots]]
     return out
+
+
+def t_append(cache, layer, k, v, slots):
+    """The write path (checks, then Triton's fused quantize-and-store kernel)."""
+    ops.append_paged_kv(cache, layer, k, v, slots, backend="triton")
+
+
+def t_decode(cache, layer, q, bt, ctx, scale, starts):
+    return ops.paged_decode_attention(cache, layer, q, bt, ctx, scale, starts, backend="triton")
+
+
+def t_prefill(cache, layer, q, cu, bt, ctx, scale, starts):
+    return ops.paged_prefill_attention(cache, layer, q, cu, bt, ctx, scale, starts, backend="triton")
 
 
 def rel_err(got, want):
@@ -149,7 +163,7 @@ def test_append_matches_codec(fmt, dtype, block_size, heads, dim):
     k, v = _append_inputs(tokens, heads, dim, dtype, seed=block_size + heads)
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(5))[:tokens]
     layer0 = [cache.k_codes[0].clone(), cache.v_codes[0].clone()]
-    tk.append_paged_kv(cache, 1, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+    t_append(cache, 1, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
     assert torch.equal(layer0[0], cache.k_codes[0]) and torch.equal(layer0[1], cache.v_codes[0])
     got = [t.cpu() for t in stored_rows(cache, 1, slots.to(DEVICE))]
     if fmt.is_quantized:
@@ -180,7 +194,7 @@ def test_append_non_finite_writes_nothing(fmt, where, value):
     (k if where == "k" else v)[4, 1, 7] = value
     before = snapshot(cache)
     with pytest.raises(NonFiniteError):
-        tk.append_paged_kv(cache, 0, k, v, torch.arange(5, device=DEVICE))
+        t_append(cache, 0, k, v, torch.arange(5, device=DEVICE))
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(cache), strict=True))
 
 
@@ -190,23 +204,23 @@ def test_append_rejects_bad_arguments_without_writing():
     slots = torch.tensor([0, 1, 2], device=DEVICE)
     before = snapshot(cache)
     with pytest.raises(PositionOutOfRange):
-        tk.append_paged_kv(cache, 0, k, k, torch.tensor([0, 1, 32], device=DEVICE))
+        t_append(cache, 0, k, k, torch.tensor([0, 1, 32], device=DEVICE))
     with pytest.raises(PositionOutOfRange):
-        tk.append_paged_kv(cache, 0, k, k, torch.tensor([0, -1, 2], device=DEVICE))
+        t_append(cache, 0, k, k, torch.tensor([0, -1, 2], device=DEVICE))
     with pytest.raises(ShapeMismatch):
-        tk.append_paged_kv(cache, 0, k, k, torch.tensor([0, 1, 1], device=DEVICE))
+        t_append(cache, 0, k, k, torch.tensor([0, 1, 1], device=DEVICE))
     with pytest.raises(LayerOutOfRange):
-        tk.append_paged_kv(cache, 1, k, k, slots)
+        t_append(cache, 1, k, k, slots)
     with pytest.raises(ShapeMismatch):
-        tk.append_paged_kv(cache, 0, k[:, :1], k[:, :1], slots)
+        t_append(cache, 0, k[:, :1], k[:, :1], slots)
     with pytest.raises(ShapeMismatch):
-        tk.append_paged_kv(cache, 0, k, k[:2], slots)
+        t_append(cache, 0, k, k[:2], slots)
     with pytest.raises(ShapeMismatch):
-        tk.append_paged_kv(cache, 0, k.double(), k.double(), slots)
+        t_append(cache, 0, k.double(), k.double(), slots)
     with pytest.raises(ShapeMismatch):
-        tk.append_paged_kv(cache, 0, k, k, slots.float())
+        t_append(cache, 0, k, k, slots.float())
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(cache), strict=True))
-    tk.append_paged_kv(cache, 0, k[:0], k[:0], slots[:0])  # zero tokens is a no-op
+    t_append(cache, 0, k[:0], k[:0], slots[:0])  # zero tokens is a no-op
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -236,7 +250,7 @@ def test_decode_matches_reference(fmt, block_size, head_dim, group, kv_heads):
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(len(context_lens), kv_heads * group, head_dim, generator=gen).to(DEVICE)
     for kv_starts in (None, starts):
-        got = tk.paged_decode_attention(cache, 0, q, bt, ctx, None, kv_starts)
+        got = t_decode(cache, 0, q, bt, ctx, None, kv_starts)
         assert got.dtype == torch.float32 and got.shape == q.shape
         want = ref.paged_decode_attention(cache, 0, q, bt, ctx, None, kv_starts)
         assert rel_err(got, want) < TOL
@@ -255,7 +269,7 @@ def test_prefill_matches_reference(fmt, block_size, head_dim, group, kv_heads):
     # kv_start 25 hides every key from the first rows of sequence 0 (they must come out as zeros).
     starts = torch.tensor([25, 2, 0], dtype=torch.int32, device=DEVICE)
     for kv_starts in (None, starts):
-        got = tk.paged_prefill_attention(cache, 0, q, cu, bt, ctx, 0.3, kv_starts)
+        got = t_prefill(cache, 0, q, cu, bt, ctx, 0.3, kv_starts)
         assert got.dtype == torch.float32 and got.shape == q.shape
         want = ref.paged_prefill_attention(cache, 0, q, cu, bt, ctx, 0.3, kv_starts)
         assert rel_err(got, want) < TOL
@@ -284,18 +298,16 @@ def test_half_precision_queries(dtype):
     cache, bt = filled_cache(INT8, 16, 2, 64, [20, 33], seed=4)
     ctx = torch.tensor([20, 33], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 4, 64, device=DEVICE).to(dtype)
-    got = tk.paged_decode_attention(cache, 0, q, bt, ctx, None, None)
+    got = t_decode(cache, 0, q, bt, ctx, None, None)
     assert rel_err(got, ref.paged_decode_attention(cache, 0, q, bt, ctx, None, None)) < TOL
 
 
 def test_dispatcher_reaches_triton_backend():
-    import int8kv.ops as ops
-
     cache, bt = filled_cache(INT8, 8, 2, 64, [12, 30], seed=12)
     ctx = torch.tensor([12, 30], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 8, 64, device=DEVICE)
     got = ops.paged_decode_attention(cache, 0, q, bt, ctx, backend="triton")
-    assert torch.equal(got, tk.paged_decode_attention(cache, 0, q, bt, ctx, None, None))
+    assert torch.equal(got, t_decode(cache, 0, q, bt, ctx, None, None))
     k = torch.randn(3, 2, 64, device=DEVICE)
     slots = torch.tensor([40, 41, 42], device=DEVICE)
     ops.append_paged_kv(cache, 0, k, -k, slots, backend="triton")
@@ -308,12 +320,12 @@ def test_decode_equals_one_token_prefill_and_empty_range_is_zero():
     ctx = torch.tensor([17, 24], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, 4, 64, device=DEVICE)
     cu = torch.arange(3, dtype=torch.int32, device=DEVICE)
-    dec = tk.paged_decode_attention(cache, 0, q, bt, ctx, 0.2, None)
-    pre = tk.paged_prefill_attention(cache, 0, q, cu, bt, ctx, 0.2, None)
+    dec = t_decode(cache, 0, q, bt, ctx, 0.2, None)
+    pre = t_prefill(cache, 0, q, cu, bt, ctx, 0.2, None)
     assert torch.equal(dec, pre)
     # kv_start at the context length leaves nothing to attend to: zeros, not NaN.
     starts = torch.tensor([17, 0], dtype=torch.int32, device=DEVICE)
-    out = tk.paged_decode_attention(cache, 0, q, bt, ctx, 0.2, starts)
+    out = t_decode(cache, 0, q, bt, ctx, 0.2, starts)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert torch.allclose(out[1], dec[1])
 
@@ -323,17 +335,17 @@ def test_attention_rejects_bad_arguments():
     ctx = torch.tensor([10], dtype=torch.int32, device=DEVICE)
     q = torch.randn(1, 4, 64, device=DEVICE)
     with pytest.raises(ShapeMismatch):  # 3 query heads over 2 KV heads
-        tk.paged_decode_attention(cache, 0, q[:, :3], bt, ctx, None, None)
+        t_decode(cache, 0, q[:, :3], bt, ctx, None, None)
     with pytest.raises(ShapeMismatch):
-        tk.paged_decode_attention(cache, 0, q[..., :32], bt, ctx, None, None)
+        t_decode(cache, 0, q[..., :32], bt, ctx, None, None)
     with pytest.raises(LayerOutOfRange):
-        tk.paged_decode_attention(cache, 3, q, bt, ctx, None, None)
+        t_decode(cache, 3, q, bt, ctx, None, None)
     with pytest.raises(PositionOutOfRange):  # longer than the block table can address
-        tk.paged_decode_attention(cache, 0, q, bt, ctx + 100, None, None)
+        t_decode(cache, 0, q, bt, ctx + 100, None, None)
     with pytest.raises(PositionOutOfRange):
-        tk.paged_decode_attention(cache, 0, q, bt + cache.num_blocks, ctx, None, None)
+        t_decode(cache, 0, q, bt + cache.num_blocks, ctx, None, None)
     with pytest.raises(ShapeMismatch):
-        tk.paged_prefill_attention(cache, 0, q, torch.tensor([0, 2], device=DEVICE), bt, ctx, None, None)
+        t_prefill(cache, 0, q, torch.tensor([0, 2], device=DEVICE), bt, ctx, None, None)
     with pytest.raises(ShapeMismatch):  # more queries than stored positions
         many = torch.randn(11, 4, 64, device=DEVICE)
-        tk.paged_prefill_attention(cache, 0, many, torch.tensor([0, 11], device=DEVICE), bt, ctx, None, None)
+        t_prefill(cache, 0, many, torch.tensor([0, 11], device=DEVICE), bt, ctx, None, None)

@@ -1,11 +1,13 @@
 from .allocator import BlockAllocator
 from .contiguous import QuantizedKvCache, QuantizedKvLayer
 from .paged import PagedKvCache, tokens_per_format
+from .pool import KvPool
 from .state import KvLayout, KvState, as_format
 
 __all__ = [
     "BlockAllocator",
     "KvLayout",
+    "KvPool",
     "KvState",
     "PagedKvCache",
     "QuantizedKvCache",

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..cache.paged import PagedKvCache
+from ..cache.state import KvLayout
 from ..errors import ShapeMismatch
-from ..models.config import kv_dims
+from ..ops.plan import AttentionPlan, plan_attention
+from ..ops.write import rms_norm
 
 # The two architectures checked against transformers in tests/test_engine.py.
 SUPPORTED = ("llama", "qwen3")
@@ -53,7 +55,8 @@ class DecoderModel:
         if cfg.model_type not in SUPPORTED:
             raise ShapeMismatch(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
         self.config = cfg
-        self.num_layers, self.num_kv_heads, self.head_dim = kv_dims(cfg)
+        self.layout = KvLayout.from_config(cfg)  # format: the engine picks it per cache (make_cache)
+        self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
         self.num_q_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         base = hf_model.model
@@ -94,33 +97,41 @@ class DecoderModel:
         return (angles.cos() * scaling).float(), (angles.sin() * scaling).float()
 
     def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
-        return PagedKvCache(num_blocks, block_size, self.num_layers, self.num_kv_heads, self.head_dim, format)
+        return PagedKvCache(num_blocks, block_size, *self.layout.dims, format)
 
-    @staticmethod
-    def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:
+        """The step's attention plan (block tables, lengths, slots, positions), checked once for all layers."""
+        return plan_attention(
+            cache.pool, batch.block_tables, batch.context_lens,
+            cu_seqlens_q=None if batch.is_decode else batch.cu_seqlens_q,
+            num_queries=int(batch.input_ids.shape[0]), slots=batch.slots, positions=batch.positions,
+            max_position=int(self.cos.shape[0]), validate=validate,
+            max_query_len=None if validate or batch.is_decode else int(batch.cu_seqlens_q.diff().max()),
+        )  # fmt: skip
 
     @torch.inference_mode()
-    def forward(self, cache: PagedKvCache, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits of each sequence's last token in the batch [batch, vocab] (or of every token [tokens, vocab])."""
+    def forward(
+        self, cache: PagedKvCache, batch: Batch, all_logits: bool = False, plan: AttentionPlan | None = None
+    ) -> torch.Tensor:
+        """Logits of each sequence's last token in the batch [batch, vocab] (or of every token [tokens, vocab]).
+
+        ``plan``: the step's plan if the caller built it (:meth:`plan`); otherwise it is built here, once."""
+        if plan is None:
+            plan = self.plan(cache, batch)
         x = self.embed[batch.input_ids]
         for i, w in enumerate(self.layers):
-            h = self._rms_norm(x, w.input_norm, self.eps)
+            h = rms_norm(x, w.input_norm, self.eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias)
             q = ops.paged_write(
-                cache, i, qkv, batch.positions, batch.slots, self.cos, self.sin, self.num_q_heads,
-                q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps,
-            )
-            if batch.is_decode:
-                attn = ops.paged_decode_attention(cache, i, q, batch.block_tables, batch.context_lens)
-            else:
-                attn = ops.paged_prefill_attention(
-                    cache, i, q, batch.cu_seqlens_q, batch.block_tables, batch.context_lens
-                )
+                cache, i, qkv, None, None, self.cos, self.sin, self.num_q_heads,
+                q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps, plan=plan,
+            )  # fmt: skip
+            # q was checked (shape, finiteness) by the write path.
+            attn = ops.attention(cache, i, q, plan, check_q=False)
             x = x + F.linear(attn.reshape(x.shape[0], -1), w.o)
-            h = self._rms_norm(x, w.post_norm, self.eps)
+            h = rms_norm(x, w.post_norm, self.eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down)
         if not all_logits:
             x = x[batch.cu_seqlens_q[1:].long() - 1]
-        return F.linear(self._rms_norm(x, self.final_norm, self.eps), self.lm_head)
+        return F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head)

@@ -1,67 +1,146 @@
-"""Paged-cache operations behind one dispatcher.
+"""Paged-cache operations: plan a step once, then write and attend per layer through one dispatcher.
 
-Every public function takes `backend`: None picks "triton" when the cache lives on CUDA and "cpu" otherwise;
-"reference" (float64 oracle, returned as float32), "cpu" (numba) and "triton" force one. Backend modules are
-imported lazily, so importing int8kv never pulls in numba compilation or triton.
+    plan = plan_attention(cache, block_tables, context_lens, cu_seqlens_q=cu, slots=slots, positions=pos)
+    for layer in range(num_layers):
+        q = paged_write(cache, layer, qkv, None, None, cos, sin, num_q_heads, plan=plan)
+        out = attention(cache, layer, q, plan)
+
+Every backend ("reference": float64 oracle, returned as float32; "cpu": numba; "triton") is a module with one
+function ``attend(pool, layer, q, plan)`` that checks nothing: the plan was validated when it was built and
+:func:`attention` checks ``q`` (shape, device, finiteness), the same way for all of them. ``backend=None``
+picks "triton" for a CUDA cache and "cpu" otherwise. Backend modules are imported lazily, so importing
+int8kv never pulls in numba compilation or triton.
+
+The single-call functions (:func:`paged_decode_attention`, :func:`paged_prefill_attention`,
+:func:`append_paged_kv`, :func:`paged_write`) keep working on their own: they plan, then run.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+import os
+from typing import Any
 
 import torch
 
 from ..cache.paged import PagedKvCache
-from ..errors import UnknownBackend
-from .write import apply_rope, prepare_qkv, rms_norm, split_qkv
+from ..cache.pool import KvPool
+from ..errors import NonFiniteError, ShapeMismatch, UnknownBackend
+from . import write
+from .plan import AttentionPlan, plan_attention
+from .write import FLOAT_DTYPES, apply_rope, prepare_qkv, rms_norm, split_qkv
 
 BACKENDS = ("reference", "cpu", "triton")
 
 __all__ = [
     "BACKENDS",
+    "AttentionPlan",
     "append_paged_kv",
     "apply_rope",
+    "attention",
     "paged_decode_attention",
     "paged_prefill_attention",
     "paged_write",
+    "plan_attention",
     "resolve_backend",
     "rms_norm",
     "split_qkv",
 ]
 
 
-def resolve_backend(cache: PagedKvCache, backend: str | None = None) -> str:
+def as_pool(cache: PagedKvCache | KvPool) -> KvPool:
+    """The storage of a paged cache, or the pool itself."""
+    if isinstance(cache, PagedKvCache):
+        return cache.pool
+    if isinstance(cache, KvPool):
+        return cache
+    raise ShapeMismatch(f"expected a PagedKvCache or a KvPool, got {type(cache).__name__}")
+
+
+def resolve_backend(cache: PagedKvCache | KvPool, backend: str | None = None) -> str:
+    """The backend name for ``cache``'s device; a name that cannot serve that device is refused (typed)."""
+    device = cache.device
     if backend is None:
-        return "triton" if cache.device.type == "cuda" else "cpu"
+        return "triton" if device.type == "cuda" else "cpu"
     if backend not in BACKENDS:
         raise UnknownBackend(f"unknown backend {backend!r}; accepted: {', '.join(BACKENDS)}")
+    if backend == "cpu" and device.type != "cpu":
+        raise UnknownBackend(f"the cpu backend needs a CPU cache, this one is on {device}")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UnknownBackend(
+            f"the triton backend needs a CUDA cache (this one is on {device}), or TRITON_INTERPRET=1 set before "
+            "triton is imported"
+        )
     return backend
 
 
-def _module(name: str) -> ModuleType:
-    return importlib.import_module(f"{__name__}.{name}")
+_MODULES: dict[str, Any] = {}
+
+
+def _module(name: str) -> Any:
+    # A dict lookup per layer instead of importlib's (import lock, spec checks) once a backend is loaded.
+    mod = _MODULES.get(name)
+    if mod is None:
+        mod = _MODULES[name] = importlib.import_module(f"{__name__}.{name}")
+    return mod
+
+
+def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """``q [num_queries, num_q_heads, head_dim]`` as float32, contiguous; NaN/inf refused (NonFiniteError)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != pool.head_dim or q.shape[0] != plan.num_queries:
+        got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ShapeMismatch(f"q must be [{plan.num_queries}, num_q_heads, {pool.head_dim}], got {got}")
+    if q.shape[1] == 0 or q.shape[1] % pool.num_kv_heads != 0:
+        raise ShapeMismatch(f"num_q_heads ({q.shape[1]}) must be a positive multiple of {pool.num_kv_heads}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ShapeMismatch(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if q.device != pool.device:
+        raise ShapeMismatch(f"q is on {q.device} but the cache is on {pool.device}")
+    # Refused on every backend alike: a NaN query would give NaN rows on one backend and zeros on another.
+    if not bool(torch.isfinite(q).all()):
+        raise NonFiniteError("q holds NaN or inf")
+    return q.detach().to(torch.float32).contiguous()
+
+
+def attention(
+    cache: PagedKvCache | KvPool,
+    layer: int,
+    q: torch.Tensor,
+    plan: AttentionPlan,
+    *,
+    backend: str | None = None,
+    check_q: bool = True,
+) -> torch.Tensor:
+    """Attention of ``q [plan.num_queries, num_q_heads, head_dim]`` for one layer: float32 of q's shape.
+
+    ``check_q=False`` for a q the caller already checked (the write path checks the q it returns)."""
+    pool = as_pool(cache)
+    pool.check_layer(layer)
+    q = check_query(pool, q, plan) if check_q else q
+    return _module(resolve_backend(pool, backend)).attend(pool, layer, q, plan).to(torch.float32)
 
 
 def append_paged_kv(
-    cache: PagedKvCache,
+    cache: PagedKvCache | KvPool,
     layer: int,
     k: torch.Tensor,
     v: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | None = None,
     *,
+    plan: AttentionPlan | None = None,
     backend: str | None = None,
 ) -> None:
-    """Store already normed and rotated `k, v [tokens, num_kv_heads, head_dim]` at `slots`, encoded."""
-    _module(resolve_backend(cache, backend)).append_paged_kv(cache, layer, k, v, slots)
+    """Store already normed and rotated ``k, v [tokens, num_kv_heads, head_dim]`` at ``slots``, encoded."""
+    pool = as_pool(cache)
+    write.append_paged_kv(pool, layer, k, v, slots, plan=plan, backend=resolve_backend(pool, backend))
 
 
 def paged_write(
-    cache: PagedKvCache,
+    cache: PagedKvCache | KvPool,
     layer: int,
     qkv: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
+    positions: torch.Tensor | None,
+    slots: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
     num_q_heads: int,
@@ -70,20 +149,31 @@ def paged_write(
     eps: float = 1e-6,
     rope_style: str = "neox",
     *,
+    plan: AttentionPlan | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Split packed qkv, QK-norm, RoPE, then store k and v; returns float32 q `[tokens, num_q_heads, head_dim]`.
 
-    Nothing is written unless every check passes (shapes, finiteness, float16 range).
+    With a ``plan`` (built with slots and positions) ``positions`` and ``slots`` may be None: the plan's checked
+    ones are used. Nothing is written unless every check passes (shapes, finiteness, float16 range).
     """
-    cache.check_layer(layer)
-    q, k, v = prepare_qkv(cache, qkv, positions, cos, sin, num_q_heads, q_norm_weight, k_norm_weight, eps, rope_style)
-    append_paged_kv(cache, layer, k, v, slots, backend=backend)
+    pool = as_pool(cache)
+    pool.check_layer(layer)
+    name = resolve_backend(pool, backend)
+    planned = plan is not None and positions is None
+    if planned and plan.positions is None:
+        raise ShapeMismatch("the plan holds no positions: build it with positions= or pass them here")
+    pos = plan.positions if planned else positions
+    q, k, v = prepare_qkv(
+        pool, qkv, pos, cos, sin, num_q_heads, q_norm_weight, k_norm_weight, eps, rope_style,
+        positions_checked=planned,
+    )  # fmt: skip
+    write.append_paged_kv(pool, layer, k, v, slots, plan=plan if slots is None else None, backend=name)
     return q
 
 
 def paged_decode_attention(
-    cache: PagedKvCache,
+    cache: PagedKvCache | KvPool,
     layer: int,
     q: torch.Tensor,
     block_tables: torch.Tensor,
@@ -94,20 +184,13 @@ def paged_decode_attention(
     backend: str | None = None,
 ) -> torch.Tensor:
     """`q [batch, Hq, D]` attends to its sequence's positions [kv_start, context_len); float32 `[batch, Hq, D]`."""
-    name = resolve_backend(cache, backend)
-    if name == "cpu":  # validates itself
-        return _module(name).paged_decode_attention(
-            cache, layer, q, block_tables, context_lens, softmax_scale, kv_starts
-        )
-    b = cache.attention_batch(layer, q, block_tables, context_lens, softmax_scale, kv_starts)
-    out = _module(name).paged_decode_attention(
-        cache, layer, b.q, b.block_tables, b.context_lens, b.softmax_scale, b.kv_starts
-    )
-    return out.to(torch.float32)
+    pool = as_pool(cache)
+    plan = plan_attention(pool, block_tables, context_lens, kv_starts=kv_starts, softmax_scale=softmax_scale)
+    return attention(pool, layer, q, plan, backend=backend)
 
 
 def paged_prefill_attention(
-    cache: PagedKvCache,
+    cache: PagedKvCache | KvPool,
     layer: int,
     q: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
@@ -119,13 +202,10 @@ def paged_prefill_attention(
     backend: str | None = None,
 ) -> torch.Tensor:
     """Causal chunked prefill over `q [total, Hq, D]` packed by `cu_seqlens_q`; float32 `[total, Hq, D]`."""
-    name = resolve_backend(cache, backend)
-    if name == "cpu":
-        return _module(name).paged_prefill_attention(
-            cache, layer, q, cu_seqlens_q, block_tables, context_lens, softmax_scale, kv_starts
-        )
-    b = cache.attention_batch(layer, q, block_tables, context_lens, softmax_scale, kv_starts, cu_seqlens_q)
-    out = _module(name).paged_prefill_attention(
-        cache, layer, b.q, b.cu_seqlens_q, b.block_tables, b.context_lens, b.softmax_scale, b.kv_starts
-    )
-    return out.to(torch.float32)
+    pool = as_pool(cache)
+    num_queries = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else None
+    plan = plan_attention(
+        pool, block_tables, context_lens, cu_seqlens_q=cu_seqlens_q, kv_starts=kv_starts,
+        num_queries=num_queries, softmax_scale=softmax_scale,
+    )  # fmt: skip
+    return attention(pool, layer, q, plan, backend=backend)

@@ -24,11 +24,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from ..cache.paged import AttentionBatch, PagedKvCache
-from ..errors import ShapeMismatch
-from .write import append_paged_kv
+from ..cache.pool import KvPool
+from .plan import AttentionPlan
 
-__all__ = ["append_paged_kv", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = ["attend"]
 
 TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
@@ -380,12 +379,11 @@ def _merge_kernel(part_m, part_l, part_acc, out):
 
 
 # -- host side ----------------------------------------------------------------------------------------------
-def _layer_arrays(cache: PagedKvCache, layer: int) -> tuple:
+def _layer_arrays(pool: KvPool, layer: int) -> tuple:
     """Zero-copy numpy views of one layer; F16 codes are viewed as int16 bits."""
-    kc, vc = cache.k_codes[layer], cache.v_codes[layer]
-    if not cache.format.is_quantized:
+    kc, vc, ks, vs = pool.layer_tensors(layer)
+    if not pool.format.is_quantized:
         kc, vc = kc.view(torch.int16), vc.view(torch.int16)
-    ks, vs = cache.k_scales[layer], cache.v_scales[layer]
     return (kc.numpy(), None if ks is None else ks.numpy(), vc.numpy(), None if vs is None else vs.numpy())
 
 
@@ -434,15 +432,15 @@ def _prefill_items(cu: np.ndarray, lens: np.ndarray, starts: np.ndarray, group: 
     return items.astype(np.int64), row_limits.astype(np.int64)
 
 
-def _run(cache: PagedKvCache, layer: int, batch: AttentionBatch, items: np.ndarray, row_limits, splits: int):
-    q = batch.q
+def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple) -> torch.Tensor:
+    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs)`` of the plan."""
+    items, row_limits, splits, pairs = work
     out = torch.zeros(q.shape, dtype=torch.float32)
     if q.numel() == 0 or items.shape[0] == 0:
         return out
-    q_scaled = (q * batch.softmax_scale).contiguous().numpy()
-    kc, ks, vc, vs = _layer_arrays(cache, layer)
-    tables = batch.block_tables.numpy()
-    items, pairs = _sort_items(items, row_limits)
+    q_scaled = (q * plan.softmax_scale).numpy()
+    kc, ks, vc, vs = _layer_arrays(pool, layer)
+    tables = plan.block_tables.numpy()
     parts = (splits, *q.shape[:2]) if splits > 1 else (0, 0, 0)
     part_m = np.empty(parts, np.float32)
     part_l = np.empty(parts, np.float32)
@@ -522,14 +520,14 @@ def _flash_sequence(q: torch.Tensor, layer_rows: tuple, slots: torch.Tensor, fir
     return out
 
 
-def _flash_prefill(cache: PagedKvCache, layer: int, batch: AttentionBatch, out: torch.Tensor, seqs, cu, lens, starts):
+def _flash_prefill(pool: KvPool, layer: int, q_all: torch.Tensor, plan: AttentionPlan, out: torch.Tensor, seqs):
     """Fill the rows of sequences `seqs` in `out [total, Hq, D]`, one sequence at a time."""
-    hkv, d, bs = cache.num_kv_heads, cache.head_dim, cache.block_size
-    rows = cache.num_blocks * bs
-    kc, vc = cache.k_codes[layer].view(rows, hkv, d), cache.v_codes[layer].view(rows, hkv, d)
-    ks, vs = cache.k_scales[layer], cache.v_scales[layer]
-    layer_rows = (kc, None if ks is None else ks.view(rows, hkv), vc, None if vs is None else vs.view(rows, hkv))
-    group = batch.q.shape[1] // hkv
+    hkv, d, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
+    assert plan.host is not None
+    cu, lens, starts = plan.host.cu_seqlens_q, plan.host.context_lens, plan.host.kv_starts
+    kc, vc, ks, vs = pool.layer_rows(layer)
+    layer_rows = (kc, ks, vc, vs)
+    group = q_all.shape[1] // hkv
     for b in seqs:
         lo, hi, ctx = int(cu[b]), int(cu[b + 1]), int(lens[b])
         first = ctx - (hi - lo)  # position of the chunk's first query
@@ -538,65 +536,43 @@ def _flash_prefill(cache: PagedKvCache, layer: int, batch: AttentionBatch, out: 
             continue
         start = int(starts[b])
         pos = torch.arange(start, ctx)
-        slots = batch.block_tables[b].long()[pos // bs] * bs + pos % bs
-        q = batch.q[lo + skip : hi] * batch.softmax_scale
+        slots = plan.block_tables[b].long()[pos // bs] * bs + pos % bs
+        q = q_all[lo + skip : hi] * plan.softmax_scale
         q = q.view(hi - lo - skip, hkv, group, d).transpose(0, 1)
         o = _flash_sequence(q, layer_rows, slots, first + skip, start)
         out[lo + skip : hi] = o.transpose(0, 1).reshape(hi - lo - skip, hkv * group, d)
 
 
-def _starts(batch: AttentionBatch, size: int) -> np.ndarray:
-    if batch.kv_starts is None:
-        return np.zeros(size, np.int64)
-    return batch.kv_starts.numpy().astype(np.int64)
+def _work(plan: AttentionPlan, group: int) -> tuple:
+    """The plan's work items, sorted, and which sequences take the flash path: the same for every layer, so
+    built by the first layer and kept in the plan (``plan.derived``)."""
+    host = plan.host
+    assert host is not None, "the cpu backend needs a plan built for a CPU pool"
+    lens, starts, cu = host.context_lens, host.kv_starts, host.cu_seqlens_q
+    if plan.is_decode:
+        items, splits = _decode_items(lens, starts)
+        row_limits, long = lens, np.zeros(len(lens), bool)
+    else:
+        items, row_limits = _prefill_items(cu, lens, starts, group)
+        splits = 1
+        counts = cu[1:] - cu[:-1]
+        pairs = counts * (lens - counts) + counts * (counts + 1) // 2  # visible (query, key) pairs
+        long = (counts >= FLASH_MIN_QUERIES) & (pairs >= FLASH_MIN_PAIRS)
+        if _sdpa_tile is None:
+            long[:] = False
+        items = items[~long[items[:, 0]]]
+    if items.shape[0]:
+        items, pairs_total = _sort_items(items, row_limits)
+    else:
+        pairs_total = 0
+    return (items, row_limits, splits, pairs_total), np.flatnonzero(long)
 
 
-def _check_cpu(cache: PagedKvCache) -> None:
-    if cache.device.type != "cpu":
-        raise ShapeMismatch(f"the cpu backend needs a CPU cache, this one is on {cache.device}")
-
-
-def paged_decode_attention(
-    cache: PagedKvCache,
-    layer: int,
-    q: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    kv_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`q [batch, Hq, D]` attends to positions [kv_start, context_len): float32 `[batch, Hq, D]`."""
-    _check_cpu(cache)
-    batch = cache.attention_batch(layer, q, block_tables, context_lens, softmax_scale, kv_starts)
-    lens = batch.context_lens.numpy().astype(np.int64)
-    items, splits = _decode_items(lens, _starts(batch, len(lens)))
-    return _run(cache, layer, batch, items, lens, splits)
-
-
-def paged_prefill_attention(
-    cache: PagedKvCache,
-    layer: int,
-    q: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    kv_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal chunked prefill: `q [total, Hq, D]` packed by `cu_seqlens_q`; float32 `[total, Hq, D]`."""
-    _check_cpu(cache)
-    batch = cache.attention_batch(layer, q, block_tables, context_lens, softmax_scale, kv_starts, cu_seqlens_q)
-    assert batch.cu_seqlens_q is not None
-    lens = batch.context_lens.numpy().astype(np.int64)
-    cu = batch.cu_seqlens_q.numpy().astype(np.int64)
-    group = q.shape[1] // cache.num_kv_heads
-    starts = _starts(batch, len(lens))
-    items, row_limits = _prefill_items(cu, lens, starts, group)
-    counts = cu[1:] - cu[:-1]
-    pairs = counts * (lens - counts) + counts * (counts + 1) // 2  # visible (query, key) pairs
-    long = (counts >= FLASH_MIN_QUERIES) & (pairs >= FLASH_MIN_PAIRS)
-    if _sdpa_tile is None or not long.any():
-        return _run(cache, layer, batch, items, row_limits, 1)
-    out = _run(cache, layer, batch, items[~long[items[:, 0]]], row_limits, 1)
-    _flash_prefill(cache, layer, batch, out, np.flatnonzero(long), cu, lens, starts)
+def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape."""
+    group = q.shape[1] // pool.num_kv_heads
+    work, long = plan.derived(f"cpu-work-{group}-{numba.get_num_threads()}", lambda: _work(plan, group))
+    out = _run(pool, layer, q, plan, work)
+    if long.size:
+        _flash_prefill(pool, layer, q, plan, out, long)
     return out

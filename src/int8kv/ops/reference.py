@@ -8,24 +8,24 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.paged import PagedKvCache
+from ..cache.pool import KvPool
 from ..codec import decode
-from .write import append_paged_kv
+from .plan import AttentionPlan
 
-__all__ = ["append_paged_kv", "gather_kv", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = ["attend", "gather_kv", "paged_decode_attention", "paged_prefill_attention"]
 
 
 def gather_kv(
-    cache: PagedKvCache, layer: int, block_table: torch.Tensor, context_len: int
+    pool: KvPool, layer: int, block_table: torch.Tensor, context_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoded float64 K and V of positions [0, context_len): `[context_len, num_kv_heads, head_dim]` each."""
-    bs = cache.block_size
-    pos = torch.arange(context_len, device=cache.device)
-    blocks = block_table.to(cache.device).long()[pos // bs]
+    bs = pool.block_size
+    pos = torch.arange(context_len, device=pool.device)
+    blocks = block_table.to(pool.device).long()[pos // bs]
     offsets = pos % bs
-    ks, vs = cache.k_scales[layer], cache.v_scales[layer]
-    k = decode(cache.format, cache.k_codes[layer][blocks, offsets], None if ks is None else ks[blocks, offsets])
-    v = decode(cache.format, cache.v_codes[layer][blocks, offsets], None if vs is None else vs[blocks, offsets])
+    kc, vc, ks, vs = pool.layer_tensors(layer)
+    k = decode(pool.format, kc[blocks, offsets], None if ks is None else ks[blocks, offsets])
+    v = decode(pool.format, vc[blocks, offsets], None if vs is None else vs[blocks, offsets])
     return k.double(), v.double()
 
 
@@ -40,47 +40,41 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     return torch.einsum("nht,thd->nhd", probs, vv)
 
 
-def paged_decode_attention(
-    cache: PagedKvCache,
-    layer: int,
-    q: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    kv_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`q [batch, Hq, D]` attends to positions [kv_start, context_len) of its sequence."""
-    scale = cache.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Causal: query i of the n_b queries of sequence b sits at position context_len - n_b + i, and sees keys
+    in [kv_start, its position]; decode is the case n_b = 1. ``q [num_queries, Hq, D]`` -> float64."""
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    for b in range(q.shape[0]):
-        n = int(context_lens[b])
-        start = 0 if kv_starts is None else int(kv_starts[b])
-        k, v = gather_kv(cache, layer, block_tables[b], n)
-        visible = (torch.arange(n, device=q.device) >= start)[None, :]
-        out[b] = _attend(q[b : b + 1], k, v, visible, scale)[0]
+    cu = plan.cu_seqlens_q.tolist()
+    lens = plan.context_lens.tolist()
+    starts = [0] * plan.batch if plan.kv_starts is None else plan.kv_starts.tolist()
+    for b in range(plan.batch):
+        lo, hi, n = cu[b], cu[b + 1], lens[b]
+        k, v = gather_kv(pool, layer, plan.block_tables[b], n)
+        key_pos = torch.arange(n, device=q.device)[None, :]
+        query_pos = (n - (hi - lo) + torch.arange(hi - lo, device=q.device))[:, None]
+        visible = (key_pos >= starts[b]) & (key_pos <= query_pos)
+        out[lo:hi] = _attend(q[lo:hi], k, v, visible, plan.softmax_scale)
     return out
+
+
+def paged_decode_attention(cache, layer, q, block_tables, context_lens, softmax_scale=None, kv_starts=None):
+    """The float64 oracle of :func:`int8kv.ops.paged_decode_attention` (tests compare backends with it)."""
+    from . import as_pool, check_query, plan_attention
+
+    pool = as_pool(cache)
+    plan = plan_attention(pool, block_tables, context_lens, kv_starts=kv_starts, softmax_scale=softmax_scale)
+    return attend(pool, pool.check_layer(layer), check_query(pool, q, plan), plan)
 
 
 def paged_prefill_attention(
-    cache: PagedKvCache,
-    layer: int,
-    q: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    kv_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal: query i of the n_b queries of sequence b sits at position context_len - n_b + i."""
-    scale = cache.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    for b in range(cu_seqlens_q.shape[0] - 1):
-        lo, hi = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        n = int(context_lens[b])
-        start = 0 if kv_starts is None else int(kv_starts[b])
-        k, v = gather_kv(cache, layer, block_tables[b], n)
-        key_pos = torch.arange(n, device=q.device)[None, :]
-        query_pos = (n - (hi - lo) + torch.arange(hi - lo, device=q.device))[:, None]
-        visible = (key_pos >= start) & (key_pos <= query_pos)
-        out[lo:hi] = _attend(q[lo:hi], k, v, visible, scale)
-    return out
+    cache, layer, q, cu_seqlens_q, block_tables, context_lens, softmax_scale=None, kv_starts=None
+):
+    """The float64 oracle of :func:`int8kv.ops.paged_prefill_attention`."""
+    from . import as_pool, check_query, plan_attention
+
+    pool = as_pool(cache)
+    plan = plan_attention(
+        pool, block_tables, context_lens, cu_seqlens_q=cu_seqlens_q, kv_starts=kv_starts,
+        num_queries=q.shape[0], softmax_scale=softmax_scale,
+    )  # fmt: skip
+    return attend(pool, pool.check_layer(layer), check_query(pool, q, plan), plan)

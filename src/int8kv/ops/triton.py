@@ -26,15 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec import round_to_f16
-from ..errors import LayerOutOfRange, PositionOutOfRange, ShapeMismatch
+from ..errors import LayerOutOfRange, ShapeMismatch
+from .plan import AttentionPlan
 
-__all__ = ["append_paged_kv", "paged_decode_attention", "paged_prefill_attention"]
-
-#: Value checks (slots, block ids, lengths) read device tensors back to the host, one sync each call.
-#: They keep a bad batch from turning into an illegal memory access; a caller that has already
-#: validated its metadata (or captures CUDA graphs) may switch them off.
-check_values: bool = True
+__all__ = ["attend", "store_rows"]
 
 _LOG2E = 1.4426950408889634
 _MIN_CHUNK = 256  # shortest KV range worth a split: below it the merge costs more than it saves
@@ -389,47 +384,15 @@ def _layer_tensors(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return kc, vc, ks, vs
 
 
-def _check_rows(x: torch.Tensor, cache, what: str, device: torch.device) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ShapeMismatch(f"{what} must be a [tokens, num_kv_heads, head_dim] tensor")
-    if tuple(x.shape[1:]) != (cache.num_kv_heads, cache.head_dim):
-        raise ShapeMismatch(f"{what} must be [tokens, {cache.num_kv_heads}, {cache.head_dim}], got {tuple(x.shape)}")
-    if x.device != device:
-        raise ShapeMismatch(f"{what} is on {x.device} but the cache is on {device}")
-
-
-def append_paged_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Encode ``k``, ``v`` ``[tokens, num_kv_heads, head_dim]`` into ``slots`` of ``layer``.
+def store_rows(cache, layer: int, k16: torch.Tensor, v16: torch.Tensor, slots: torch.Tensor) -> None:
+    """Encode float16 ``k16``, ``v16`` ``[tokens, num_kv_heads, head_dim]`` into int64 ``slots`` of ``layer``.
 
     INT8 rows are quantized in the kernel with the V1 codec (codes and scales bit-identical to
-    ``codec.quantize_int8``); F16 rows are stored rounded to float16. Every check (shapes, slot range,
-    NaN/inf, float16 overflow) runs before anything is written, so a failing call leaves the cache as it was.
+    ``codec.quantize_int8``); F16 rows are stored as given. The write path (:mod:`int8kv.ops.write`) has run
+    every check (shapes, device, slot range and distinctness, NaN/inf, float16 range) before this is called.
     """
     kc, vc, ks, vs = _layer_tensors(cache, layer)
-    device = kc.device
-    _check_rows(k, cache, "keys", device)
-    _check_rows(v, cache, "values", device)
-    if k.shape[0] != v.shape[0]:
-        raise ShapeMismatch(f"keys have {k.shape[0]} tokens but values have {v.shape[0]}")
-    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != k.shape[0]:
-        raise ShapeMismatch(f"slots must be a [{k.shape[0]}] integer tensor")
-    if slots.dtype not in (torch.int64, torch.int32) or slots.device != device:
-        raise ShapeMismatch(f"slots must be int64 (or int32) on {device}, got {slots.dtype} on {slots.device}")
-    tokens = int(k.shape[0])
-    capacity = cache.num_blocks * cache.block_size
-    if tokens and check_values:
-        # One host read for all three numbers: on a GPU each read is a sync.
-        lo, hi, distinct = torch.stack(
-            [slots.min(), slots.max(), slots.new_tensor(torch.unique(slots).numel())]
-        ).tolist()
-        if lo < 0 or hi >= capacity:
-            raise PositionOutOfRange(f"slots must lie in [0, {capacity}), got values in [{lo}, {hi}]")
-        # Two programs writing one slot could leave one token's codes beside another token's scale.
-        if distinct != tokens:
-            raise ShapeMismatch("slots must be distinct within one append")
-    # The codec's own checks raise NonFiniteError here, before the kernel can write anything.
-    k16 = round_to_f16(k, "keys")
-    v16 = round_to_f16(v, "values")
+    tokens = int(k16.shape[0])
     if tokens == 0:
         return
     is_int8 = cache.format.is_quantized
@@ -557,109 +520,14 @@ def _attention(
     return out
 
 
-def _check_batch(
-    cache,
-    q: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    kv_starts: torch.Tensor | None,
-    batch_from_q: bool,
-) -> None:
-    device = cache.k_codes[0].device if len(cache.k_codes) else q.device
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ShapeMismatch("q must be a 3-D tensor")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ShapeMismatch(f"q must be float32, float16 or bfloat16, got {q.dtype}")
-    num_q_heads, head_dim = int(q.shape[1]), int(q.shape[2])
-    if head_dim != cache.head_dim:
-        raise ShapeMismatch(f"q has head_dim {head_dim}, the cache {cache.head_dim}")
-    if num_q_heads == 0 or num_q_heads % cache.num_kv_heads:
-        raise ShapeMismatch(f"{num_q_heads} query heads is not a multiple of {cache.num_kv_heads} KV heads")
-    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ShapeMismatch(f"block_tables must be a 2-D int32 tensor, got {block_tables.dtype} {block_tables.dim()}-D")
-    batch = int(block_tables.shape[0])
-    if batch_from_q and int(q.shape[0]) != batch:
-        raise ShapeMismatch(f"q has {q.shape[0]} sequences but block_tables {batch}")
-    for name, t in (("context_lens", context_lens), ("kv_starts", kv_starts)):
-        if t is None:
-            continue
-        if t.dim() != 1 or int(t.shape[0]) != batch or t.dtype not in (torch.int32, torch.int64):
-            raise ShapeMismatch(f"{name} must be a [{batch}] int32 tensor, got {t.dtype} {tuple(t.shape)}")
-    for name, t in (("q", q), ("block_tables", block_tables), ("context_lens", context_lens), ("kv_starts", kv_starts)):
-        if t is not None and t.device != device:
-            raise ShapeMismatch(f"{name} is on {t.device} but the cache is on {device}")
-    if check_values and batch:
-        width = int(block_tables.shape[1])
-        stats = [context_lens.min(), context_lens.max()]
-        if width:
-            stats += [block_tables.min(), block_tables.max()]
-        if kv_starts is not None:
-            stats.append(kv_starts.min())
-        # One host read for every bound: on a GPU each read is a sync.
-        values = torch.stack([x.to(torch.int64) for x in stats]).tolist()
-        if values[0] < 0 or values[1] > width * cache.block_size:
-            raise PositionOutOfRange(
-                f"context_lens must lie in [0, {width * cache.block_size}] (block table width x block size)"
-            )
-        if width and (values[2] < 0 or values[3] >= cache.num_blocks):
-            raise PositionOutOfRange(f"block_tables holds block ids outside [0, {cache.num_blocks})")
-        if kv_starts is not None and values[-1] < 0:
-            raise PositionOutOfRange("kv_starts must be >= 0")
-
-
-def paged_decode_attention(
-    cache,
-    layer: int,
-    q: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    kv_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One query token per sequence: ``q [batch, num_q_heads, head_dim]`` attends to ``[kv_start, context_len)``.
-
-    Returns float32 ``[batch, num_q_heads, head_dim]``; a sequence with no visible key gets zeros.
-    """
-    _check_batch(cache, q, block_tables, context_lens, kv_starts, batch_from_q=True)
-    batch = int(q.shape[0])
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    return _attention(cache, layer, q, cu, 1, block_tables, context_lens, softmax_scale, kv_starts)
-
-
-def paged_prefill_attention(
-    cache,
-    layer: int,
-    q: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    softmax_scale: float | None = None,
-    kv_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of packed queries ``q [total_tokens, num_q_heads, head_dim]``.
+def attend(cache, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Causal attention of ``q [num_queries, num_q_heads, head_dim]`` over a validated ``plan``.
 
     The ``n_b`` queries of sequence ``b`` (``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) are its last ``n_b``
-    positions; query ``i`` sees keys in ``[kv_start, context_len - n_b + i + 1)``. Returns float32 of q's shape.
+    positions; query ``i`` sees keys in ``[kv_start, context_len - n_b + i + 1)``; decode is ``n_b = 1``.
+    Returns float32 of q's shape; a query with no visible key gets zeros.
     """
-    _check_batch(cache, q, block_tables, context_lens, kv_starts, batch_from_q=False)
-    batch = int(block_tables.shape[0])
-    if (
-        not isinstance(cu_seqlens_q, torch.Tensor)
-        or cu_seqlens_q.dim() != 1
-        or int(cu_seqlens_q.shape[0]) != batch + 1
-        or cu_seqlens_q.dtype not in (torch.int32, torch.int64)
-    ):
-        raise ShapeMismatch(f"cu_seqlens_q must be a [{batch + 1}] int32 tensor")
-    if cu_seqlens_q.device != q.device:
-        raise ShapeMismatch(f"cu_seqlens_q is on {cu_seqlens_q.device} but q on {q.device}")
-    # The grid needs the longest query run, so prefill always reads cu_seqlens_q back (with context_lens: one sync).
-    host = torch.cat([cu_seqlens_q.to(torch.int64), context_lens.to(torch.int64)]).cpu()
-    cu_host, ctx_host = host[: batch + 1], host[batch + 1 :]
-    counts = cu_host[1:] - cu_host[:-1]
-    max_q = int(counts.max()) if batch else 0
-    if batch:
-        if int(cu_host[0]) != 0 or int(cu_host[-1]) != q.shape[0] or int(counts.min()) < 0:
-            raise ShapeMismatch(f"cu_seqlens_q must rise from 0 to {q.shape[0]} (the packed token count)")
-        if bool((counts > ctx_host).any()):
-            raise ShapeMismatch("a sequence has more queries than stored positions (n_b > context_len)")
-    return _attention(cache, layer, q, cu_seqlens_q, max_q, block_tables, context_lens, softmax_scale, kv_starts)
+    return _attention(
+        cache, layer, q, plan.cu_seqlens_q, plan.max_query_len, plan.block_tables, plan.context_lens,
+        plan.softmax_scale, plan.kv_starts,
+    )  # fmt: skip

@@ -1,17 +1,31 @@
-"""The write path in plain torch, shared by every backend: split QKV, QK-norm, RoPE, then encode and store.
+"""The one write path: split QKV -> QK-norm -> RoPE -> check -> encode -> store, for every cache and backend.
 
-Runs on whatever device the tensors are on. Everything is validated and encoded before the first store, so
-an error (bad shape, NaN, float16 overflow) leaves the cache untouched.
+This module owns every check a write needs and the encoding; a pool (:class:`~int8kv.cache.pool.KvPool`) only
+stores the encoded rows it is given. The rules, the same for the paged cache, the engine and the transformers
+cache:
+- rows are ``[tokens, num_kv_heads, head_dim]`` float32/float16/bfloat16 on the pool's device (a tensor on
+  another device is refused, never moved behind the caller's back);
+- slots are int32/int64 ``[tokens]`` on the pool's device, inside the pool and distinct (two rows written to
+  one slot would leave one token's codes beside another's scale);
+- K and V are encoded together in one codec call, before the first store, so an error (NaN/inf, float16
+  overflow, bad shape) leaves the pool untouched.
+A step planned with :func:`int8kv.ops.plan.plan_attention` carries slots and positions already checked, so
+per layer only the rows themselves are checked (their values differ per layer).
+
+On CUDA with the ``triton`` backend the rows go to Triton's fused quantize-and-store kernel, whose codes and
+scales are bit-identical to :func:`int8kv.codec.encode` (tests/test_ops_triton.py): the same encoding, one
+kernel instead of several.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cache.paged import FLOAT_DTYPES, INDEX_DTYPES, PagedKvCache
-from ..codec import encode
+from ..codec import encode, round_to_f16
 from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
+from .plan import INDEX_DTYPES, AttentionPlan, check_slots
 
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ROPE_STYLES = ("neox", "gptj")
 
 
@@ -25,7 +39,7 @@ def split_qkv(
         raise ShapeMismatch(f"qkv must be [tokens, {width}] ((q + 2 * kv heads) * head_dim), got {got}")
     if qkv.dtype not in FLOAT_DTYPES:
         raise ShapeMismatch(f"qkv must be float32, float16 or bfloat16, got {qkv.dtype}")
-    x = qkv.to(torch.float32)
+    x = qkv.detach().to(torch.float32)  # a KV cache stores values, not graphs
     q, k, v = x.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     tokens = qkv.shape[0]
     return (
@@ -36,7 +50,7 @@ def split_qkv(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm over the last dimension (Qwen3-style QK-norm); identity when `weight` is None."""
+    """RMSNorm over the last dimension (QK-norm per head, and the decoder's norms); identity when `weight` is None."""
     if weight is None:
         return x
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -61,17 +75,11 @@ def apply_rope(
     return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
 
 
-def _check_rope_args(
-    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tokens: int, head_dim: int, style: str
-) -> None:
+def check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int, style: str) -> None:
     if style not in ROPE_STYLES:
         raise ShapeMismatch(f"rope_style must be one of {ROPE_STYLES}, got {style!r}")
     if head_dim % 2:
         raise ShapeMismatch(f"RoPE needs an even head_dim, got {head_dim}")
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.shape[0] != tokens:
-        raise ShapeMismatch(f"positions must be [{tokens}]")
-    if positions.dtype not in INDEX_DTYPES:
-        raise ShapeMismatch(f"positions must be int32/int64, got {positions.dtype}")
     for name, table in (("cos", cos), ("sin", sin)):
         if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] != head_dim // 2:
             raise ShapeMismatch(f"{name} must be [max_pos, {head_dim // 2}]")
@@ -79,8 +87,17 @@ def _check_rope_args(
             raise ShapeMismatch(f"{name} must be a floating tensor, got {table.dtype}")
     if cos.shape != sin.shape:
         raise ShapeMismatch(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
-    if positions.device.type == "cpu" and tokens and (int(positions.min()) < 0 or int(positions.max()) >= len(cos)):
-        raise PositionOutOfRange(f"positions must lie in [0, {len(cos)}) (rows of the cos/sin tables)")
+
+
+def check_positions(positions: torch.Tensor, tokens: int, max_pos: int) -> torch.Tensor:
+    """Positions of a single write (a planned step checked them in its plan): int64 ``[tokens]``."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.shape[0] != tokens:
+        raise ShapeMismatch(f"positions must be [{tokens}]")
+    if positions.dtype not in INDEX_DTYPES:
+        raise ShapeMismatch(f"positions must be int32/int64, got {positions.dtype}")
+    if tokens and (int(positions.min()) < 0 or int(positions.max()) >= max_pos):
+        raise PositionOutOfRange(f"positions must lie in [0, {max_pos}) (rows of the cos/sin tables)")
+    return positions.to(torch.int64)
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
@@ -89,7 +106,7 @@ def _check_finite(x: torch.Tensor, what: str) -> None:
 
 
 def prepare_qkv(
-    cache: PagedKvCache,
+    pool,
     qkv: torch.Tensor,
     positions: torch.Tensor,
     cos: torch.Tensor,
@@ -99,30 +116,98 @@ def prepare_qkv(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     rope_style: str = "neox",
+    *,
+    positions_checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split, QK-norm and rotate: float32 q `[tokens, num_q_heads, dim]` and k, v `[tokens, num_kv_heads, dim]`."""
-    if num_q_heads <= 0 or num_q_heads % cache.num_kv_heads:
-        raise ShapeMismatch(f"num_q_heads ({num_q_heads}) must be a positive multiple of {cache.num_kv_heads}")
-    q, k, v = split_qkv(qkv, num_q_heads, cache.num_kv_heads, cache.head_dim)
-    _check_rope_args(positions, cos, sin, qkv.shape[0], cache.head_dim, rope_style)
+    """Split, QK-norm and rotate: float32 q `[tokens, num_q_heads, dim]` and k, v `[tokens, num_kv_heads, dim]`.
+
+    ``pool`` supplies ``num_kv_heads`` and ``head_dim``. ``positions_checked``: they come from a validated plan.
+    """
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads <= 0 or (
+        num_q_heads % pool.num_kv_heads
+    ):
+        raise ShapeMismatch(f"num_q_heads ({num_q_heads}) must be a positive multiple of {pool.num_kv_heads}")
+    q, k, v = split_qkv(qkv, num_q_heads, pool.num_kv_heads, pool.head_dim)
+    check_rope_tables(cos, sin, pool.head_dim, rope_style)
+    pos = positions if positions_checked else check_positions(positions, qkv.shape[0], len(cos))
     # cos/sin are not scanned whole (a full table per layer per step costs more than the step): a bad entry at
     # a used position makes q or k non-finite, and both are checked below or by the encoder.
     _check_finite(qkv, "qkv")
-    pos = positions.to(torch.int64)
     q = apply_rope(rms_norm(q, q_norm_weight, eps), pos, cos, sin, rope_style)
     k = apply_rope(rms_norm(k, k_norm_weight, eps), pos, cos, sin, rope_style)
     _check_finite(q, "q after QK-norm and RoPE")
     return q, k, v
 
 
-def append_paged_kv(cache: PagedKvCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Encode `k, v [tokens, num_kv_heads, head_dim]` in the cache's format and store them at `slots`."""
-    cache.check_layer(layer)
-    k = cache.check_rows(k, "k")
-    v = cache.check_rows(v, "v")
+def check_rows(pool, x: torch.Tensor, what: str) -> torch.Tensor:
+    """``x [tokens, num_kv_heads, head_dim]``, a float dtype, on the pool's device."""
+    shape = (pool.num_kv_heads, pool.head_dim)
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != shape:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ShapeMismatch(f"{what} must be [tokens, {shape[0]}, {shape[1]}], got {got}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ShapeMismatch(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.device != pool.device:
+        raise ShapeMismatch(f"{what} is on {x.device} but the cache is on {pool.device}")
+    # A KV cache stores values, not graphs: rows computed with autograd on are taken without their grad_fn.
+    return x.detach()
+
+
+def encode_kv(fmt, k: torch.Tensor, v: torch.Tensor):
+    """Encode K and V ``[tokens, heads, dim]`` in one codec call: ``((k_codes, k_scales), (v_codes, v_scales))``.
+
+    One call instead of two halves the per-call overhead, which dominates at decode (a few rows per layer)."""
+    codes, scales = encode(fmt, torch.stack((k, v)))
+    return (codes[0], None if scales is None else scales[0]), (codes[1], None if scales is None else scales[1])
+
+
+def store_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, backend: str) -> None:
+    """Encode checked rows and store them at checked int64 ``slots`` (nothing is stored if encoding fails)."""
+    if backend == "triton":
+        from . import triton as tk
+
+        # The codec's checks (NaN/inf, float16 range) run here, before the fused kernel writes anything.
+        tk.store_rows(pool, layer, round_to_f16(k, "keys"), round_to_f16(v, "values"), slots)
+        return
+    k_rows, v_rows = encode_kv(pool.format, k, v)
+    pool.write_rows(layer, slots, k_rows, v_rows)
+
+
+def _check_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pool.check_layer(layer)
+    k = check_rows(pool, k, "k")
+    v = check_rows(pool, v, "v")
     if k.shape[0] != v.shape[0]:
         raise ShapeMismatch(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
-    s = cache.check_slots(slots, k.shape[0])
-    k_enc = encode(cache.format, k.to(cache.device))
-    v_enc = encode(cache.format, v.to(cache.device))
-    cache.write_rows(layer, s, k_enc, v_enc)
+    return k, v
+
+
+def append_rows(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, backend: str) -> None:
+    """Check and store rows at int64 ``slots`` that the caller built and vouches for (distinct, in range, on the
+    pool's device): a validated plan's slots, or the transformers layer's own positions."""
+    k, v = _check_kv(pool, layer, k, v)
+    if not isinstance(slots, torch.Tensor) or slots.shape != (k.shape[0],):
+        raise ShapeMismatch(f"slots must be [{k.shape[0]}]")
+    if k.shape[0]:
+        store_kv(pool, layer, k, v, slots, backend)
+
+
+def append_paged_kv(
+    pool,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    *,
+    plan: AttentionPlan | None = None,
+    backend: str = "cpu",
+) -> None:
+    """Check, encode and store ``k, v [tokens, num_kv_heads, head_dim]`` at ``slots`` (or ``plan.slots``)."""
+    k, v = _check_kv(pool, layer, k, v)
+    if plan is not None and slots is None:
+        if plan.slots is None:
+            raise ShapeMismatch("the plan holds no slots: build it with slots= or pass them here")
+        s = plan.slots
+    else:
+        s = check_slots(pool, slots, k.shape[0])
+    append_rows(pool, layer, k, v, s, backend=backend)

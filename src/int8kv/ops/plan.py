@@ -1,0 +1,258 @@
+"""Plan once, run per layer: the per-step metadata every attention backend reads, validated once.
+
+What attention needs to know about a step (which blocks each sequence owns, how many tokens it has stored,
+where its window starts, how its queries are packed, where the new tokens go) is the same for every layer.
+:func:`plan_attention` checks it once and freezes it in an :class:`AttentionPlan`; the backends
+(``reference``, ``cpu``, ``triton``) take ``(pool, layer, q, plan)`` and check nothing. A 30-layer model
+therefore validates a step once, not 30 times (tests/test_plan.py counts it).
+
+Tensors of a plan (all on the pool's device, contiguous):
+  block_tables  [batch, max_blocks] int32   padding entries are 0 and never read
+  context_lens  [batch] int32               tokens stored per sequence, this step's included
+  kv_starts     [batch] int32 | None        positions < kv_starts[b] are masked out (left padding)
+  cu_seqlens_q  [batch + 1] int32           the queries of sequence b are rows cu[b]:cu[b+1] of q
+                                            (decode: 0, 1, ..., batch); they are its last n_b positions
+  slots         [num_queries] int64 | None  where this step's K/V rows go (distinct, in the pool)
+  positions     [num_queries] int64 | None  RoPE positions of this step's tokens
+
+Every range check runs on the caller's int32/int64 values *before* anything is cast to int32, so an int64
+entry beyond int32 is refused rather than wrapped (``block_tables=[[0, 2**32 + 1]]`` would read block 1).
+All the bounds are gathered into one tensor and read back in one host transfer: free on the CPU, one device
+sync per step on a GPU. A caller that built its metadata itself and wants no sync passes ``validate=False``
+(then ``max_query_len`` must be given for prefill, as the launch grid needs it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True, eq=False)
+class HostIndex:
+    """int64 numpy copies of the plan's lengths (CPU pools only): the CPU backend plans its work items on them."""
+
+    context_lens: np.ndarray  # [batch]
+    kv_starts: np.ndarray  # [batch], zeros without kv_starts
+    cu_seqlens_q: np.ndarray  # [batch + 1]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionPlan:
+    """Frozen per-step attention metadata (module docs). Build it with :func:`plan_attention`."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    kv_starts: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor
+    num_queries: int
+    max_query_len: int
+    softmax_scale: float
+    is_decode: bool
+    slots: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    host: HostIndex | None = None
+    # Backend-derived data that depends only on the plan (the CPU backend's sorted work items), computed by
+    # the first layer and reused by the others. Not part of the plan's identity.
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def batch(self) -> int:
+        return int(self.block_tables.shape[0])
+
+    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+        """``build()`` once per plan under ``key``; later layers get the stored result."""
+        memo = self._memo
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
+
+
+def _index(x: Any, what: str, dim: int, device: torch.device, length: int | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() != dim or x.dtype not in INDEX_DTYPES:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ShapeMismatch(f"{what} must be a {dim}-d int32/int64 tensor, got {got}")
+    if length is not None and x.shape[0] != length:
+        raise ShapeMismatch(f"{what} must have {length} entries, got {x.shape[0]}")
+    if x.device != device:
+        raise ShapeMismatch(f"{what} is on {x.device} but the cache is on {device}")
+    return x
+
+
+def _int32(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(torch.int32).contiguous()
+
+
+def plan_attention(
+    pool: Any,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    kv_starts: torch.Tensor | None = None,
+    num_queries: int | None = None,
+    max_query_len: int | None = None,
+    softmax_scale: float | None = None,
+    slots: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    max_position: int | None = None,
+    validate: bool = True,
+) -> AttentionPlan:
+    """Check a step's metadata against ``pool`` (a :class:`~int8kv.cache.pool.KvPool` or anything with its
+    ``num_blocks``, ``block_size``, ``head_dim`` and ``device``) and freeze it.
+
+    Decode when ``cu_seqlens_q`` is None (one query per sequence). ``num_queries`` (the rows of q) defaults to
+    ``cu_seqlens_q[-1]``; ``max_position`` bounds ``positions`` (the rows of the RoPE tables). With
+    ``validate=False`` only dtypes are normalised: the caller vouches for shapes and values.
+    """
+    device = pool.device
+    scale = pool.head_dim**-0.5 if softmax_scale is None else softmax_scale
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise ShapeMismatch(f"softmax_scale must be a number, got {softmax_scale!r}") from None
+    if not math.isfinite(scale):
+        raise NonFiniteError(f"softmax_scale must be finite, got {scale}")
+    is_decode = cu_seqlens_q is None
+    if validate:
+        tables = _index(block_tables, "block_tables", 2, device)
+        batch = tables.shape[0]
+        if tables.shape[1] == 0 and batch:
+            raise ShapeMismatch(f"block_tables must be [{batch}, max_blocks >= 1], got {tuple(tables.shape)}")
+        lens = _index(context_lens, "context_lens", 1, device, batch)
+        starts = None if kv_starts is None else _index(kv_starts, "kv_starts", 1, device, batch)
+        cu = None if is_decode else _index(cu_seqlens_q, "cu_seqlens_q", 1, device, batch + 1)
+        n_q = batch if is_decode else num_queries
+        if n_q is not None and (isinstance(n_q, bool) or not isinstance(n_q, int) or n_q < 0):
+            raise ShapeMismatch(f"num_queries must be an int >= 0, got {n_q!r}")
+        if slots is not None:
+            slots = _index(slots, "slots", 1, device)
+        if positions is not None:
+            positions = _index(positions, "positions", 1, device)
+        n_q, max_q = validate_values(pool, tables, lens, starts, cu, n_q, slots, positions, max_position)
+    else:
+        tables, lens, starts, cu = block_tables, context_lens, kv_starts, cu_seqlens_q
+        batch = tables.shape[0]
+        n_q = batch if is_decode else num_queries
+        max_q = 1 if is_decode else max_query_len
+        if n_q is None or max_q is None:
+            raise ShapeMismatch("an unvalidated prefill plan needs num_queries and max_query_len")
+    if is_decode:
+        max_q = 1 if batch else 0
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    tables, lens, starts, cu = _int32(tables), _int32(lens), _int32(starts), _int32(cu)
+    host = None
+    if device.type == "cpu":
+        host = HostIndex(
+            lens.numpy().astype(np.int64),
+            np.zeros(batch, np.int64) if starts is None else starts.numpy().astype(np.int64),
+            cu.numpy().astype(np.int64),
+        )
+    return AttentionPlan(
+        tables, lens, starts, cu, int(n_q), int(max_q), scale, is_decode,
+        None if slots is None else slots.to(torch.int64).contiguous(),
+        None if positions is None else positions.to(torch.int64).contiguous(),
+        host,
+    )  # fmt: skip
+
+
+def validate_values(
+    pool: Any,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    starts: torch.Tensor | None,
+    cu: torch.Tensor | None,
+    num_queries: int | None,
+    slots: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    max_position: int | None,
+) -> tuple[int, int]:
+    """Range checks of a step's metadata, one host read for all of them; returns (num_queries, max_query_len).
+
+    Runs once per step (tests/test_plan.py counts the calls), on the caller's integers before any cast."""
+    stats: list[torch.Tensor] = []
+
+    def add(*xs: torch.Tensor) -> int:
+        stats.extend(x.reshape(()).to(torch.int64) for x in xs)
+        return len(stats) - len(xs)
+
+    i_tab = add(tables.min(), tables.max()) if tables.numel() else None
+    i_len = add(lens.min(), lens.max()) if lens.numel() else None
+    i_start = add(starts.min(), starts.max()) if starts is not None and starts.numel() else None
+    i_cu = None
+    if cu is not None:
+        c = cu.to(torch.int64)
+        counts = c[1:] - c[:-1]
+        if counts.numel():
+            i_cu = add(c[0], c[-1], counts.min(), counts.max(), (counts > lens.to(torch.int64)).any())
+        else:
+            i_cu = add(c[0], c[-1])
+    i_slot = add(*_slot_stats(slots)) if slots is not None and slots.numel() else None
+    i_pos = add(positions.min(), positions.max()) if positions is not None and positions.numel() else None
+    v = torch.stack(stats).tolist() if stats else []
+
+    if i_tab is not None and (v[i_tab] < 0 or v[i_tab + 1] >= pool.num_blocks):
+        raise PositionOutOfRange(
+            f"block_tables entries must lie in [0, {pool.num_blocks}), got [{v[i_tab]}, {v[i_tab + 1]}]"
+        )
+    capacity = tables.shape[1] * pool.block_size
+    if i_len is not None and (v[i_len] < 0 or v[i_len + 1] > min(capacity, INT32_MAX)):
+        raise PositionOutOfRange(f"context_lens must lie in [0, {capacity}] (block_tables width x block_size)")
+    if i_start is not None and (v[i_start] < 0 or v[i_start + 1] > INT32_MAX):
+        raise PositionOutOfRange("kv_starts must lie in [0, 2**31)")
+    batch = tables.shape[0]
+    if cu is None:
+        n_q, max_q = batch, 1 if batch else 0
+        if num_queries is not None and num_queries != batch:
+            raise ShapeMismatch(f"decode has one query per sequence ({batch}), got {num_queries}")
+    else:
+        first, last = v[i_cu], v[i_cu + 1]
+        n_q = last if num_queries is None else num_queries
+        max_q = v[i_cu + 3] if batch else 0
+        if first != 0 or last != n_q or (batch and v[i_cu + 2] < 0) or last > INT32_MAX:
+            raise ShapeMismatch(f"cu_seqlens_q must rise from 0 to the number of queries ({n_q})")
+        if batch and v[i_cu + 4]:
+            raise ShapeMismatch("a sequence has more queries than stored tokens (write K/V before attending)")
+    for name, t in (("slots", slots), ("positions", positions)):
+        if t is not None and t.shape[0] != n_q:
+            raise ShapeMismatch(f"{name} must have one entry per query ({n_q}), got {t.shape[0]}")
+    if i_slot is not None:
+        _check_slot_stats(pool, *v[i_slot : i_slot + 3], slots.shape[0])
+    if i_pos is not None:
+        bound = INT32_MAX if max_position is None else max_position
+        if v[i_pos] < 0 or v[i_pos + 1] >= bound:
+            raise PositionOutOfRange(f"positions must lie in [0, {bound}) (rows of the cos/sin tables)")
+    return int(n_q), int(max_q)
+
+
+def _slot_stats(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    distinct = torch.tensor(torch.unique(slots).numel(), device=slots.device)
+    return slots.min(), slots.max(), distinct
+
+
+def _check_slot_stats(pool: Any, lo: int, hi: int, distinct: int, n: int) -> None:
+    if lo < 0 or hi >= pool.num_blocks * pool.block_size:
+        limit = pool.num_blocks * pool.block_size
+        raise PositionOutOfRange(f"slots must lie in [0, {limit}), got values in [{lo}, {hi}]")
+    # Two rows written to one slot would leave one token's codes beside another token's scale.
+    if distinct != n:
+        raise ShapeMismatch("slots must be distinct within one write")
+
+
+def check_slots(pool: Any, slots: Any, num_tokens: int) -> torch.Tensor:
+    """Slots of a single write, checked (shape, dtype, device, range, distinct; one host read): int64 ``[n]``."""
+    s = _index(slots, "slots", 1, pool.device, num_tokens)
+    if s.numel():
+        lo, hi, distinct = torch.stack([x.to(torch.int64) for x in _slot_stats(s)]).tolist()
+        _check_slot_stats(pool, lo, hi, distinct, num_tokens)
+    return s.to(torch.int64).contiguous()

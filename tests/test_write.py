@@ -1,0 +1,325 @@
+"""The one write path (int8kv.ops.write): split / QK-norm / RoPE / check / encode / store, for every caller.
+
+Moved here from test_paged_cache.py, plus the rules every writer now shares: distinct slots, rows on the
+pool's device, K and V encoded in one call before anything is stored, rows detached from autograd, and the
+transformers cache writing through the same path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import int8kv.ops.write as write_mod
+from int8kv.cache.paged import PagedKvCache
+from int8kv.codec import decode, encode
+from int8kv.errors import LayerOutOfRange, NonFiniteError, PositionOutOfRange, ShapeMismatch
+from int8kv.formats import KvStorageFormat
+from int8kv.ops import append_paged_kv, paged_write, plan_attention
+from int8kv.ops.write import prepare_qkv
+
+INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+F16 = KvStorageFormat.F16
+FORMATS = [INT8, F16]
+
+
+def state(cache: PagedKvCache) -> list[torch.Tensor]:
+    return [p.clone() for p in cache.pool.storage() if p is not None]
+
+
+def same_state(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def rope_tables(max_pos: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return angles.cos(), angles.sin()
+
+
+# -- append: bit-exact round trip -------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_stores_exactly_the_codec_output(fmt, dtype):
+    gen = torch.Generator().manual_seed(1)
+    c = PagedKvCache(8, 4, 2, 3, 16, fmt)
+    slots = c.add_sequence(0, 11)
+    k = (torch.randn(11, 3, 16, generator=gen) * 3).to(dtype)
+    v = torch.randn(11, 3, 16, generator=gen).to(dtype)
+    k[2, 1] = 0.0  # an all-zero row gets scale 1
+    append_paged_kv(c, 1, k, v, slots)
+    flat = (8 * 4, 3, 16)
+    for x, codes, scales in ((k, c.k_codes[1], c.k_scales[1]), (v, c.v_codes[1], c.v_scales[1])):
+        want_codes, want_scales = encode(fmt, x)
+        assert torch.equal(codes.view(flat)[slots], want_codes)
+        if fmt.is_quantized:
+            assert torch.equal(scales.view(flat[:2])[slots], want_scales)
+    assert not c.k_codes[0].any()  # other layers untouched
+    rk, rv = c.read_rows(1, slots)
+    assert torch.equal(rk, decode(fmt, *encode(fmt, k)))
+
+
+def test_append_validates_before_writing():
+    c = PagedKvCache(4, 4, 2, 2, 8)
+    slots = c.add_sequence(0, 3)
+    good = torch.randn(3, 2, 8)
+    before = state(c)
+    bad_cases = [
+        (LayerOutOfRange, lambda: append_paged_kv(c, 2, good, good, slots)),
+        (ShapeMismatch, lambda: append_paged_kv(c, 0, torch.randn(3, 2, 4), good, slots)),
+        (ShapeMismatch, lambda: append_paged_kv(c, 0, good, torch.randn(2, 2, 8), slots)),
+        (ShapeMismatch, lambda: append_paged_kv(c, 0, good, good, slots[:2])),
+        (ShapeMismatch, lambda: append_paged_kv(c, 0, good.int(), good, slots)),
+        (PositionOutOfRange, lambda: append_paged_kv(c, 0, good, good, torch.tensor([0, 1, 16]))),
+    ]
+    for err, call in bad_cases:
+        with pytest.raises(err):
+            call()
+    assert same_state(before, state(c))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_or_f16_overflow_writes_nothing(fmt):
+    c = PagedKvCache(4, 4, 1, 2, 8, fmt)
+    slots = c.add_sequence(0, 3)
+    append_paged_kv(c, 0, torch.randn(3, 2, 8), torch.randn(3, 2, 8), slots)
+    before = state(c)
+    good = torch.randn(3, 2, 8)
+    for bad_value in (float("nan"), float("inf"), 1e6):  # 1e6 overflows float16
+        bad = good.clone()
+        bad[2, 1, 5] = bad_value
+        with pytest.raises(NonFiniteError):
+            append_paged_kv(c, 0, good, bad, slots)  # K is fine, V is not: K must not be stored either
+        assert same_state(before, state(c))
+
+
+# -- write path: split, QK-norm, RoPE ----------------------------------------------------------------------
+def rope64(x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Float64 RoPE written from the definition, one pair at a time."""
+    out = x.clone()
+    half = x.shape[-1] // 2
+    for i in range(half):
+        a, b = (i, i + half) if style == "neox" else (2 * i, 2 * i + 1)
+        c, s = cos[pos, i][:, None], sin[pos, i][:, None]
+        out[..., a] = x[..., a] * c - x[..., b] * s
+        out[..., b] = x[..., b] * c + x[..., a] * s
+    return out
+
+
+def rms64(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if w is None:
+        return x
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paged_write_matches_float64_formula(style, qk_norm, fmt):
+    gen = torch.Generator().manual_seed(2)
+    hq, hkv, d, tokens = 4, 2, 16, 7
+    c = PagedKvCache(8, 4, 2, hkv, d, fmt)
+    c.add_sequence(0, 3)
+    slots = c.grow(0, tokens)
+    positions = torch.arange(3, 3 + tokens)
+    cos, sin = rope_tables(64, d)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen)
+    qw = torch.rand(d, generator=gen) + 0.5 if qk_norm else None
+    kw = torch.rand(d, generator=gen) + 0.5 if qk_norm else None
+    q = paged_write(c, 1, qkv, positions, slots, cos.float(), sin.float(), hq, qw, kw, 1e-6, style)
+
+    x = qkv.double()
+    q64 = x[:, : hq * d].reshape(tokens, hq, d)
+    k64 = x[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d)
+    v64 = x[:, (hq + hkv) * d :].reshape(tokens, hkv, d)
+    q64 = rope64(rms64(q64, qw, 1e-6), positions, cos.float().double(), sin.float().double(), style)
+    k64 = rope64(rms64(k64, kw, 1e-6), positions, cos.float().double(), sin.float().double(), style)
+    assert q.dtype == torch.float32 and q.shape == (tokens, hq, d)
+    assert (q.double() - q64).abs().max() / q64.abs().max() < 1e-5
+
+    # What is stored is exactly the codec applied to the float32 k and v of the shared write path ...
+    _, k32, v32 = prepare_qkv(c, qkv, positions, cos.float(), sin.float(), hq, qw, kw, 1e-6, style)
+    assert (k32.double() - k64).abs().max() / k64.abs().max() < 1e-5
+    rk, rv = c.read_rows(1, slots)
+    assert torch.equal(rk, decode(fmt, *encode(fmt, k32)))
+    assert torch.equal(rv, decode(fmt, *encode(fmt, v32)))
+    # ... which is within the format's rounding of the float64 formula.
+    # Half a quantization step (INT8) on top of the float16 rounding both formats start with.
+    tol = (0.5 / 127 if fmt.is_quantized else 0.0) + 2.0**-11
+    assert ((rk.double() - k64).abs() / k64.abs().amax(-1, keepdim=True)).max() <= tol * 1.01
+    assert ((rv.double() - v64).abs() / v64.abs().amax(-1, keepdim=True)).max() <= tol * 1.01
+
+
+def test_rope_at_position_zero_is_identity_and_preserves_norm():
+    c = PagedKvCache(4, 4, 1, 1, 8, F16)
+    slots = c.add_sequence(0, 2)
+    cos, sin = rope_tables(16, 8)
+    qkv = torch.randn(2, 3 * 8)
+    for style in ("neox", "gptj"):
+        q = paged_write(c, 0, qkv, torch.tensor([0, 9]), slots, cos, sin, 1, rope_style=style)
+        assert torch.allclose(q[0, 0], qkv[0, :8], atol=1e-6)
+        assert torch.allclose(q[1, 0].norm(), qkv[1, :8].norm(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_paged_write_non_finite_writes_nothing(fmt):
+    c = PagedKvCache(4, 4, 1, 2, 8, fmt)
+    slots = c.add_sequence(0, 2)
+    cos, sin = rope_tables(8, 8)
+    before = state(c)
+    for col in (3, 4 * 8 + 1, 6 * 8 - 1):  # in q, in k, in v
+        qkv = torch.randn(2, 6 * 8)
+        qkv[1, col] = float("nan")
+        with pytest.raises(NonFiniteError):
+            paged_write(c, 0, qkv, torch.tensor([0, 1]), slots, cos, sin, 2)
+    qkv = torch.randn(2, 6 * 8)
+    qkv[0, 5 * 8] = 7e4  # finite in float32, overflows float16 in V
+    with pytest.raises(NonFiniteError):
+        paged_write(c, 0, qkv, torch.tensor([0, 1]), slots, cos, sin, 2)
+    bad_cos = cos.clone()
+    bad_cos[1, 2] = float("inf")  # a RoPE row that position 1 uses
+    with pytest.raises(NonFiniteError):
+        paged_write(c, 0, torch.randn(2, 6 * 8), torch.tensor([0, 1]), slots, bad_cos, sin, 2)
+    assert same_state(before, state(c))
+    bad_cos = cos.clone()
+    bad_cos[5, 0] = float("nan")  # a row no token here uses: nothing to refuse
+    paged_write(c, 0, torch.randn(2, 6 * 8), torch.tensor([0, 1]), slots, bad_cos, sin, 2)
+    assert not same_state(before, state(c))
+
+
+def test_paged_write_shape_errors():
+    c = PagedKvCache(4, 4, 1, 2, 8)
+    slots = c.add_sequence(0, 2)
+    cos, sin = rope_tables(8, 8)
+    qkv = torch.randn(2, 6 * 8)
+    pos = torch.tensor([0, 1])
+    before = state(c)
+    bad_cases = [
+        (ShapeMismatch, lambda: paged_write(c, 0, qkv[:, :-1], pos, slots, cos, sin, 2)),
+        (ShapeMismatch, lambda: paged_write(c, 0, qkv, pos, slots, cos, sin, 3)),  # 3 q heads, 2 kv heads
+        (ShapeMismatch, lambda: paged_write(c, 0, qkv, pos[:1], slots, cos, sin, 2)),
+        (ShapeMismatch, lambda: paged_write(c, 0, qkv, pos, slots, cos[:, :3], sin, 2)),
+        (ShapeMismatch, lambda: paged_write(c, 0, qkv, pos, slots, cos, sin, 2, rope_style="llama")),
+        (ShapeMismatch, lambda: paged_write(c, 0, qkv, pos, slots, cos, sin, 2, torch.ones(4))),
+        (ShapeMismatch, lambda: paged_write(c, 0, qkv, pos, slots[:1], cos, sin, 2)),
+        (PositionOutOfRange, lambda: paged_write(c, 0, qkv, torch.tensor([0, 8]), slots, cos, sin, 2)),
+        (LayerOutOfRange, lambda: paged_write(c, 1, qkv, pos, slots, cos, sin, 2)),
+    ]
+    for err, call in bad_cases:
+        with pytest.raises(err):
+            call()
+    assert same_state(before, state(c))
+
+
+# -- rules shared by every writer ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_duplicate_slots_are_refused_on_every_backend(backend):
+    c = PagedKvCache(4, 4, 1, 2, 8)
+    c.add_sequence(0, 3)
+    before = state(c)
+    rows = torch.randn(3, 2, 8)
+    with pytest.raises(ShapeMismatch, match="distinct"):
+        append_paged_kv(c, 0, rows, rows, torch.tensor([0, 1, 1]), backend=backend)
+    with pytest.raises(PositionOutOfRange):
+        append_paged_kv(c, 0, rows, rows, torch.tensor([0, -1, 2]), backend=backend)
+    assert same_state(before, state(c))
+
+
+def test_rows_on_another_device_are_refused_not_moved():
+    c = PagedKvCache(4, 4, 1, 2, 8)
+    slots = c.add_sequence(0, 3)
+    good = torch.randn(3, 2, 8)
+    before = state(c)
+    with pytest.raises(ShapeMismatch, match="device|on meta"):
+        append_paged_kv(c, 0, good, good.to("meta"), slots)
+    with pytest.raises(ShapeMismatch):
+        append_paged_kv(c, 0, good, good, slots.to("meta"))
+    assert same_state(before, state(c))
+
+
+def test_int64_slots_beyond_int32_are_refused():
+    c = PagedKvCache(4, 4, 1, 2, 8)
+    c.add_sequence(0, 2)
+    rows = torch.randn(2, 2, 8)
+    with pytest.raises(PositionOutOfRange):
+        append_paged_kv(c, 0, rows, rows, torch.tensor([0, 2**32 + 1]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_k_and_v_are_encoded_in_one_call(fmt, monkeypatch):
+    calls = []
+    real = write_mod.encode
+
+    def counting(f, x):
+        calls.append(tuple(x.shape))
+        return real(f, x)
+
+    monkeypatch.setattr(write_mod, "encode", counting)
+    c = PagedKvCache(4, 4, 1, 2, 8, fmt)
+    slots = c.add_sequence(0, 3)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    append_paged_kv(c, 0, k, v, slots)
+    assert calls == [(2, 3, 2, 8)]
+    rk, rv = c.read_rows(0, slots)
+    assert torch.equal(rk, decode(fmt, *encode(fmt, k))) and torch.equal(rv, decode(fmt, *encode(fmt, v)))
+
+
+def test_rows_with_autograd_history_are_stored_as_values():
+    c = PagedKvCache(4, 4, 1, 2, 8)
+    slots = c.add_sequence(0, 3)
+    w = torch.randn(3, 2, 8, requires_grad=True)
+    k, v = w * 2, w - 1  # carry a grad_fn
+    append_paged_kv(c, 0, k, v, slots)
+    rk, _ = c.read_rows(0, slots)
+    assert not c.k_codes[0].requires_grad and c.k_codes[0].grad_fn is None
+    assert torch.equal(rk, decode(INT8, *encode(INT8, k.detach())))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_planned_write_equals_single_call_write(fmt):
+    """A step planned once (slots and positions checked in the plan) stores what single calls store."""
+    gen = torch.Generator().manual_seed(4)
+    hq, hkv, d, tokens = 4, 2, 8, 5
+    cos, sin = rope_tables(32, d)
+    qkv = [torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen) for _ in range(2)]
+    caches = [PagedKvCache(8, 4, 2, hkv, d, fmt) for _ in range(2)]
+    slots = [c.add_sequence(0, tokens) for c in caches]
+    pos = torch.arange(tokens)
+    tables, lens = caches[0].batch_tensors([0])
+    plan = plan_attention(
+        caches[0].pool, tables, lens, cu_seqlens_q=torch.tensor([0, tokens]), slots=slots[0], positions=pos,
+        max_position=len(cos),
+    )
+    for layer in range(2):
+        q_plan = paged_write(caches[0], layer, qkv[layer], None, None, cos, sin, hq, plan=plan)
+        q_one = paged_write(caches[1], layer, qkv[layer], pos, slots[1], cos, sin, hq)
+        assert torch.equal(q_plan, q_one)
+    assert same_state(state(caches[0]), state(caches[1]))
+    with pytest.raises(ShapeMismatch):  # a plan without positions cannot stand in for them
+        bare = plan_attention(caches[0].pool, tables, lens, cu_seqlens_q=torch.tensor([0, tokens]))
+        paged_write(caches[0], 0, qkv[0], None, None, cos, sin, hq, plan=bare)
+
+
+def test_transformers_cache_writes_through_the_write_path(monkeypatch):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from int8kv.hf import Int8KvCache
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    stored = []
+    real = write_mod.store_kv
+
+    def counting(pool, layer, k, v, slots, backend):
+        stored.append(k.shape[0])
+        return real(pool, layer, k, v, slots, backend)
+
+    monkeypatch.setattr(write_mod, "store_kv", counting)
+    cache = Int8KvCache(model.config)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    assert stored == [2 * 5] * 3  # every layer, batch x tokens rows, through ops.write
