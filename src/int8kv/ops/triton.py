@@ -19,6 +19,9 @@ tensor-core work of TF32x3 (decode must stay memory-bound) and works the same in
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import math
 import operator
 
@@ -26,10 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec import round_to_f16
-from ..errors import LayerOutOfRange, PositionOutOfRange, ShapeMismatch
+from ..codec import INPUT_DTYPES, round_to_f16
+from ..errors import LayerOutOfRange, NonFiniteError, PositionOutOfRange, ShapeMismatch
 
-__all__ = ["append_paged_kv", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = [
+    "Launch",
+    "append_paged_kv",
+    "attention",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "record_launches",
+]
 
 #: Value checks (slots, block ids, lengths) read device tensors back to the host, one sync each call.
 #: They keep a bad batch from turning into an illegal memory access; a caller that has already
@@ -153,6 +163,37 @@ def _append_kernel(
 
 
 @triton.jit
+def _kv_range(t0, n_q, ctx, kv_lo, pid_s, chunk, TOKENS: tl.constexpr, SPLIT: tl.constexpr):
+    """Keys ``[lo, hi)`` one program scans: its query block's causal reach, cut to its split.
+
+    A query block past the sequence's last query (``t0 >= n_q``: a decoding sequence beside a long prefill
+    chunk in one launch) gets the empty range instead of a full scan with every row masked.
+    """
+    kv_hi = ctx - n_q + tl.minimum(t0 + TOKENS, n_q)
+    lo = kv_lo
+    if SPLIT:
+        lo = kv_lo + pid_s * chunk
+        kv_hi = tl.minimum(kv_hi, lo + chunk)
+    hi = tl.where(t0 < n_q, kv_hi, lo)
+    return lo, hi
+
+
+@triton.jit
+def _codes_to_f16(x, IS_INT8: tl.constexpr, MAGIC: tl.constexpr):
+    """Stored K/V codes as float16 (exact: int8 codes and F16 values are both float16 numbers).
+
+    MAGIC converts int8 without an int-to-float instruction: 0x6480 is the float16 1152.0, whose unit in the
+    last place is 1, so adding a code in [-128, 127] to its bits as int16 gives the float16 1152 + code;
+    subtracting 1152 is exact.
+    """
+    if IS_INT8 and MAGIC:
+        y = (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True)
+        return y - 1152.0
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     stride_qt,
@@ -185,6 +226,7 @@ def _attention_kernel(
     num_kv_heads,
     head_dim,
     chunk,
+    m_blocks,
     qk_scale,
     GROUP: tl.constexpr,
     TOKENS: tl.constexpr,
@@ -195,10 +237,16 @@ def _attention_kernel(
     IS_INT8: tl.constexpr,
     HAS_START: tl.constexpr,
     SPLIT: tl.constexpr,
+    MAGIC: tl.constexpr,
+    HILO: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # Axis 0 folds (sequence, KV head) with the query block, query block fastest so neighbouring programs
+    # share K/V in L2; axis 1 is the KV split (<= _MAX_SPLITS). A separate query-block axis would be grid
+    # axis y, limited to 65,535 (an MQA prefill of 8 tokens per block reaches it at 524k tokens).
+    pid = tl.program_id(0)
+    pid_bh = pid // m_blocks
+    pid_m = pid % m_blocks
+    pid_s = tl.program_id(1)
     b = pid_bh // num_kv_heads
     kvh = pid_bh % num_kv_heads
 
@@ -238,12 +286,7 @@ def _attention_kernel(
 
     # The queries are the last n_q positions: row token i sees keys < ctx - n_q + i + 1.
     row_limit = ctx - n_q + t_local + 1
-    kv_hi = ctx - n_q + tl.minimum(t0 + TOKENS, n_q)
-    lo = kv_lo
-    hi = kv_hi
-    if SPLIT:
-        lo = kv_lo + pid_s * chunk
-        hi = tl.minimum(kv_hi, lo + chunk)
+    lo, hi = _kv_range(t0, n_q, ctx, kv_lo, pid_s, chunk, TOKENS, SPLIT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -261,9 +304,12 @@ def _attention_kernel(
         row_off = page * stride_kb + off * stride_ko + kv_head_off
 
         k_t = tl.load(k_ptr + row_off[None, :] + d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0)
-        k_t = k_t.to(tl.float16)
-        s = tl.dot(q_lo, k_t)
-        s = tl.dot(q_hi, k_t, s)
+        k_t = _codes_to_f16(k_t, IS_INT8, MAGIC)
+        if HILO:
+            s = tl.dot(q_lo, k_t)
+            s = tl.dot(q_hi, k_t, s)
+        else:
+            s = tl.dot(q_hi, k_t)
         s = s * row_scale[:, None]
         if IS_INT8:
             s_k = tl.load(ks_ptr + page * stride_sb + off * stride_so + scale_head_off, mask=n_ok, other=0.0)
@@ -278,7 +324,7 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(v_ptr + row_off[:, None] + d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0)
-        v = v.to(tl.float16)
+        v = _codes_to_f16(v, IS_INT8, MAGIC)
         # p (times the value scale for INT8) goes through float16 as hi + lo too. It is first scaled so its
         # largest possible value is 2^14: far from float16's max, and small weights stay out of subnormals.
         # For INT8 the tile's largest value scale is factored out and applied to the product instead.
@@ -292,9 +338,12 @@ def _attention_kernel(
             pw = p * 16384.0
             pv_scale = 1.0 / 16384.0
         pw_hi = pw.to(tl.float16)
-        pw_lo = (pw - pw_hi.to(tl.float32)).to(tl.float16)
-        pv = tl.dot(pw_lo, v)
-        pv = tl.dot(pw_hi, v, pv)
+        if HILO:
+            pw_lo = (pw - pw_hi.to(tl.float32)).to(tl.float16)
+            pv = tl.dot(pw_lo, v)
+            pv = tl.dot(pw_hi, v, pv)
+        else:
+            pv = tl.dot(pw_hi, v)
         acc = acc * alpha[:, None] + pv * pv_scale
         m_i = m_new
 
@@ -332,7 +381,8 @@ def _merge_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
+    # int64: num_splits x stride_ps may pass 2^31 elements where one split's plane does not.
+    s = tl.arange(0, BLOCK_S).to(tl.int64)
     s_ok = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
@@ -356,6 +406,41 @@ def _merge_kernel(
 # --------------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the wrappers would issue it: ``kernel[grid](*args, **kwargs)``."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+
+_recording: list[Launch] | None = None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside the block the wrappers record their kernel launches in the yielded list instead of running them.
+
+    For compiling exactly what a call would launch (``int8kv.bench.gpu_compile``) and for checking that a
+    call's host side reads nothing back from the device. Not thread-safe.
+    """
+    global _recording
+    saved, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = saved
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    if _recording is not None:
+        _recording.append(Launch(kernel, tuple(grid), args, kwargs))
+    else:
+        kernel[grid](*args, **kwargs)
+
+
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(max(1, int(n))))
 
@@ -398,12 +483,61 @@ def _check_rows(x: torch.Tensor, cache, what: str, device: torch.device) -> None
         raise ShapeMismatch(f"{what} is on {x.device} but the cache is on {device}")
 
 
+def _require_unit_stride(**tensors: torch.Tensor | None) -> None:
+    """The kernels index metadata rows as ``ptr + i``: a strided view (``ctx[::2]``) would be read wrongly."""
+    for name, t in tensors.items():
+        if t is not None and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ShapeMismatch(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+
+
+def _finite_f16(k: torch.Tensor, v: torch.Tensor, check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k``, ``v`` rounded to float16; with ``check``, NaN/inf/overflow refused in one host read for both.
+
+    NaN and inf stay non-finite through the cast and |x| > 65504 becomes inf, so finiteness of the float16
+    copies is the codec's whole check; only a failing call goes back to ``round_to_f16`` for its message.
+    """
+    for what, x in (("keys", k), ("values", v)):
+        if x.dtype not in INPUT_DTYPES:
+            raise ShapeMismatch(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+    k16, v16 = k.to(torch.float16), v.to(torch.float16)
+    if check and k16.numel() and not bool(torch.isfinite(k16).all() & torch.isfinite(v16).all()):
+        round_to_f16(k, "keys")
+        round_to_f16(v, "values")
+        raise NonFiniteError("keys or values hold NaN, inf or values beyond float16")  # pragma: no cover
+    return k16, v16
+
+
+def _append_rows(cache, layer: int, k16: torch.Tensor, v16: torch.Tensor, slots: torch.Tensor) -> None:
+    """Launch quantize-append of float16 rows ``k16``, ``v16`` ``[tokens, kv_heads, head_dim]`` into ``slots [tokens]``.
+
+    No host read: shapes are checked, values are the caller's (distinct slots in range, finite rows).
+    """
+    kc, vc, ks, vs = _layer_tensors(cache, layer)
+    _require_unit_stride(slots=slots)
+    tokens = int(k16.shape[0])
+    if tokens == 0:
+        return
+    is_int8 = cache.format.is_quantized
+    sk = ks if is_int8 else kc
+    sv = vs if is_int8 else vc
+    s_strides = ks.stride() if is_int8 else (0, 0, 0)
+    _launch(
+        _append_kernel, (tokens,),
+        k16, v16, *k16.stride(), *v16.stride(), slots,
+        kc, vc, *kc.stride(), sk, sv, *s_strides,
+        cache.num_kv_heads, cache.head_dim,
+        PAGE=cache.block_size, IS_INT8=is_int8,
+        BLOCK_H=_pow2(cache.num_kv_heads), BLOCK_D=_pow2(cache.head_dim),
+    )  # fmt: skip
+
+
 def append_paged_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Encode ``k``, ``v`` ``[tokens, num_kv_heads, head_dim]`` into ``slots`` of ``layer``.
 
     INT8 rows are quantized in the kernel with the V1 codec (codes and scales bit-identical to
     ``codec.quantize_int8``); F16 rows are stored rounded to float16. Every check (shapes, slot range,
     NaN/inf, float16 overflow) runs before anything is written, so a failing call leaves the cache as it was.
+    With ``check_values`` off nothing is read back to the host (the slots and the values are the caller's).
     """
     kc, vc, ks, vs = _layer_tensors(cache, layer)
     device = kc.device
@@ -415,44 +549,121 @@ def append_paged_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: 
         raise ShapeMismatch(f"slots must be a [{k.shape[0]}] integer tensor")
     if slots.dtype not in (torch.int64, torch.int32) or slots.device != device:
         raise ShapeMismatch(f"slots must be int64 (or int32) on {device}, got {slots.dtype} on {slots.device}")
+    _require_unit_stride(slots=slots)
     tokens = int(k.shape[0])
     capacity = cache.num_blocks * cache.block_size
     if tokens and check_values:
-        # One host read for all three numbers: on a GPU each read is a sync.
-        lo, hi, distinct = torch.stack(
-            [slots.min(), slots.max(), slots.new_tensor(torch.unique(slots).numel())]
-        ).tolist()
+        # One host read for the three numbers; sorting finds repeats without torch.unique's own sync.
+        ordered = slots.sort().values
+        repeats = (ordered[1:] == ordered[:-1]).sum()
+        lo, hi, dup = torch.stack([ordered[0], ordered[-1], repeats.to(ordered.dtype)]).tolist()
         if lo < 0 or hi >= capacity:
             raise PositionOutOfRange(f"slots must lie in [0, {capacity}), got values in [{lo}, {hi}]")
         # Two programs writing one slot could leave one token's codes beside another token's scale.
-        if distinct != tokens:
+        if dup:
             raise ShapeMismatch("slots must be distinct within one append")
-    # The codec's own checks raise NonFiniteError here, before the kernel can write anything.
-    k16 = round_to_f16(k, "keys")
-    v16 = round_to_f16(v, "values")
-    if tokens == 0:
-        return
-    is_int8 = cache.format.is_quantized
-    sk = ks if is_int8 else kc
-    sv = vs if is_int8 else vc
-    s_strides = ks.stride() if is_int8 else (0, 0, 0)
-    _append_kernel[(tokens,)](
-        k16, v16, *k16.stride(), *v16.stride(), slots,
-        kc, vc, *kc.stride(), sk, sv, *s_strides,
-        cache.num_kv_heads, cache.head_dim,
-        PAGE=cache.block_size, IS_INT8=is_int8,
-        BLOCK_H=_pow2(cache.num_kv_heads), BLOCK_D=_pow2(cache.head_dim),
-    )  # fmt: skip
+    # NonFiniteError here, before the kernel can write anything.
+    k16, v16 = _finite_f16(k, v, check_values)
+    _append_rows(cache, layer, k16, v16, slots)
 
 
-def _num_splits(device: torch.device, programs: int, kv_bound: int) -> int:
-    if device.type != "cuda" or kv_bound < 2 * _MIN_CHUNK:
+# Resident CTAs per SM of the default decode configuration, from the registers ptxas allocates for sm_90
+# (`python -m int8kv.bench.gpu_compile`, docs/benchmarks.md): INT8 255 registers x 128 threads -> 2 of
+# 65,536; F16 168 -> 3. Shared memory (<= 36 KiB per CTA) is not the limit.
+_CTAS_PER_SM = {True: 2, False: 3}
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, read once per process (0 for other devices)."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _split_chunk(kv_bound: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, chunk) once the chunk is rounded up to whole key tiles; the split count may shrink."""
+    chunk = triton.cdiv(triton.cdiv(kv_bound, max(1, splits)), block_n) * block_n
+    return triton.cdiv(kv_bound, chunk), chunk
+
+
+def _num_splits(programs: int, kv_bound: int, block_n: int, slots: int) -> int:
+    """KV splits per program so ``programs x splits`` fills whole waves of ``slots`` resident CTAs.
+
+    Chooses the fewest splits whose last wave is within 5 % as full as the best choice (every extra split is
+    one more partial result to write and merge); no split when there is no device, or the range is short.
+    """
+    if slots <= 0 or programs <= 0 or kv_bound < 2 * _MIN_CHUNK:
         return 1
-    # A decode program is one small CTA; several per SM keep enough loads in flight to cover HBM latency.
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), kv_bound // _MIN_CHUNK, _MAX_SPLITS))
+    limit = min(kv_bound // _MIN_CHUNK, _MAX_SPLITS)
+    fill = {}
+    for want in range(1, limit + 1):
+        real, _ = _split_chunk(kv_bound, want, block_n)
+        work = programs * real
+        fill.setdefault(real, work / (triton.cdiv(work, slots) * slots))
+    best = max(fill.values())
+    return min(s for s, f in fill.items() if f >= best - 0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """How one attention call is cut into programs (host integers only: no device read)."""
+
+    block_m: int
+    block_n: int
+    tokens_per_prog: int
+    m_blocks: int
+    num_splits: int
+    chunk: int
+    num_warps: int | None
+    num_stages: int | None
+
+    def grid(self, batch: int, num_kv_heads: int) -> tuple[int, int]:
+        return (batch * num_kv_heads * self.m_blocks, self.num_splits)
+
+
+def _plan_launch(
+    device: torch.device,
+    *,
+    batch: int,
+    num_kv_heads: int,
+    group: int,
+    max_q: int,
+    kv_bound: int,
+    is_int8: bool,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    gpu: bool | None = None,
+) -> _Launch:
+    on_gpu = device.type == "cuda" if gpu is None else gpu
+    if block_m is None:
+        # Decode needs only the group's rows; prefill stacks several tokens to reuse each K/V tile more.
+        block_m = _pow2(group, 16) if max_q == 1 else _pow2(group, 64 if on_gpu else 16)
+    if block_m < group or block_m < 16 or block_m & (block_m - 1):
+        raise ShapeMismatch(f"block_m must be a power of two >= max(16, group={group}), got {block_m}")
+    if block_n is None:
+        block_n = 64 if on_gpu else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ShapeMismatch(f"block_n must be a power of two >= 16, got {block_n}")
+    tokens_per_prog = block_m // group
+    m_blocks = max(1, triton.cdiv(max(max_q, 0), tokens_per_prog))
+    kv_bound = max(1, kv_bound)
+    if num_splits is None:
+        slots = _CTAS_PER_SM[is_int8] * _sm_count(device)
+        num_splits = _num_splits(batch * num_kv_heads * m_blocks, kv_bound, block_n, slots)
+    num_splits, chunk = _split_chunk(kv_bound, min(int(num_splits), triton.cdiv(kv_bound, block_n)), block_n)
+    if num_warps is None and on_gpu and block_m >= 64:
+        # A 64-row tile keeps q twice (hi, lo), acc, scores and p in registers; 8 warps halve each
+        # thread's share. Untuned guess: gpu_check times the decode configurations, not prefill.
+        num_warps = 8
+    return _Launch(block_m, block_n, tokens_per_prog, m_blocks, num_splits, chunk, num_warps, num_stages)
 
 
 def _attention(
@@ -466,48 +677,49 @@ def _attention(
     softmax_scale: float | None,
     kv_starts: torch.Tensor | None,
     *,
+    kv_bound: int | None = None,
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    magic: bool = False,
+    hilo: bool = True,
+    gpu: bool | None = None,
 ) -> torch.Tensor:
-    """The shared launcher. ``max_q`` bounds the queries of any one sequence (1 for decode)."""
+    """The shared launcher; reads nothing back from the device.
+
+    ``max_q`` bounds the queries of any one sequence (1 for decode); ``kv_bound`` the longest context when
+    the caller knows it on the host (else the block table's width x block size). ``magic`` and ``hilo`` pick
+    the int8 -> float16 conversion and whether both products carry a float16 low part (see the kernel);
+    ``gpu`` plans block sizes as for a GPU (or not) whatever the device (default: the device's kind).
+    """
     kc, vc, ks, vs = _layer_tensors(cache, layer)
     device = kc.device
+    _require_unit_stride(
+        block_tables=block_tables, context_lens=context_lens, kv_starts=kv_starts, cu_seqlens_q=cu_seqlens_q
+    )
     total, num_q_heads, head_dim = q.shape
     num_kv_heads = cache.num_kv_heads
     group = num_q_heads // num_kv_heads
     batch = int(block_tables.shape[0])
     page = cache.block_size
-
-    if block_m is None:
-        # Decode needs only the group's rows; prefill stacks several tokens to reuse each K/V tile more.
-        block_m = _pow2(group, 16) if max_q == 1 else _pow2(group, 64 if device.type == "cuda" else 16)
-    if block_m < group or block_m < 16 or block_m & (block_m - 1):
-        raise ShapeMismatch(f"block_m must be a power of two >= max(16, group={group}), got {block_m}")
-    if block_n is None:
-        block_n = 64 if device.type == "cuda" else 32
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ShapeMismatch(f"block_n must be a power of two >= 16, got {block_n}")
-    tokens_per_prog = block_m // group
-    m_blocks = max(1, triton.cdiv(max(max_q, 0), tokens_per_prog))
-
-    # Without a host sync the block table's width is the only bound on any sequence's KV range.
-    kv_bound = max(1, int(block_tables.shape[1]) * page)
-    if num_splits is None:
-        num_splits = _num_splits(device, batch * num_kv_heads * m_blocks, kv_bound)
-    num_splits = max(1, min(int(num_splits), triton.cdiv(kv_bound, block_n)))
-    chunk = triton.cdiv(triton.cdiv(kv_bound, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(kv_bound, chunk)
-    split = num_splits > 1
+    is_int8 = cache.format.is_quantized
+    width_bound = int(block_tables.shape[1]) * page
+    kv_bound = width_bound if kv_bound is None else min(int(kv_bound), width_bound)
+    launch = _plan_launch(
+        device, batch=batch, num_kv_heads=num_kv_heads, group=group, max_q=max_q, kv_bound=kv_bound,
+        is_int8=is_int8, block_m=block_m, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, gpu=gpu,
+    )  # fmt: skip
+    split = launch.num_splits > 1
 
     out = torch.empty((total, num_q_heads, head_dim), dtype=torch.float32, device=device)
     if total == 0 or batch == 0:
         return out.zero_()
     if split:
-        part = torch.empty((num_splits, total, num_q_heads, head_dim), dtype=torch.float32, device=device)
-        ml = torch.empty((num_splits, total, num_q_heads, 2), dtype=torch.float32, device=device)
+        part = torch.empty((launch.num_splits, total, num_q_heads, head_dim), dtype=torch.float32, device=device)
+        ml = torch.empty((launch.num_splits, total, num_q_heads, 2), dtype=torch.float32, device=device)
         dst, dst_strides, ml_strides = part, part.stride()[:3], ml.stride()[:3]
     else:
         ml = out  # never touched without a split
@@ -515,24 +727,19 @@ def _attention(
 
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    is_int8 = cache.format.is_quantized
     sk = ks if is_int8 else kc
     sv = vs if is_int8 else vc
     s_strides = ks.stride() if is_int8 else (0, 0, 0)
     has_start = kv_starts is not None
     starts = kv_starts if has_start else context_lens
     launch_opts = {}
-    if num_warps is None and device.type == "cuda" and block_m >= 64:
-        # A 64-row tile keeps q twice (hi, lo), acc, scores and p in registers; 8 warps halve each
-        # thread's share. Untuned guess: gpu_check times the decode configurations, not prefill.
-        num_warps = 8
-    if num_warps is not None:
-        launch_opts["num_warps"] = num_warps
-    if num_stages is not None:
-        launch_opts["num_stages"] = num_stages
+    if launch.num_warps is not None:
+        launch_opts["num_warps"] = launch.num_warps
+    if launch.num_stages is not None:
+        launch_opts["num_stages"] = launch.num_stages
 
-    grid = (batch * num_kv_heads, m_blocks, num_splits)
-    _attention_kernel[grid](
+    _launch(
+        _attention_kernel, launch.grid(batch, num_kv_heads),
         q, *q.stride(),
         dst, *dst_strides,
         ml, *ml_strides,
@@ -540,21 +747,65 @@ def _attention(
         sk, sv, *s_strides,
         block_tables, block_tables.stride(0),
         context_lens, starts, cu_seqlens_q,
-        num_kv_heads, head_dim, chunk, float(softmax_scale) * _LOG2E,
-        GROUP=group, TOKENS=tokens_per_prog, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(head_dim, 16),
-        IS_INT8=is_int8, HAS_START=has_start, SPLIT=split,
+        num_kv_heads, head_dim, launch.chunk, launch.m_blocks, float(softmax_scale) * _LOG2E,
+        GROUP=group, TOKENS=launch.tokens_per_prog, PAGE=page,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_D=_pow2(head_dim, 16),
+        IS_INT8=is_int8, HAS_START=has_start, SPLIT=split, MAGIC=bool(magic and is_int8), HILO=bool(hilo),
         **launch_opts,
     )  # fmt: skip
     if split:
-        _merge_kernel[(total, num_q_heads)](
+        _launch(
+            _merge_kernel, (total, num_q_heads),
             part, *part.stride()[:3],
             ml, *ml.stride()[:3],
             out, *out.stride()[:2],
-            num_splits, head_dim,
-            BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim),
+            launch.num_splits, head_dim,
+            BLOCK_S=_pow2(launch.num_splits), BLOCK_D=_pow2(head_dim),
         )  # fmt: skip
     return out
+
+
+def attention(
+    cache,
+    layer: int,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_q: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+    kv_starts: torch.Tensor | None = None,
+    **options,
+) -> torch.Tensor:
+    """The attention launcher with its tuning options (benchmarks, compile checks); checks no values.
+
+    ``q [total_tokens, num_q_heads, head_dim]`` packed as for ``paged_prefill_attention``; ``max_q`` bounds
+    any sequence's query count. Options: ``kv_bound``, ``num_splits``, ``block_m``, ``block_n``,
+    ``num_warps``, ``num_stages``, ``magic``, ``hilo``, ``gpu`` (see ``_attention``).
+    """
+    return _attention(
+        cache, layer, q, cu_seqlens_q, max_q, block_tables, context_lens, softmax_scale, kv_starts, **options
+    )
+
+
+def launch_plan(device: torch.device, **shape) -> _Launch:
+    """The block sizes, split count and grid an attention call would use (host integers only)."""
+    return _plan_launch(device, **shape)
+
+
+_CU_CACHE: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _decode_cu(batch: int, device: torch.device) -> torch.Tensor:
+    """``[0, 1, ..., batch]`` int32 on ``device`` without a launch per call: a slice of a kept ``arange``.
+
+    Every ``arange`` ever handed out stays referenced, so a captured CUDA graph never reads freed memory.
+    """
+    kept = _CU_CACHE.setdefault(device, [])
+    if not kept or kept[-1].numel() < batch + 1:
+        size = max(batch + 1, 2 * kept[-1].numel() if kept else 1024)
+        kept.append(torch.arange(size, dtype=torch.int32, device=device))
+    return kept[-1][: batch + 1]
 
 
 def _check_batch(
@@ -621,8 +872,7 @@ def paged_decode_attention(
     Returns float32 ``[batch, num_q_heads, head_dim]``; a sequence with no visible key gets zeros.
     """
     _check_batch(cache, q, block_tables, context_lens, kv_starts, batch_from_q=True)
-    batch = int(q.shape[0])
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    cu = _decode_cu(int(q.shape[0]), q.device)
     return _attention(cache, layer, q, cu, 1, block_tables, context_lens, softmax_scale, kv_starts)
 
 
