@@ -85,7 +85,9 @@ def record_case(fmt_name: str, kind: str, options: dict):
     from int8kv.ops import triton as tk
 
     fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1 if fmt_name == "int8" else KvStorageFormat.F16
-    batch, hq, hkv, dim, page, ctx = (SHAPE[k] for k in ("batch", "q_heads", "kv_heads", "head_dim", "block_size", "context"))
+    batch, hq, hkv, dim, page, ctx = (
+        SHAPE[k] for k in ("batch", "q_heads", "kv_heads", "head_dim", "block_size", "context")
+    )
     width = ctx // page
     cache = PagedKvCache(batch * width, page, 1, hkv, dim, fmt, "cpu")
     tables = torch.arange(batch * width, dtype=torch.int32).reshape(batch, width)
@@ -262,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run_cases(names, args.arch, say=lambda s: print(s, flush=True))
     failed = [r for r in results if r.error]
-    print(f"gpu_compile: {len(results) - len(failed)} of {len(results)} compiled in {time.perf_counter() - start:.0f} s")
+    print(
+        f"gpu_compile: {len(results) - len(failed)} of {len(results)} compiled in {time.perf_counter() - start:.0f} s"
+    )
     if args.json:
         payload = {"triton": triton.__version__, "shape": SHAPE, "results": [dataclasses.asdict(r) for r in results]}
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
