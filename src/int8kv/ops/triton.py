@@ -567,9 +567,10 @@ def append_paged_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: 
     _append_rows(cache, layer, k16, v16, slots)
 
 
-# Resident CTAs per SM of the default decode configuration, from the registers ptxas allocates for sm_90
-# (`python -m int8kv.bench.gpu_compile`, docs/benchmarks.md): INT8 255 registers x 128 threads -> 2 of
-# 65,536; F16 168 -> 3. Shared memory (<= 36 KiB per CTA) is not the limit.
+# Resident CTAs per SM of the default decode configuration (BLOCK_N 64, 4 warps, 3 stages), from the
+# registers ptxas allocates for sm_90 (`python -m int8kv.bench.gpu_compile`, docs/benchmarks.md): INT8
+# 249-255 registers x 128 threads -> 2 CTAs in 65,536 registers; F16 155-163 -> 3. Shared memory (31 KiB
+# INT8, 46 KiB F16 per CTA, of 228 KiB) is not the limit. sm_80 allocates fewer (INT8 168-188): 2 or 3.
 _CTAS_PER_SM = {True: 2, False: 3}
 
 
