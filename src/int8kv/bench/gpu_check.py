@@ -88,8 +88,8 @@ def switches(sh: Shapes) -> dict[str, tuple[dict, float]]:
 class Report:
     """Prints every line and appends it to the log file; collects failures."""
 
-    def __init__(self, path: Path, budget: float) -> None:
-        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (lives as long as the run)
+    def __init__(self, path: Path | None, budget: float) -> None:
+        self.file = open(path or os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (lives as long as the run)
         self.failures: list[str] = []
         self.deadline = time.monotonic() + budget
 
@@ -212,37 +212,61 @@ def rel_err(got, want) -> float:
 # --------------------------------------------------------------------------------------------------------
 # sections
 # --------------------------------------------------------------------------------------------------------
-def compile_smoke(rep: Report, sh: Shapes, device) -> None:
-    """Every kernel and switch launched once on a tiny batch (compiles each configuration)."""
-    import torch
+def compile_smoke(rep: Report, sh: Shapes, smoke: bool) -> None:
+    """Every kernel and switch compiled and run once, one process per switch in parallel.
 
-    from int8kv.ops import triton as tk
-
-    sh = dataclasses.replace(sh, q_heads=8, kv_heads=2, block_size=16)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    k = torch.randn((2, 64, sh.kv_heads, sh.head_dim), generator=gen).to(device)
-    q = torch.randn((2, sh.q_heads, sh.head_dim), generator=gen).to(device)
-    qp = torch.randn((20, sh.q_heads, sh.head_dim), generator=gen).to(device)
-    cu = torch.arange(3, dtype=torch.int32, device=device)
-    cu_p = torch.tensor([0, 1, 20], dtype=torch.int32, device=device)
-    for name, fmt in _formats().items():
+    Each process checks its switch against the float64 reference at the smallest and largest batch of the
+    shortest context (so every specialisation the later sections launch is compiled, into Triton's on-disk
+    cache) and the prefill chunk. Compiling them one after another would take minutes of the budget.
+    """
+    # The interpreter compiles nothing: two processes exercise the mechanism (the decode section checks all).
+    names = list(switches(sh))[: 2 if smoke else None]
+    timeout = max(60.0, min(300.0, rep.left() - 200))
+    rep.say(f"  {len(names)} switches in parallel processes, {timeout:.0f} s allowed")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    base = [sys.executable, "-m", "int8kv.bench.gpu_check", *(["--smoke"] if smoke else [])]
+    procs = {
+        name: subprocess.Popen(
+            [*base, "--warm", name], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name in names
+    }
+    end = time.monotonic() + timeout
+    for name, proc in procs.items():
         try:
-            pool, tables = filled_pool(fmt, sh, 2, 64, k, -k, device)
-            ctx = torch.tensor([64, 50], dtype=torch.int32, device=device)
-        except Exception:
-            rep.fail(f"compile smoke: append {name}")
-            continue
-        for switch, (opts, _) in switches(sh).items():
-            for kind, qq, cuq, max_q in (("decode", q, cu, 1), ("prefill", qp, cu_p, 19)):
-                try:
-                    out = tk.attention(pool, 0, qq, cuq, max_q, tables, ctx, None, None, **opts)
-                    if not bool(torch.isfinite(out).all()):
-                        raise AssertionError("non-finite output")
-                except Exception:
-                    rep.fail(f"compile smoke: {kind} {name} {switch}")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    rep.say(f"  {2 * len(switches(sh)) * 2} attention configurations and 2 append kernels launched")
+            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        lines = out.rstrip().splitlines()
+        fails = [x.strip() for x in lines if x.strip().startswith("FAIL")]
+        for line in fails[:5]:
+            rep.say(f"  | {name}: {line}")
+        if proc.returncode != 0 or fails:
+            detail = f"exit status {proc.returncode}, {len(fails)} failed check(s)"
+            rep.fail(f"compile smoke: {name}", detail + ("" if fails else ": " + " / ".join(lines[-3:])))
+        else:
+            rep.say(f"  {name:18s} ok: {lines[-1].strip() if lines else ''}")
+
+
+def warm(sh: Shapes, switch: str, device) -> int:
+    """The body of one compile-smoke process (``--warm SWITCH``): 0 when every check passed."""
+    rep = Report(None, 600.0)
+    one = dataclasses.replace(
+        sh,
+        batches=(min(sh.batches), max(sh.batches)) if device.type == "cuda" else (max(sh.batches),),
+        contexts=(min(sh.contexts),),
+        switches=(switch,),
+    )
+    start = time.perf_counter()
+    try:
+        check_attention(rep, Workload(one, device))
+        check_prefill(rep, one, device)
+    except Exception:
+        rep.fail(f"warm {switch}")
+    rep.say(f"decode and prefill checked in {time.perf_counter() - start:.1f} s")
+    return EXIT_FAILED if rep.failures else EXIT_OK
 
 
 def check_append(rep: Report, sh: Shapes, device) -> None:
@@ -359,8 +383,7 @@ def check_prefill(rep: Report, sh: Shapes, device) -> None:
     for fmt_name, fmt in _formats().items():
         pool, tables = filled_pool(fmt, sh, 1, n, k, v, device)
         want = ref.paged_prefill_attention(pool, 0, q, cu, tables, lens, None, None)
-        for switch in ("default", "magic", "block_n 64", "no hilo"):
-            opts, tol = SWITCHES[switch]
+        for switch, (opts, tol) in switches(sh).items():
             try:
                 err = rel_err(tk.attention(pool, 0, q, cu, n, tables, lens, None, None, **opts), want)
                 rep.say(f"  prefill {n} tokens {fmt_name:4s} {switch:12s} rel err {err:.1e}")
@@ -452,7 +475,7 @@ def bench_decode(rep: Report, work: Workload, timer: Timer, floor_bps: float) ->
                             ref_out = out.clone()  # F16 default: the exact result on the stored bf16 values
                         else:
                             err = rel_err(out, ref_out)
-                            limit = max(tol, 2e-2 if fmt_name == "int8" else tol)  # INT8 differs by its rounding
+                            limit = 5e-2 if fmt_name == "int8" else tol  # INT8 rounding: ~1e-2 (4k-32k)
                             if not err < limit:
                                 rep.fail(f"bench output {name} b{batch} ctx{context}", f"rel err {err:.2e} vs f16")
                         plain = timer.seconds(call, sh.runs)
@@ -593,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="small shapes (implied without a GPU)")
     parser.add_argument("--skip-pytest", action="store_true", help="skip the pytest section")
     parser.add_argument("--skip-bench", action="store_true", help="skip the benchmark section")
+    parser.add_argument("--warm", metavar="SWITCH", help=argparse.SUPPRESS)  # one compile-smoke process
     args = parser.parse_args(argv)
 
     import torch
@@ -609,6 +633,11 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: skipped: no CUDA device here and TRITON_INTERPRET is not set (nothing to run on)")
         return EXIT_SKIPPED
     sh = SMOKE if (args.smoke or device.type != "cuda") else FULL
+    if args.warm:
+        from int8kv.ops import triton as tk  # compiler or interpreter, as chosen above
+
+        tk.check_values = False
+        return warm(sh, args.warm, device)
     rep = Report(args.out, args.budget)
     try:
         import triton
@@ -628,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device)
     work: Workload | None = None
     sections: list[tuple[str, Callable[[], None]]] = [
-        ("compile smoke", lambda: compile_smoke(rep, sh, device)),
+        ("compile smoke", lambda: compile_smoke(rep, sh, smoke=sh is SMOKE)),
         ("append: bit-exact V1 quantize", lambda: check_append(rep, sh, device)),
     ]
 
