@@ -171,13 +171,13 @@ def _sass_counts(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True)
+        # One call for both: the resource summary, then the SASS listing.
+        dump = subprocess.run([_tool("cuobjdump"), "-res-usage", "-sass", f.name], capture_output=True, text=True)
     counts = {}
     for key, pattern in (("regs", r"REG:(\d+)"), ("stack", r"STACK:(\d+)"), ("static_shared", r"SHARED:(\d+)")):
-        m = re.search(pattern, usage.stdout)
+        m = re.search(pattern, dump.stdout)
         counts[key] = int(m.group(1)) if m else -1
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass.stdout)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", dump.stdout)
     counts["sass"] = len(ops)
     counts["local_ops"] = sum(op in ("LDL", "STL") for op in ops)
     counts["i2f"] = sum(op.startswith("I2F") for op in ops)

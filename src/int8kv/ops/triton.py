@@ -15,6 +15,11 @@ Both matrix products run on float16 tensor cores yet keep float32-level accuracy
 int8 codes and float16 values are exact in float16, and the float32 side (q, and the softmax weights) is
 split into a float16 high part and a float16 low part, so each product is two dots. That is a third of the
 tensor-core work of TF32x3 (decode must stay memory-bound) and works the same in the interpreter.
+
+Constexpr switches, compiled and checked but off by default until timed on a GPU (``attention(...)``
+options, docs/benchmarks.md for their registers): ``magic`` (int8 -> float16 by bit arithmetic instead of
+I2F), ``hilo=False`` (one float16 product each, ~2e-4 relative error), ``block_n`` and ``num_stages``.
+``python -m int8kv.bench.gpu_compile`` compiles every kernel and switch for sm_90/sm_80 without a GPU.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ __all__ = [
     "record_launches",
 ]
 
-#: Value checks (slots, block ids, lengths) read device tensors back to the host, one sync each call.
-#: They keep a bad batch from turning into an illegal memory access; a caller that has already
-#: validated its metadata (or captures CUDA graphs) may switch them off.
+#: Value checks (slots, block ids, lengths, finite K/V) read device tensors back to the host, one sync per
+#: call. They keep a bad batch from turning into an illegal memory access; a caller that has already
+#: validated its inputs (or captures CUDA graphs) may switch them off: then neither append nor decode
+#: reads anything back (tests/test_ops_triton.py::test_steady_state_decode_step_reads_nothing_back).
 check_values: bool = True
 
 _LOG2E = 1.4426950408889634
