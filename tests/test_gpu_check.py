@@ -2,7 +2,8 @@
 "skipped" with its own exit status when there is nothing to run on, and never stops at the first failure.
 
 Each run is a fresh process (the script decides compiler or interpreter before importing Triton) with CUDA
-hidden, so on a GPU machine these tests still exercise the CPU paths. The smoke run takes ~35 s of CPU.
+hidden, so on a GPU machine these tests still exercise the CPU paths. The smoke run took 75 s on the
+shared 2-core VM (~40 s of CPU).
 """
 
 from __future__ import annotations

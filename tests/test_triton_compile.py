@@ -2,8 +2,9 @@
 
 Runs ``python -m int8kv.bench.gpu_compile`` in a fresh process without ``TRITON_INTERPRET`` (this test
 session may have the interpreter on), so a compile error, an argument a launch leaves unset, or a switch that
-no longer compiles fails here instead of in the first minutes of a borrowed GPU. Measured: ~75 s for the
-40 compiles on a free 2-core VM with an empty Triton cache, ~15 s with the cache warm.
+no longer compiles fails here instead of in the first minutes of a borrowed GPU. Measured on the shared
+2-core VM (load ~10): 42 compiles in ~90 s with an empty Triton cache, 39 s with the cache warm (each kernel
+is still loaded and disassembled).
 """
 
 from __future__ import annotations
