@@ -134,3 +134,44 @@ def test_smollm2_engine_logits_and_text(smollm2):
             [prompt], SamplingParams(max_tokens=8)
         )[0]
         assert out.token_ids == hf_greedy(model, prompt, 8) and "Paris" in out.text
+
+
+# Counters of three runs whose schedules are derived by hand (block size 4, prompts of known length, greedy,
+# ignore_eos). "phase" = steps in which every unfinished request decodes (EngineStats docstring).
+COUNTER_RUNS = {
+    # One step prefills all 17 prompt tokens and samples 3 tokens; 3 decode steps of 3 tokens follow.
+    "unchunked": (dict(max_num_batched_tokens=512), [5, 9, 3], 4,
+                  dict(steps=4, prefill_tokens=17, decode_tokens=9, generated_tokens=12, preemptions=0,
+                       decode_phase_steps=3, decode_phase_tokens=9, peak_blocks_used=7)),
+    # 8-token budget: A5+B3 | A1 B6 C1 | A1 B1 C2 | A1 B1 C1 (A done) | B1 C1 (B done) | C1.
+    "chunked": (dict(max_num_batched_tokens=8), [5, 9, 3], 4,
+                dict(steps=6, prefill_tokens=17, decode_tokens=9, generated_tokens=12, preemptions=0,
+                     decode_phase_steps=3, decode_phase_tokens=6, peak_blocks_used=6)),
+    # Two seats: A and B run 4 steps (C waits: not the decode phase), then C prefills and decodes 3 times.
+    "seats": (dict(max_num_seqs=2), [5, 9, 3], 4,
+              dict(steps=8, prefill_tokens=17, decode_tokens=9, generated_tokens=12, preemptions=0,
+                   decode_phase_steps=3, decode_phase_tokens=3, peak_blocks_used=5)),
+    # A pool of 3 blocks: step 2 preempts B; A decodes alone (B waits) until done at step 8; step 9
+    # recomputes B's 4 prompt + 1 generated tokens; B then decodes 6 times alone (the decode phase).
+    "preempted": (dict(blocks=3), [4, 4], 8,
+                  dict(steps=15, prefill_tokens=13, decode_tokens=13, generated_tokens=16, preemptions=1,
+                       decode_phase_steps=6, decode_phase_tokens=6, peak_blocks_used=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTER_RUNS))
+def test_engine_stats_count_exactly_the_tokens_of_a_known_schedule(name):
+    opts, lengths, max_tokens, want = COUNTER_RUNS[name]
+    opts = dict(opts)
+    model = tiny("llama", seed=6)
+    blocks = opts.pop("blocks", 64)
+    llm = LLM(model, kv_format=F16, memory=blocks * LLM_block_bytes(model, 4, F16), block_size=4, **opts)
+    prompts = [list(range(1, n + 1)) for n in lengths]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [max_tokens] * len(prompts)
+    s = llm.stats
+    assert {k: getattr(s, k) for k in want} == want
+    assert s.failed_requests == 0 and 0 < s.decode_phase_seconds <= s.seconds
+    assert s.decode_tokens_per_s == s.decode_phase_tokens / s.decode_phase_seconds
+    # The engine's own run equals what it hands back: every generated token reached a request.
+    assert s.generated_tokens == sum(len(o.token_ids) for o in outs)

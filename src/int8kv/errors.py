@@ -31,6 +31,17 @@ class ShapeMismatch(KvCacheError, ValueError):
     """A tensor's shape or dtype does not fit the cache it is meant for."""
 
 
+class InvalidRequest(KvCacheError, ValueError):
+    """A generation request the engine refuses before queueing it: a prompt that is empty, holds a token id
+    that is not an int in [0, vocab_size), or with max_tokens runs past the model's positions; or bad
+    sampling parameters."""
+
+
+class InvalidEngineConfig(KvCacheError, ValueError):
+    """An engine setting that cannot work: a non-positive size or count, or a memory budget that is not a
+    finite, non-negative number of bytes."""
+
+
 class KvPoolExhausted(KvCacheError):
     """The paged block pool has too few free blocks for the request."""
 

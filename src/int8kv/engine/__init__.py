@@ -1,7 +1,15 @@
-"""A small continuous-batching engine over the paged INT8 KV cache (in the spirit of nano-vllm)."""
+"""A small continuous-batching engine over the paged INT8 KV cache (in the spirit of nano-vllm).
 
+llm.py (the front door and its error contract), scheduler.py (who runs, how many tokens), runner.py (one
+packed Batch per step, failures isolated), sampler.py (greedy / temperature / top-p), model.py (the network).
+"""
+
+from ..errors import InvalidEngineConfig, InvalidRequest
 from .llm import LLM, EngineStats, RequestOutput, parse_bytes
 from .model import Batch, DecoderModel
+from .runner import ModelRunner
+from .sampler import probabilities, sample
+from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, Status
 
 __all__ = [
@@ -9,9 +17,16 @@ __all__ = [
     "Batch",
     "DecoderModel",
     "EngineStats",
+    "InvalidEngineConfig",
+    "InvalidRequest",
+    "ModelRunner",
     "RequestOutput",
     "SamplingParams",
+    "Scheduled",
+    "Scheduler",
     "Sequence",
     "Status",
     "parse_bytes",
+    "probabilities",
+    "sample",
 ]

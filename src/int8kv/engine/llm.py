@@ -2,10 +2,19 @@
 
     llm = LLM(model, kv_format="int8", memory="512MiB")
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+
+Error contract (docs/design.md, "Engine error contract"): everything a request can be refused for is checked
+before any request of the call is queued (typed `InvalidRequest` / `KvPoolExhausted`, nothing changed); an
+error that still happens inside a step fails only the request that causes it (`finish_reason == "error"`),
+frees its blocks and leaves the engine as a fresh one would be. Calls from several threads are serialized.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -13,26 +22,40 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.paged import PagedKvCache
-from ..errors import KvPoolExhausted
+from ..cache.state import KvLayout, as_format
+from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from ..formats import KvStorageFormat
-from .model import Batch, DecoderModel
+from .model import DecoderModel
+from .runner import ModelRunner
+from .sampler import make_generator, sample
 from .scheduler import Scheduled, Scheduler
-from .sequence import SamplingParams, Sequence
+from .sequence import SamplingParams, Sequence, is_int, positive_int
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
-def parse_bytes(value: int | str) -> int:
-    """'512MiB', '8GiB', '1.5GB' or a plain number of bytes."""
-    if isinstance(value, int):
-        return value
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    if unit not in _UNITS or not number:
-        raise ValueError(f"cannot read a memory size from {value!r}; use e.g. 512MiB, 8GiB, 1GB")
-    return int(float(number) * _UNITS[unit])
+def parse_bytes(value: int | float | str) -> int:
+    """'512MiB', '8GiB', '1.5GB' or a plain number of bytes; InvalidEngineConfig unless finite and >= 0."""
+    if is_int(value):
+        number, unit = float(value) if abs(value) < 2**1000 else math.inf, ""
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(digits):]
+        try:
+            number = float(digits) if digits and unit in _UNITS else None
+        except ValueError:
+            number = None
+        if number is None:
+            raise InvalidEngineConfig(f"cannot read a memory size from {value!r}; use e.g. 512MiB, 8GiB, 1GB")
+    else:
+        raise InvalidEngineConfig(f"a memory size is an int or a string such as '512MiB', got {value!r}")
+    size = number * _UNITS[unit]
+    if not math.isfinite(size) or size < 0:
+        raise InvalidEngineConfig(f"a memory size must be a finite number of bytes >= 0, got {value!r}")
+    return int(size)
 
 
 @dataclass
@@ -41,24 +64,39 @@ class RequestOutput:
     token_ids: list[int]
     text: str | None
     num_preemptions: int
+    finish_reason: str = "length"  # "stop" (EOS), "length" (max_tokens) or "error"
+    error: str | None = None  # with finish_reason "error": the exception, as "Type: message"
 
 
 @dataclass
 class EngineStats:
+    """What the engine ran since it was built (assign a fresh EngineStats() to start counting anew).
+
+    Token counters count tokens of requests whose step succeeded:
+      prefill_tokens    prompt tokens run through the model, plus tokens recomputed after a preemption
+      decode_tokens     generated tokens fed back through the model (one per decoding sequence per step)
+      generated_tokens  tokens sampled and handed to requests (each request's first comes from its prefill)
+    The decode phase is the steps in which every unfinished request decodes: nothing waits, nothing prefills
+    (`Scheduler.in_decode_phase`). `decode_tokens_per_s` is the tokens generated in those steps over their wall
+    time: "tokens per second while all the batch's sequences decode", whatever the prefill chunking, the
+    figure `generate` timed once per token (after the first) gives for transformers.
+    """
+
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    generated_tokens: int = 0
     preemptions: int = 0
+    failed_requests: int = 0
     seconds: float = 0.0
     peak_blocks_used: int = 0
-    # Steps in which every scheduled sequence decoded one token: the steady-state decode rate.
-    decode_steps: int = 0
-    decode_step_tokens: int = 0
-    decode_step_seconds: float = 0.0
+    decode_phase_steps: int = 0
+    decode_phase_tokens: int = 0
+    decode_phase_seconds: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.decode_step_tokens / self.decode_step_seconds if self.decode_step_seconds else 0.0
+        return self.decode_phase_tokens / self.decode_phase_seconds if self.decode_phase_seconds else 0.0
 
 
 class LLM:
@@ -72,6 +110,15 @@ class LLM:
         max_num_batched_tokens: int = 512,
         tokenizer=None,
     ) -> None:
+        # Every setting is checked before the model is loaded or a byte of the pool allocated.
+        budget = parse_bytes(memory)
+        block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
+        positive_int(max_num_seqs, "max_num_seqs", InvalidEngineConfig)
+        positive_int(max_num_batched_tokens, "max_num_batched_tokens", InvalidEngineConfig)
+        try:
+            self.format = as_format(kv_format)
+        except ValueError as e:
+            raise InvalidEngineConfig(str(e)) from None
         if isinstance(model, torch.nn.Module):
             hf_model = model
         else:
@@ -82,65 +129,75 @@ class LLM:
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
         self.model = DecoderModel(hf_model)
-        self.format = _as_format(kv_format)
+        self.vocab_size = self.model.embed.shape[0]
+        self.max_positions = int(self.model.config.max_position_embeddings)
         m = self.model
-        num_blocks = PagedKvCache.blocks_for_memory(
-            parse_bytes(memory), block_size, m.num_layers, m.num_kv_heads, m.head_dim, self.format
-        )
+        layout = KvLayout(m.num_layers, m.num_kv_heads, m.head_dim, self.format)
+        num_blocks = layout.blocks_for_memory(budget, block_size)
         if num_blocks < 1:
-            per_block = PagedKvCache.bytes_per_block(block_size, m.num_layers, m.num_kv_heads, m.head_dim, self.format)
-            raise KvPoolExhausted(f"memory budget {memory!r} holds no block ({per_block} bytes each)")
+            raise KvPoolExhausted(
+                f"memory budget {memory!r} holds no block ({layout.bytes_per_block(block_size)} bytes each)"
+            )
+        _check_host_memory(num_blocks * layout.bytes_per_block(block_size), memory)
         self.cache = m.make_cache(num_blocks, block_size, self.format)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
-        self._generators: dict[int, torch.Generator | None] = {}
+        # generate/step/score from several threads run one at a time (an engine step is not reentrant).
+        self._lock = threading.RLock()
 
     # -- public -------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int | list[int] | None:
+        """The token(s) that end a request (unless SamplingParams.ignore_eos); from the model's config."""
+        return self._eos_token_id
+
+    @eos_token_id.setter
+    def eos_token_id(self, value: int | list[int] | None) -> None:
+        ids = [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+        if not all(is_int(t) for t in ids):
+            raise InvalidEngineConfig(f"eos_token_id must be None, an int or a list of ints, got {value!r}")
+        self._eos_token_id = value
+        self.eos_ids = tuple(int(t) for t in ids)
+
     def generate(
         self,
-        prompts: Seq[str] | Seq[Seq[int]],
-        params: SamplingParams | None = None,
+        prompts: str | Seq[str] | Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
         on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        seqs = [Sequence(self._encode(p), params) for p in prompts]
-        for seq in seqs:
-            self.scheduler.check_fits(seq)  # all checked before any is queued: a refusal changes nothing
-        for seq in seqs:
-            self.scheduler.add(seq)
-            self._generators[seq.seq_id] = self._generator(seq)
-        while self.scheduler.has_work():
-            self.step()
-            if on_step is not None:
-                on_step(self.stats)
-        return [self._output(s) for s in seqs]
+        """One output per prompt, in order. A request refused up front raises (and none of the call is
+        queued); one that fails mid-step comes back with finish_reason "error" while the others complete."""
+        with self._lock:
+            seqs = self._requests(prompts, params)
+            self.scheduler.add(seqs)  # all or none
+            try:
+                while self.scheduler.has_work():
+                    if not self.step():
+                        break  # nothing could be scheduled (cannot happen after check_fits; never spin)
+                    if on_step is not None:
+                        on_step(self.stats)
+            finally:
+                # Only reached with work left if something escaped step() (KeyboardInterrupt, a bug, an
+                # on_step error): take this call's requests out so the engine stays usable.
+                for seq in seqs:
+                    if seq.finish_reason is None:
+                        self.scheduler.fail(seq, "aborted: generate() was interrupted")
+            return [self._output(s) for s in seqs]
 
-    def step(self) -> None:
-        start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        used = self.cache.num_blocks - self.cache.num_free_blocks
-        self.stats.peak_blocks_used = max(self.stats.peak_blocks_used, used)
-        batch = self._batch(scheduled)
-        logits = self.model.forward(self.cache, batch)
-        for row, item in enumerate(scheduled):
-            seq = item.seq
-            seq.num_cached += item.num_tokens
-            if seq.num_uncached == 0:  # the whole sequence is in the cache: sample its next token
-                seq.output.append(self._sample(logits[row], seq))
-                if self._done(seq):
-                    self.scheduler.finish(seq)
-                    self._generators.pop(seq.seq_id, None)
-        decode = sum(1 for s in scheduled if s.num_tokens == 1 and s.seq.num_cached > len(s.seq.prompt))
-        self.stats.steps += 1
-        self.stats.decode_tokens += decode
-        self.stats.prefill_tokens += sum(s.num_tokens for s in scheduled) - decode
-        self.stats.preemptions = self.scheduler.num_preemptions
-        elapsed = time.perf_counter() - start
-        self.stats.seconds += elapsed
-        if scheduled and decode == len(scheduled):
-            self.stats.decode_steps += 1
-            self.stats.decode_step_tokens += decode
-            self.stats.decode_step_seconds += elapsed
+    def step(self) -> int:
+        """Schedule, run the packed batch, sample, retire finished or failed requests; returns the batch size."""
+        with self._lock:
+            start, preempted = time.perf_counter(), self.scheduler.num_preemptions
+            batch = self.scheduler.schedule()
+            if not batch:
+                return 0
+            used = self.cache.num_blocks - self.cache.num_free_blocks  # the step's peak: before anyone finishes
+            decode_phase = self.scheduler.in_decode_phase(batch)
+            logits, errors = self.runner.run(batch)
+            generated = self._retire(batch, logits, errors)
+            self._record(batch, errors, generated, decode_phase, preempted, used, time.perf_counter() - start)
+            return len(batch)
 
     def score(self, token_ids: Seq[int], chunk_size: int = 256) -> torch.Tensor:
         """Teacher-forced logits [len, vocab] of one sequence, prefilled chunk by chunk through the cache.
@@ -148,90 +205,153 @@ class LLM:
         Each chunk's K/V is written first and then read back in the storage format, as in generation,
         so the logits carry exactly the error the format adds (llama.cpp's perplexity tool does the same).
         """
-        ids = self._encode(list(token_ids))
-        if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
-            raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
-        seq = Sequence(ids, SamplingParams(max_tokens=1))
-        self.cache.add_sequence(seq.seq_id, 0)
-        try:
-            out = []
-            while seq.num_uncached:
-                n = min(chunk_size, seq.num_uncached)
-                seq.slots = self.cache.grow(seq.seq_id, n)
-                batch = self._batch([Scheduled(seq, n)])
-                out.append(self.model.forward(self.cache, batch, all_logits=True))
-                seq.num_cached += n
-            return torch.cat(out)
-        finally:
-            self.cache.free(seq.seq_id)
-
-    # -- internals ----------------------------------------------------------------
-    def _encode(self, prompt: str | Seq[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
-            return list(self.tokenizer(prompt)["input_ids"])
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("a prompt needs at least one token")
-        return ids
-
-    def _batch(self, scheduled: list[Scheduled]) -> Batch:
-        ids, pos, slots, counts = [], [], [], [0]
-        for item in scheduled:
-            seq, start = item.seq, item.seq.num_cached
-            ids.extend(seq.tokens[start : start + item.num_tokens])
-            pos.extend(range(start, start + item.num_tokens))
-            slots.append(seq.slots)
-            counts.append(counts[-1] + item.num_tokens)
-        block_tables, context_lens = self.cache.batch_tensors([s.seq.seq_id for s in scheduled])
-        return Batch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
-            slots=torch.cat(slots),
-            cu_seqlens_q=torch.tensor(counts, dtype=torch.int32),
-            block_tables=block_tables,
-            context_lens=context_lens,
-            is_decode=all(s.num_tokens == 1 for s in scheduled),
-        )
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.temperature == 0:
-            return None
-        gen = torch.Generator()
-        gen.manual_seed(seq.params.seed if seq.params.seed is not None else seq.seq_id)
-        return gen
-
-    def _sample(self, logits: torch.Tensor, seq: Sequence) -> int:
-        p = seq.params
-        if p.temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.double() / p.temperature, dim=-1)
-        if p.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(0) - sorted_probs < p.top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self._generators[seq.seq_id]))
-
-    def _done(self, seq: Sequence) -> bool:
-        if len(seq.output) >= seq.params.max_tokens:
-            return True
-        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        return not seq.params.ignore_eos and seq.output[-1] in eos
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        text = None if self.tokenizer is None else self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        return RequestOutput(list(seq.prompt), list(seq.output), text, seq.num_preemptions)
+        with self._lock:
+            chunk_size = positive_int(chunk_size, "chunk_size")
+            ids = self._token_ids(token_ids)
+            if len(ids) > self.max_positions:
+                raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
+            if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
+                raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
+            seq = Sequence(ids, SamplingParams(max_tokens=1))
+            self.cache.add_sequence(seq.seq_id, 0)
+            try:
+                out = []
+                while seq.num_uncached:
+                    n = min(chunk_size, seq.num_uncached)
+                    seq.slots = self.cache.grow(seq.seq_id, n)
+                    out.append(self.runner.forward([Scheduled(seq, n)], all_logits=True))
+                    seq.num_cached += n
+                return torch.cat(out)
+            finally:
+                self.cache.free(seq.seq_id)
 
     def kv_bytes_per_token(self) -> int:
         m = self.model
         return self.format.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim)
 
+    # -- requests -----------------------------------------------------------------
+    def _requests(
+        self, prompts: str | Seq[str] | Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None
+    ) -> list[Sequence]:
+        """Validated sequences for a call; raises InvalidRequest before anything is queued."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, Seq):
+            raise InvalidRequest(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        elif isinstance(params, Seq) and all(isinstance(p, SamplingParams) for p in params):
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise InvalidRequest(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        else:
+            raise InvalidRequest("params must be a SamplingParams or one per prompt")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+            ids = self._encode(prompt, i)
+            if len(ids) + p.max_tokens > self.max_positions:
+                raise InvalidRequest(
+                    f"prompt {i}: {len(ids)} prompt + {p.max_tokens} new tokens exceed the model's "
+                    f"{self.max_positions} positions (max_position_embeddings)"
+                )
+            seq = Sequence(ids, p)
+            seq.generator = make_generator(p, seq.seq_id)
+            seqs.append(seq)
+        return seqs
 
-def _as_format(value: KvStorageFormat | str) -> KvStorageFormat:
-    if isinstance(value, KvStorageFormat):
-        return value
+    def _encode(self, prompt: str | Seq[int] | torch.Tensor, index: int = 0) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("text prompts need a tokenizer; pass token ids or a tokenizer")
+            encoded = self.tokenizer(prompt)
+            ids = encoded.get("input_ids") if hasattr(encoded, "get") else encoded
+            if ids is None:
+                raise InvalidRequest(f"prompt {index}: the tokenizer returned no input_ids")
+            return self._token_ids(ids, index)
+        return self._token_ids(prompt, index)
+
+    def _token_ids(self, ids: Seq[int] | torch.Tensor, index: int = 0) -> list[int]:
+        """A prompt as a list of ints in [0, vocab_size); InvalidRequest for anything else (3.7, True, -1)."""
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+                raise InvalidRequest(f"prompt {index}: a tensor prompt must be 1-d integer, got {ids.dtype} "
+                                     f"{tuple(ids.shape)}")
+            ids = ids.tolist()
+        if isinstance(ids, str | bytes) or not isinstance(ids, Seq):
+            raise InvalidRequest(f"prompt {index}: expected a string or a list of token ids, got {type(ids).__name__}")
+        if not ids:
+            raise InvalidRequest(f"prompt {index} is empty (a request needs at least one token)")
+        for t in ids:
+            if not is_int(t) or not 0 <= t < self.vocab_size:
+                raise InvalidRequest(
+                    f"prompt {index}: token id {t!r} is not an int in [0, {self.vocab_size}) (the vocabulary)"
+                )
+        return [int(t) for t in ids]
+
+    # -- one step -----------------------------------------------------------------
+    def _retire(self, batch: list[Scheduled], logits: torch.Tensor, errors: list[Exception | None]) -> int:
+        """Advance each item, sample the sequences that are fully cached, finish or fail them; tokens sampled."""
+        due: list[int] = []
+        for row, (item, error) in enumerate(zip(batch, errors, strict=True)):
+            if error is not None:
+                self.scheduler.fail(item.seq, error)
+            elif self.scheduler.advance(item):
+                due.append(row)
+        if not due:
+            return 0
+        rows = logits if len(due) == len(batch) else logits[due]
+        seqs = [batch[row].seq for row in due]
+        tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+        generated = 0
+        for seq, token in zip(seqs, tokens, strict=True):
+            if isinstance(token, Exception):
+                self.scheduler.fail(seq, token)
+            else:
+                generated += 1
+                if seq.append(token, self.eos_ids):
+                    self.scheduler.finish(seq)
+        return generated
+
+    def _record(
+        self,
+        batch: list[Scheduled],
+        errors: list,
+        generated: int,
+        decode_phase: bool,
+        preempted: int,
+        blocks_used: int,
+        elapsed: float,
+    ) -> None:
+        s = self.stats
+        s.peak_blocks_used = max(s.peak_blocks_used, blocks_used)
+        ok = [item for item, e in zip(batch, errors, strict=True) if e is None]
+        decode = sum(1 for item in ok if item.is_decode)
+        s.steps += 1
+        s.decode_tokens += decode
+        s.prefill_tokens += sum(item.num_tokens for item in ok) - decode
+        s.generated_tokens += generated
+        s.failed_requests += sum(e is not None for e in errors)
+        s.preemptions += self.scheduler.num_preemptions - preempted
+        s.seconds += elapsed
+        if decode_phase:
+            s.decode_phase_steps += 1
+            s.decode_phase_tokens += generated
+            s.decode_phase_seconds += elapsed
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = None if self.tokenizer is None else self.tokenizer.decode(seq.output, skip_special_tokens=True)
+        return RequestOutput(
+            list(seq.prompt), list(seq.output), text, seq.num_preemptions, seq.finish_reason or "length", seq.error
+        )
+
+
+def _check_host_memory(pool_bytes: int, memory: int | str) -> None:
+    """Refuse a CPU pool larger than the machine's physical memory before trying to allocate it."""
     try:
-        return KvStorageFormat.parse(value)
-    except ValueError:
-        return KvStorageFormat.from_dtype(value)
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system: let the allocation decide
+        return
+    if pool_bytes > physical:
+        raise InvalidEngineConfig(
+            f"memory budget {memory!r} asks for a {pool_bytes:,}-byte pool; this machine has {physical:,} bytes"
+        )

@@ -1,35 +1,68 @@
-"""One request's state as it moves through the engine."""
+"""One request's state as it moves through the engine, and the sampling parameters it carries."""
 
 from __future__ import annotations
 
 import enum
 import itertools
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
+
+from ..errors import InvalidRequest
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    FAILED = "failed"  # removed mid-step by an error; `Sequence.error` says why
+
+
+def is_int(value: object) -> bool:
+    """A Python or numpy integer, not a bool (True is an int to Python, never a token id or a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(value: object, name: str, error: type[Exception] = InvalidRequest) -> int:
+    """`value` as an int if it is an integer >= 1; otherwise `error` naming `name`."""
+    if not is_int(value) or value < 1:
+        raise error(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_p < 1 samples from the nucleus; generation stops at max_tokens or EOS."""
+    """temperature 0 is greedy; top_p < 1 samples from the nucleus; generation stops at max_tokens or EOS.
+
+    Every field is checked here, so a request with bad parameters is refused before it is queued.
+    """
 
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # None: the request's id seeds its generator (reproducible within one process)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        positive_int(self.max_tokens, "max_tokens")
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            if not is_int(self.seed):
+                raise InvalidRequest(f"seed must be None or an int, got {self.seed!r}")
+            try:  # the range torch accepts ([-2**63, 2**64)) is the one that can seed a generator later
+                torch.Generator().manual_seed(int(self.seed))
+            except (RuntimeError, OverflowError, ValueError) as e:
+                raise InvalidRequest(f"seed {self.seed!r} cannot seed a torch.Generator: {e}") from None
 
 
 _ids = itertools.count()
@@ -45,12 +78,29 @@ class Sequence:
     # Tokens whose K/V sit in the cache; a preempted sequence drops back to 0 and is recomputed.
     num_cached: int = 0
     num_preemptions: int = 0
-    # Cache slots reserved for the tokens scheduled in the current step.
+    # Cache slots reserved for the tokens scheduled in the current step (int64 [tokens]).
     slots: torch.Tensor | None = None
+    # The runner's int32 copy of this sequence's block table; the first `num_table_blocks` entries are current.
+    # Blocks are only appended while a sequence runs, so the copy grows by its tail; a preemption resets it.
+    block_table: torch.Tensor | None = None
+    num_table_blocks: int = 0
+    # "stop" (EOS), "length" (max_tokens) or "error" (then `error` holds the message); None while running.
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None  # this request's sampling randomness (None when greedy)
 
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole prompt + output list."""
+        p = len(self.prompt)
+        if end <= p:
+            return self.prompt[start:end]
+        if start >= p:
+            return self.output[start - p : end - p]
+        return self.prompt[start:] + self.output[: end - p]
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
@@ -58,3 +108,17 @@ class Sequence:
     @property
     def num_uncached(self) -> int:
         return len(self) - self.num_cached
+
+    @property
+    def is_decoding(self) -> bool:
+        """Its whole prompt is cached and only the last generated token is not: the next step decodes it."""
+        return bool(self.output) and self.num_uncached == 1 and self.num_cached >= len(self.prompt)
+
+    def append(self, token: int, eos_ids: tuple[int, ...]) -> bool:
+        """Add a sampled token; True (and `finish_reason` set) when the request is complete."""
+        self.output.append(token)
+        if not self.params.ignore_eos and token in eos_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
