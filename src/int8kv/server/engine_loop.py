@@ -103,6 +103,9 @@ class EngineLoop:
                 except Exception:  # noqa: BLE001 - a bug in a step must not take the server down
                     log.exception("engine step failed; failing every live request")
                     self._abort(list(self._sinks), "error")
+                # Published before the updates go out: a client that sees its response done and then scrapes
+                # /metrics finds the blocks its request held already free.
+                self._publish()
                 self._deliver()
             else:
                 self._wake.wait(1.0)

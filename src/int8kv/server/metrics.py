@@ -40,7 +40,7 @@ class _Snapshot(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
-        values = self.metrics.values
+        values = {**self.metrics.values, **self.metrics.counts}
         for name, text, kind in FIELDS:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"int8kv_{name}", text, value=values.get(name, 0))
@@ -59,11 +59,12 @@ class Metrics:
         )
 
     def count(self, name: str, n: int = 1) -> None:
+        """Add to a request counter (engine thread only; a scrape reads the counts as they stand)."""
         self.counts[name] += n
 
     def publish(self, values: dict[str, float]) -> None:
-        """Replace the snapshot (one assignment: a scrape sees the old or the new one, never a mix)."""
-        self.values = {**values, **self.counts}
+        """Replace the engine snapshot (one assignment: a scrape sees the old or the new one, never a mix)."""
+        self.values = values
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
