@@ -3,19 +3,15 @@ offline in a second), and a live `int8kv serve` process on a free loopback port,
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import torch
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from int8kv.server.launch import LocalServer, read_metric
+from int8kv.server.launch import http_get as get
+
+__all__ = ["ServerProcess", "get", "make_tiny_model", "metric"]
+
 WORDS = (
     "the a of to and in is it that was for on are with as his they be at one have this from or had by hot "
     "word but what some we can out other were all there when up use your how said an each she which do "
@@ -54,76 +50,5 @@ def make_tiny_model(path: Path, max_positions: int = 4096, seed: int = 0) -> Pat
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str, timeout: float = 10.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def metric(base: str, name: str) -> float:
-    """One unlabelled sample from /metrics."""
-    _, text = get(base + "/metrics")
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics:\n{text}")
-
-
-class ServerProcess:
-    """`python -m int8kv.cli serve ...` on 127.0.0.1:<free port>; `url` is its base, `stop()` sends SIGTERM."""
-
-    def __init__(self, *args: str, startup_timeout: float = 180.0, log_path: Path | None = None) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        self.log_path = log_path
-        self.log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "int8kv.cli", "serve", "--port", str(self.port), "--quiet", *args],
-            env=env, stdout=self.log, stderr=self.log,
-        )
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode} during start-up:\n{self.output()}")
-            try:
-                if get(self.base + "/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"server not ready within {startup_timeout} s:\n{self.output()}")
-            time.sleep(0.2)
-
-    def output(self) -> str:
-        return self.log_path.read_text() if self.log_path else ""
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM, then wait; SIGKILL only if it does not exit in time. Returns the exit status."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._close_log()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self.log is not subprocess.DEVNULL and not self.log.closed:
-            self.log.close()
+metric = read_metric  # one unlabelled sample from /metrics
+ServerProcess = LocalServer  # the server under test: `int8kv serve` as a child on a free loopback port
