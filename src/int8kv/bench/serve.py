@@ -124,11 +124,20 @@ def _in_thread(fn: Any) -> Any:
     """fn() on a fresh thread, as the server steps its engine. Measured on this shared 2-core machine (load ~12):
     32 tokens of the tiny test model took 0.065 s on a fresh thread but 0.9-2.9 s on the main thread, where
     torch's two intra-op threads wait for a busy core at every op (0.09 s there with torch.set_num_threads(1))."""
-    box: list[Any] = []
-    thread = threading.Thread(target=lambda: box.append(fn()))
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target)
     thread.start()
     thread.join()
-    return box[0]
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _offline(model_path: str | None, levels: list[int], level_prompts: list, max_tokens: int, memory: str) -> list:

@@ -196,6 +196,10 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None) -> FastAP
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:  # a bug: say so in OpenAI's shape
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+
     @app.get("/health")
     async def health() -> Response:
         if service.stopping:
