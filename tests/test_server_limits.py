@@ -44,7 +44,7 @@ def test_a_full_queue_gets_429_with_retry_after_then_requests_succeed_again(serv
     assert caught.value.status_code == 429
     assert caught.value.response.headers["retry-after"] == "1"
     assert "the queue holds 1" in caught.value.body["message"]
-    assert metric(server.base, "int8kv_requests_rejected_total") == 1
+    wait_for(lambda: metric(server.base, "int8kv_requests_rejected_total") == 1, "the refusal to be counted")
     running.close()
     waiting.close()
     wait_for(lambda: metric(server.base, "int8kv_kv_blocks_used") == 0

@@ -97,6 +97,7 @@ class EngineLoop:
             self._drain()
             if self._stopping:
                 break
+            self._publish()  # adds and aborts show at once, even when no step follows
             if self.llm.has_unfinished():
                 try:
                     self.llm.step()
@@ -109,7 +110,6 @@ class EngineLoop:
                 self._deliver()
             else:
                 self._wake.wait(1.0)
-            self._publish()
         self._abort(list(self._sinks), "abort")
         self._publish()
 

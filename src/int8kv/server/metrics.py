@@ -40,7 +40,7 @@ class _Snapshot(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
-        values = {**self.metrics.values, **self.metrics.counts}
+        values = self.metrics.values
         for name, text, kind in FIELDS:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"int8kv_{name}", text, value=values.get(name, 0))
@@ -59,12 +59,13 @@ class Metrics:
         )
 
     def count(self, name: str, n: int = 1) -> None:
-        """Add to a request counter (engine thread only; a scrape reads the counts as they stand)."""
+        """Add to a request counter (engine thread only; published with the next snapshot)."""
         self.counts[name] += n
 
     def publish(self, values: dict[str, float]) -> None:
-        """Replace the engine snapshot (one assignment: a scrape sees the old or the new one, never a mix)."""
-        self.values = values
+        """Replace the snapshot, request counters included (one assignment: a scrape sees the old or the new
+        one, never a mix, so an abort's count and its freed blocks appear together)."""
+        self.values = {**values, **self.counts}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
