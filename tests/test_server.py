@@ -253,3 +253,39 @@ def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(se
     assert blocks_in_use(served) == 0
     assert metric(served[0].base, "int8kv_generated_tokens_total") - generated < 1000  # it did not run to the end
     assert client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0).usage.prompt_tokens == 1
+
+
+def _content_length(reply: bytes) -> int:
+    for line in reply.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def test_a_body_over_the_limit_gets_413_unread_and_the_server_goes_on(served, client):
+    import socket
+
+    port = served[0].port
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # headers only: the body never comes
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {12 << 20}\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _content_length(reply):
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {reply!r}"
+            reply += chunk
+        head, _, payload = reply.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 413")
+    assert "larger than this server reads (8,388,608 bytes)" in json.loads(payload)["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0).usage.prompt_tokens == 1
+
+
+def test_more_completions_than_the_server_ever_holds_is_a_400_not_a_429(served, client):
+    with pytest.raises(openai.BadRequestError) as caught:  # 8 prompts x n=16 = 128 > 64 queued + 8 running
+        client.completions.create(model="tiny", prompt=["the a"] * 8, n=16, max_tokens=2)
+    assert "asks for 128 completions (prompts x n); the server holds at most 72 at once" in caught.value.body["message"]
+    r = client.completions.create(model="tiny", prompt=["the a", "water is"], n=2, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text != r.choices[2].text == r.choices[3].text  # greedy: n copies
+    assert r.usage.prompt_tokens == 2 + 2 and r.usage.completion_tokens == 12

@@ -38,6 +38,7 @@ from .text import TextStream
 @dataclass(frozen=True)
 class Limits:
     max_tokens: int = 1024  # the most new tokens one request may ask for
+    max_body_bytes: int = 8 << 20  # the largest request body read (larger: 413 before it is parsed)
     max_queue: int = 256  # requests that may wait for a running slot before new ones get 429
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for running requests before aborting them
 
@@ -50,6 +51,38 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.kind, self.param), self.status, headers=self.headers)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before anything parses or stores it, whether
+    its Content-Length says so or its chunks add up to more."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = ApiError(413, f"the request body is larger than this server reads ({self.limit:,} bytes)")
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await too_big.response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise too_big
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except ApiError as e:
+            if e is not too_big:
+                raise
+            await too_big.response()(scope, receive, send)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -107,6 +140,10 @@ class Service:
         if self.stopping:
             raise ApiError(503, "the server is shutting down", "server_error")
         group = [(ids, p, sink) for ids in prompts for p in params]
+        most = self.limits.max_queue + self.llm.scheduler.max_num_seqs
+        if len(group) > most:  # could never be queued: not a "retry later"
+            raise ApiError(400, f"this request asks for {len(group)} completions (prompts x n); the server holds "
+                                f"at most {most} at once", param="n")
         try:
             return await asyncio.wrap_future(self.engine.add(group))
         except InvalidRequest as e:
@@ -176,6 +213,7 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None) -> FastAP
 
     app = FastAPI(title="int8kv", lifespan=lifespan)
     app.state.service = service
+    app.add_middleware(BodyLimit, limit=service.limits.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
