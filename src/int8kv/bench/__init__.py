@@ -9,4 +9,5 @@ BENCHMARKS = {
     "e2e": "int8kv.bench.e2e",
     "prefix": "int8kv.bench.prefix",
     "store_io": "int8kv.bench.store_io",
+    "serve": "int8kv.bench.serve",
 }
