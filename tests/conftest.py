@@ -17,9 +17,11 @@ settings.load_profile("int8kv")
 
 def pytest_configure(config):
     # One converted copy of the packaged SmolLM2 for the whole run (and across runs, in pytest's cache),
-    # whichever test loads it first; a user's own INT8KV_CACHE_DIR is left alone.
-    if "INT8KV_CACHE_DIR" not in os.environ and config.cache is not None:
-        os.environ["INT8KV_CACHE_DIR"] = str(config.cache.mkdir("int8kv-models"))
+    # whichever test loads it first; a user's own INT8KV_CACHE_DIR is left alone. With the cache plugin off
+    # (`-p no:cacheprovider`) config has no `cache` attribute and the loader's default directory is used.
+    cache = getattr(config, "cache", None)
+    if "INT8KV_CACHE_DIR" not in os.environ and cache is not None:
+        os.environ["INT8KV_CACHE_DIR"] = str(cache.mkdir("int8kv-models"))
 
 
 @pytest.fixture(scope="session")

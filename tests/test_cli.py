@@ -22,10 +22,13 @@ def test_demo_on_packaged_model(capsys, tmp_path):
         "--json", str(tmp_path / "d.json"), "--plot", str(tmp_path / "mem.png"), "--quiet",
     )
     assert code == 0, err
-    assert "INT8 / F16 KV bytes: 0.531" in out and "greedy outputs identical" in out
+    assert "INT8 / F16 KV bytes: 0.531" in out
     assert "context that fits in 1 GiB" in out
     result = json.loads((tmp_path / "d.json").read_text())
     f16, int8 = result["runs"]["f16"], result["runs"]["int8_per_token_head_f32_scale_v1"]
+    # The printed verdict is the one the token ids give, and on this prompt INT8 storage changes no greedy token.
+    assert int8["token_ids"] == f16["token_ids"]
+    assert "greedy outputs identical: yes (1/1 prompts)" in out
     assert int8["kv_bytes_per_token"] == 30 * 3 * 2 * (64 + 4) and f16["kv_bytes_per_token"] == 30 * 3 * 2 * 128
     assert all(len(t) == 6 for t in f16["token_ids"])
     # whole 16-token blocks only, as the paged pool allocates them
@@ -34,20 +37,43 @@ def test_demo_on_packaged_model(capsys, tmp_path):
     assert err == ""  # --quiet: no progress lines
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["demo", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
-        (["demo", "--memory", "lots"], "cannot read a memory size"),
-        (["demo", "--formats", "fp8"], "accepted: "),
-        (["demo", "--max-tokens", "0"], "--max-tokens must be >= 1"),
-        (["demo", "--memory", "64KiB"], "smaller than one 16-token INT8 block"),
-        (["eval", "--text", "/nonexistent.txt"], "cannot read text file"),
-        (["eval", "--windows", "0"], "--windows"),
-        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_1(capsys, argv, message):
+# (argv, message, refused before the model loads)
+BAD_INPUT = [
+    (["demo", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf", False),
+    (["demo", "--memory", "64KiB"], "smaller than one 16-token INT8 block", False),  # needs the model's sizes
+    (["demo", "--memory", "lots"], "cannot read a memory size", True),
+    (["demo", "--formats", "fp8"], "accepted: ", True),
+    (["demo", "--max-tokens", "0"], "--max-tokens must be >= 1", True),
+    (["eval", "--text", "/nonexistent.txt"], "cannot read text file", True),
+    (["eval", "--windows", "0"], "--windows", True),
+    (["demo", "--bogus"], "unrecognized arguments: --bogus", True),
+    (["demo", "--memory", "1e400"], "--memory '1e400' is not a finite size", True),
+    (["demo", "--memory=-5GiB"], "--memory must be a positive size", True),
+    (["demo", "--memory", "0"], "--memory must be a positive size", True),
+    (["eval", "--ctx", "0"], "--ctx must be >= 4, got 0", True),
+    (["eval", "--chunk", "0"], "--chunk must be >= 1", True),
+    (["eval", "--gen-tokens", "-1"], "--gen-tokens must be >= 1", True),
+    (["eval", "--prompts", "9"], "--prompts must be in [0, 4]", True),
+    (["demo", "--json", "/nonexistent/dir/d.json"], "folder '/nonexistent/dir' does not exist", True),
+    (["demo", "--plot", "/nonexistent/dir/m.png"], "does not exist", True),
+    (["eval", "--plot", "/"], "is a directory", True),
+    (["eval", "--json", "/nonexistent/dir/e.json"], "does not exist", True),
+    (["bench", "attention", "--batch", "0"], "--batch must be >= 1, got 0", True),
+    (["bench", "attention", "--q-heads", "4", "--kv-heads", "3"], "not a multiple of --kv-heads", True),
+    (["bench", "codec", "--tokens", "x"], "argument --tokens: invalid int value: 'x'", True),
+    (["bench", "codec", "--json", "/nonexistent/dir/c.json"], "does not exist", True),
+]
+
+
+@pytest.mark.parametrize("argv, message, before_model", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_1(capsys, monkeypatch, argv, message, before_model):
+    if before_model:
+        import int8kv.models
+
+        def no_load(*args, **kwargs):
+            raise AssertionError("the model was loaded before the arguments were checked")
+
+        monkeypatch.setattr(int8kv.models, "load_model", no_load)
     code, out, err = run(capsys, *argv, "--quiet")
     assert code == 1
     assert err.startswith("int8kv: error: ") and message in err
@@ -138,4 +164,92 @@ def test_bench_attention_plot(capsys, tmp_path):
 
 def test_plot_only_where_there_is_one(capsys):
     code, _, err = run(capsys, "bench", "codec", "--tokens", "16", "--repeat", "1", "--plot", "x.png")
-    assert code == 1 and "--plot is available for `bench attention`" in err
+    assert code == 1 and err == "int8kv: error: unrecognized arguments: --plot x.png\n"
+
+
+def help_text(capsys, entry, argv):
+    with pytest.raises(SystemExit) as exc:
+        entry(argv)
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["attention", "codec", "prefix", "e2e"])
+def test_bench_has_one_parser_for_both_entry_points(capsys, name):
+    from int8kv.bench.__main__ import main as bench_main
+
+    via_cli = help_text(capsys, main, ["bench", name, "--help"])
+    via_module = help_text(capsys, bench_main, [name, "--help"])
+    assert via_cli == via_module and f"python -m int8kv.bench {name}" in via_cli
+    # --quiet and --debug are taken by every benchmark, from either entry point, wherever they stand.
+    assert help_text(capsys, bench_main, ["--quiet", name, "--debug", "--help"]) == via_module
+    assert help_text(capsys, main, ["bench", "--quiet", name, "--help", "--debug"]) == via_module
+
+
+def test_bench_options_are_the_same_from_both_entry_points(capsys, tmp_path):
+    from int8kv.bench.__main__ import main as bench_main
+
+    argv = ["--context", "48", "--batch", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32",
+            "--block-size", "8", "--repeat", "1", "--seed", "3", "--quiet"]
+    assert main(["bench", "attention", *argv, "--json", str(tmp_path / "cli.json")]) == 0
+    assert bench_main(["attention", *argv, "--json", str(tmp_path / "module.json")]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # --quiet: no progress lines
+    results = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("cli", "module")]
+    for result in results:
+        assert result["config"] == {"batch": 2, "q_heads": 4, "kv_heads": 2, "head_dim": 32, "block_size": 8}
+        assert [r["context"] for r in result["results"]] == [48]
+    assert out.count("paged decode attention (CPU): batch 2, 4 q heads, 2 kv heads, head_dim 32, block 8") == 2
+
+
+@pytest.mark.parametrize(
+    "argv, defaults",
+    [
+        (["demo"], ["--max-tokens MAX_TOKENS", "(default: 48)", "(default: 8GiB)", "(default: f16,int8)"]),
+        (["eval"], ["(default: 512)", "(default: 128)", "(default: 8)", "(default: 4)"]),
+        (["bench", "attention"], ["(default: 4096)", "(default: 8)", "(default: 32)", "(default: 20)"]),
+        (["bench", "codec"], ["(default: 4096)", "(default: 30)"]),
+        (["bench", "prefix"], ["(default: 1024)", "(default: 3)"]),
+    ],
+)
+def test_help_shows_defaults(capsys, argv, defaults):
+    text = " ".join(help_text(capsys, main, [*argv, "--help"]).split())
+    assert all(d in text for d in defaults), text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_bench_module_usage(capsys):
+    from int8kv.bench.__main__ import main as bench_main
+
+    assert bench_main(["--help"]) == 0 and "--quiet" in capsys.readouterr().out
+    assert bench_main(["nope"]) == 2 and "usage: python -m int8kv.bench" in capsys.readouterr().err
+
+
+def strict_loads(text):
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_files_never_hold_nan_or_infinity(capsys, monkeypatch, tmp_path):
+    import numpy as np
+
+    import int8kv.bench.codec
+    from int8kv.cli_common import write_json
+
+    nan, inf = float("nan"), float("inf")
+    write_json(str(tmp_path / "a.json"), {"a": [nan, 1.5, {"b": -inf}], "c": (np.float32(nan), np.float64(2.0)),
+                                          "d": 3, "e": True, "f": "nan"})
+    assert strict_loads((tmp_path / "a.json").read_text()) == {
+        "a": [None, 1.5, {"b": None}], "c": [None, 2.0], "d": 3, "e": True, "f": "nan"
+    }
+    # Through the CLI: a benchmark whose figures came out non-finite.
+    rows = {"copy": {"ms": nan, "gb_per_s": inf, "vs_copy": 1.0}, "quantize": {"ms": 0.5, "gb_per_s": -inf,
+                                                                                "vs_copy": nan}}
+    monkeypatch.setattr(int8kv.bench.codec, "run", lambda *a: {"shape": [1, 1, 1], "threads": 1, "results": rows})
+    code, out, err = run(capsys, "bench", "codec", "--json", str(tmp_path / "c.json"))
+    assert code == 0, err
+    result = strict_loads((tmp_path / "c.json").read_text())
+    assert result["results"] == {"copy": {"ms": None, "gb_per_s": None, "vs_copy": 1.0},
+                                 "quantize": {"ms": 0.5, "gb_per_s": None, "vs_copy": None}}

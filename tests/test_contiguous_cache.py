@@ -191,3 +191,89 @@ def test_every_error_path_leaves_the_cache_unchanged(ops, fmt, seed):
         with pytest.raises(KvCacheError):
             cache.push_step(*bad_step(kind, gen, layer, CAP - cache.seq_len))
         assert same(before, snapshot(cache))
+
+
+@pytest.mark.parametrize("fmt", [INT8, F16])
+def test_pushes_store_values_not_autograd_graphs(fmt):
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(6)
+    cache = QuantizedKvCache(L, CAP, H, D, format=fmt)
+    plain = QuantizedKvCache(L, CAP, H, D, format=fmt)
+    leaf = torch.randn(2, H, D, generator=gen, requires_grad=True)
+    alive = weakref.ref(leaf)
+    for _ in range(3):
+        k, v = step(gen, tokens=2)
+        plain.push_step(k, v)
+        cache.push_step([x.requires_grad_() * 1.0 for x in k], [x + 0 * leaf for x in v])
+    for layer in cache.layers:
+        for t in (layer.k_codes, layer.v_codes, layer.k_scales, layer.v_scales):
+            assert t is None or (t.grad_fn is None and not t.requires_grad)
+    assert not cache.keys(0).requires_grad and not cache.get_value(1, 5, 1).requires_grad
+    assert same(snapshot(cache), snapshot(plain))  # the same values as from plain tensors
+    del leaf, k, v
+    gc.collect()
+    assert alive() is None  # nothing in the cache keeps the inputs' graph (and its leaf) alive
+
+
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda c: c.get_key(0, True, 1), PositionOutOfRange),  # a bool would be taken as a mask
+        (lambda c: c.get_key(0, 1, False), HeadOutOfRange),
+        (lambda c: c.get_value(True, 0, 0), LayerOutOfRange),
+        (lambda c: c.get_key(0, 1.0, 0), PositionOutOfRange),
+        (lambda c: c.get_key(0, None, 0), PositionOutOfRange),
+        (lambda c: c.get_value(0, 0, 0.5), HeadOutOfRange),
+        (lambda c: c.get_key(0, torch.tensor([1]), 0), PositionOutOfRange),
+        (lambda c: c.get_key(0, torch.tensor(1.0), 0), PositionOutOfRange),
+        (lambda c: c.get_key(0, torch.tensor(True), 0), PositionOutOfRange),
+        (lambda c: c.get_key(0, np.bool_(True), 0), PositionOutOfRange),
+        (lambda c: c.get_key(0, "1", 0), PositionOutOfRange),
+        (lambda c: c.keys(None), LayerOutOfRange),
+        (lambda c: c.values(1.5), LayerOutOfRange),
+        (lambda c: c.truncate(2.5), PositionOutOfRange),
+        (lambda c: c.truncate(None), PositionOutOfRange),
+        (lambda c: c.truncate(True), PositionOutOfRange),
+        (lambda c: c.layers[0].truncate(1.0), PositionOutOfRange),
+        (lambda c: c.push_step(None, None), ShapeMismatch),
+        (lambda c: c.push_step([None] * L, [None] * L), ShapeMismatch),
+        (lambda c: c.push_step([["a"] * H * D] * L, [["a"] * H * D] * L), ShapeMismatch),
+    ],
+)
+def test_bad_indices_raise_typed_errors_and_change_nothing(call, error):
+    gen = torch.Generator().manual_seed(8)
+    cache = QuantizedKvCache(L, CAP, H, D)
+    cache.push_step(*step(gen, tokens=4))
+    before = snapshot(cache)
+    with pytest.raises(error, match="must be|outside"):
+        call(cache)
+    assert same(before, snapshot(cache))
+    # Still usable: the next push lands at position 4 and reads back.
+    k, v = step(gen)
+    cache.push_step(k, v)
+    assert cache.seq_len == 5
+    assert torch.equal(cache.get_key(2, 4, 1), dequantize_int8(*quantize_int8(k[2].reshape(H, D)))[1])
+
+
+def test_integer_like_indices_are_accepted():
+    gen = torch.Generator().manual_seed(9)
+    cache = QuantizedKvCache(L, CAP, H, D)
+    cache.push_step(*step(gen, tokens=4))
+    want = cache.get_key(1, 3, 1)
+    assert want.shape == (D,)
+    for index in ((np.int64(1), np.int32(3), np.int8(1)), (torch.tensor(1), torch.tensor(3, dtype=torch.int32), 1)):
+        assert torch.equal(cache.get_key(*index), want)
+    cache.truncate(torch.tensor(2))
+    assert cache.seq_len == 2
+    cache.truncate(np.int64(1))
+    assert cache.seq_len == 1
+
+
+@pytest.mark.parametrize(
+    "args", [(2.0, CAP, H, D), (L, 3.5, H, D), (L, CAP, True, D), (L, CAP, H, None), (L, CAP, H, "16")]
+)
+def test_constructor_sizes_are_checked_ints(args):
+    with pytest.raises(ShapeMismatch, match="must be an int"):
+        QuantizedKvCache(*args)

@@ -1,21 +1,31 @@
 """`int8kv demo | eval | bench | cache inspect`: the command-line front end.
 
 Errors a user can cause (missing model, unknown format, a budget too small, a bad text file) print one
-line and exit 1; --debug shows the traceback instead.
+line and exit 1; --debug shows the traceback instead. Every argument is checked before a model is loaded.
+`int8kv bench <name> ...` is `python -m int8kv.bench <name> ...`: the same function, the same parser.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from . import progress
 from .cache.paged import PagedKvCache
-from .errors import KvCacheError
+from .cli_common import (
+    COMMON_FLAGS,
+    CliError,
+    HelpFormatter,
+    check_minimums,
+    check_outputs,
+    memory_budget,
+    report_errors,
+    write_json,
+)
 from .formats import KvStorageFormat
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
@@ -26,54 +36,58 @@ DEMO_PROMPTS = (
     "Give me three tips for learning a new language.",
 )
 BENCHES = ("attention", "codec", "e2e", "prefix")
-
-
-class CliError(KvCacheError):
-    """A bad command-line value."""
+MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
+JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    for flag, text in COMMON_FLAGS.items():
+        p.add_argument(flag, action="store_true", help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="int8kv", description="INT8 KV-cache storage for LLM inference")
+    parser = argparse.ArgumentParser(
+        prog="int8kv", description="INT8 KV-cache storage for LLM inference", formatter_class=HelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="F16 vs INT8 KV cache side by side on a real model")
-    demo.add_argument("--model", help="local transformers dir or .gguf file (default: packaged SmolLM2-135M)")
-    demo.add_argument("--prompt", action="append", help="your own prompt (repeatable)")
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--memory", default="8GiB", help="budget for the capacity table, e.g. 8GiB")
+    def command(parent: Any, name: str, text: str) -> argparse.ArgumentParser:  # parent: add_subparsers()
+        return parent.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+
+    demo = command(sub, "demo", "F16 vs INT8 KV cache side by side on a real model")
+    demo.add_argument("--model", help=MODEL_HELP)
+    demo.add_argument("--prompt", action="append", help="your own prompt (repeatable; default: three built-in)")
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
+    demo.add_argument("--memory", default="8GiB", help="budget for the capacity table, e.g. 512MiB, 8GiB")
     demo.add_argument("--formats", default="f16,int8", help="comma-separated KV formats to compare")
-    demo.add_argument("--json", metavar="PATH")
+    demo.add_argument("--json", metavar="PATH", help=JSON_HELP)
     demo.add_argument("--plot", metavar="PATH.png", help="KV memory versus context length per format")
     _common(demo)
 
-    ev = sub.add_parser("eval", help="perplexity and greedy agreement per KV cache type")
-    ev.add_argument("--model")
+    ev = command(sub, "eval", "perplexity and greedy agreement per KV cache type")
+    ev.add_argument("--model", help=MODEL_HELP)
     ev.add_argument("--text", help="UTF-8 text file (default: the license texts in /usr/share/common-licenses)")
     ev.add_argument("--ctx", type=int, default=512, help="tokens per perplexity window")
     ev.add_argument("--chunk", type=int, default=128, help="tokens fed per forward (K/V written, then read)")
     ev.add_argument("--windows", type=int, default=8, help="at most this many windows")
-    ev.add_argument("--gen-tokens", type=int, default=128)
+    ev.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     ev.add_argument("--prompts", type=int, default=4, help="built-in prompts to generate from (0: none)")
     ev.add_argument("--no-fp8", action="store_true", help="skip transformers' fp8 QuantizedCache")
-    ev.add_argument("--json", metavar="PATH")
+    ev.add_argument("--json", metavar="PATH", help=JSON_HELP)
     ev.add_argument("--plot", metavar="PATH.png", help="perplexity change per cache type")
     _common(ev)
 
-    bench = sub.add_parser("bench", help="benchmarks (extra options go to the benchmark; see <name> --help)")
-    bench.add_argument("name", choices=BENCHES)
-    bench.add_argument("--plot", metavar="PATH.png", help="attention: latency versus context (runs --sweep)")
+    # Everything after the name goes to the benchmark's own parser (`int8kv bench <name> --help` shows it).
+    bench = command(sub, "bench", "benchmarks: int8kv bench <name> [options] runs python -m int8kv.bench <name>")
+    bench.add_argument("name", choices=BENCHES, help="the benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options (see <name> --help)")
     _common(bench)
 
-    cache = sub.add_parser("cache", help="saved KV files")
+    cache = command(sub, "cache", "saved KV files")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
-    inspect = cache_sub.add_parser("inspect", help="what a saved KV file holds")
-    inspect.add_argument("path")
-    inspect.add_argument("--json", metavar="PATH")
+    inspect = command(cache_sub, "inspect", "what a saved KV file holds")
+    inspect.add_argument("path", help="a file written by int8kv.save_kv")
+    inspect.add_argument("--json", metavar="PATH", help=JSON_HELP)
     _common(inspect)
     return parser
 
@@ -98,13 +112,12 @@ def _chat(tokenizer, prompt: str) -> list[int]:
 
 
 def run_demo(args: argparse.Namespace) -> dict:
-    from .engine import LLM, SamplingParams, parse_bytes
+    from .engine import LLM, SamplingParams
     from .models import kv_dims, load_model
 
-    budget = parse_bytes(args.memory)
+    check_minimums(args, {"max_tokens": 1})
+    budget = memory_budget(args.memory)
     formats = _formats(args.formats)
-    if args.max_tokens < 1:
-        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     progress.note("loading model ...")
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
     dims = kv_dims(model.config)
@@ -190,12 +203,13 @@ def plot_memory(result: dict, path: str) -> None:
 
 # -- eval ----------------------------------------------------------------------------------------------
 def run_eval(args: argparse.Namespace) -> dict:
-    from .eval import DEFAULT_PROMPTS, cache_kinds, evaluate, read_text
+    from .eval import DEFAULT_PROMPTS, MIN_CTX, cache_kinds, evaluate, read_text
     from .models import load_model
 
+    check_minimums(args, {"ctx": MIN_CTX, "chunk": 1, "windows": 1, "gen_tokens": 1, "prompts": 0})
+    if args.prompts > len(DEFAULT_PROMPTS):
+        raise CliError(f"--prompts must be in [0, {len(DEFAULT_PROMPTS)}] (0: no greedy run), got {args.prompts}")
     text = read_text(args.text)
-    if args.chunk < 1 or args.windows < 1 or args.gen_tokens < 1 or not 0 <= args.prompts <= len(DEFAULT_PROMPTS):
-        raise CliError("--chunk, --windows, --gen-tokens must be >= 1 and --prompts in [0, 4] (0: no greedy run)")
     progress.note("loading model ...")
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
     return evaluate(
@@ -228,61 +242,11 @@ def plot_eval(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-# -- bench ---------------------------------------------------------------------------------------------
-def run_bench(args: argparse.Namespace, extra: list[str]) -> dict:
-    import importlib
-
-    if args.plot and args.name != "attention":
-        raise CliError("--plot is available for `bench attention` (eval and demo have their own)")
-    module = importlib.import_module(f"int8kv.bench.{args.name}")
-    if args.plot and "--sweep" not in extra:
-        extra = [*extra, "--sweep"]
-    result = module.main(extra)
-    if args.plot:
-        plot_attention(result, args.plot)
-    return result
-
-
-def plot_attention(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = result["results"]
-    contexts = [p["context"] for p in points]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for method in points[0]["ms"]:
-        ax.plot(contexts, [p["ms"][method] for p in points], marker="o", label=method)
-    ax.plot(contexts, [p["floor_ms"] for p in points], "k--", label="INT8 bandwidth floor")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context per sequence (tokens)")
-    ax.set_ylabel("decode attention, one layer (ms)")
-    c = result["config"]
-    ax.set_title(
-        f"decode attention, batch {c['batch']}, {c['q_heads']} q / {c['kv_heads']} kv heads, head_dim "
-        f"{c['head_dim']}, {result['machine']['numba_threads']} threads", fontsize=9,
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 # -- entry point -----------------------------------------------------------------------------------------
-def _write_json(path: str | None, result: dict) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-
-
 def _dispatch(args: argparse.Namespace, extra: list[str]) -> None:
-    if args.command == "bench":
-        run_bench(args, extra)
-        return
     if extra:
         raise CliError(f"unrecognized arguments: {' '.join(extra)}")
+    check_outputs(args)
     if args.command == "demo":
         result = run_demo(args)
         print(format_demo(result))
@@ -300,21 +264,19 @@ def _dispatch(args: argparse.Namespace, extra: list[str]) -> None:
 
         result = inspect_kv(args.path)
         print(format_inspect(result))
-    _write_json(getattr(args, "json", None), result)
+    write_json(getattr(args, "json", None), result)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from .bench.__main__ import main as bench_main
+
+        flags = [flag for flag in COMMON_FLAGS if getattr(args, flag.lstrip("-"))]
+        return bench_main([args.name, *extra, *args.options, *flags])
     progress.set_quiet(args.quiet)
-    try:
-        _dispatch(args, extra)
-    except (KvCacheError, ValueError, OSError) as exc:
-        if args.debug:
-            raise
-        print(f"int8kv: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return report_errors(lambda: _dispatch(args, extra), args.debug)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,26 @@ def _describe_first(bad: torch.Tensor) -> str:
     return f"{int(bad.sum())} value(s), first at index {index}"
 
 
-def round_to_f16(x: torch.Tensor, what: str = "KV input") -> torch.Tensor:
-    """Step 1-2 of V1 (and the whole F16 format): check finiteness, round to float16."""
+def checked_input(x: object, what: str = "KV input") -> torch.Tensor:
+    """``x`` as a tensor the codec can read, detached: a cache stores values, never an autograd graph.
+
+    Refuses (ShapeMismatch) anything but a float32/float16/bfloat16 tensor with at least one dimension,
+    and meta tensors, which have a shape but no values to encode.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ShapeMismatch(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
         raise ShapeMismatch(f"{what} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ShapeMismatch(f"{what} must have at least one dimension, got a 0-d tensor")
+    if x.is_meta:
+        raise ShapeMismatch(f"{what} is a meta tensor: it holds no values to encode")
+    return x.detach()
+
+
+def round_to_f16(x: torch.Tensor, what: str = "KV input") -> torch.Tensor:
+    """Step 1-2 of V1 (and the whole F16 format): check finiteness, round to float16 (detached)."""
+    x = checked_input(x, what)
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         raise NonFiniteError(f"{what} holds NaN or inf: {_describe_first(bad)}")
@@ -40,11 +56,13 @@ def round_to_f16(x: torch.Tensor, what: str = "KV input") -> torch.Tensor:
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode rows of ``x`` with V1: returns int8 codes of x's shape and float32 scales ``x.shape[:-1]``."""
-    if x.dim() < 1 or x.shape[-1] == 0:
+    """Encode rows of ``x`` ``[..., d]`` with V1: int8 codes ``[..., d]`` and float32 scales ``[...]``.
+
+    The outputs never require grad, whatever ``x`` does.
+    """
+    x = checked_input(x)
+    if x.shape[-1] == 0:
         raise ShapeMismatch(f"quantize_int8 needs rows of at least one value, got shape {tuple(x.shape)}")
-    if x.dtype not in INPUT_DTYPES:
-        raise ShapeMismatch(f"KV input must be float32, float16 or bfloat16, got {x.dtype}")
     if x.device.type == "cpu" and x.numel() > 0:
         return _quantize_int8_cpu(x)
     return quantize_int8_torch(x)
@@ -75,9 +93,18 @@ def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Decode V1 codes: ``float32(q) * scale`` (scale broadcast over the last dimension)."""
+    """Decode V1 codes ``q`` int8 ``[..., d]`` with ``scale`` float32 ``[...]``: ``float32(q) * scale``."""
+    if not isinstance(q, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        raise ShapeMismatch(f"codes and scales must be tensors, got {type(q).__name__} and {type(scale).__name__}")
     if q.dtype != torch.int8:
         raise ShapeMismatch(f"codes must be int8, got {q.dtype}")
+    if q.dim() < 1:
+        raise ShapeMismatch("codes must have at least one dimension (a row), got a 0-d tensor")
+    if q.is_meta or scale.is_meta:
+        raise ShapeMismatch("codes or scales are meta tensors: they hold no values to decode")
+    if q.device != scale.device:
+        raise ShapeMismatch(f"codes are on {q.device} but scales on {scale.device}")
+    q, scale = q.detach(), scale.detach()
     if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(q.shape[:-1]):
         raise ShapeMismatch(
             f"scales must be float32 of shape {tuple(q.shape[:-1])}, got {scale.dtype} {tuple(scale.shape)}"
@@ -103,6 +130,7 @@ def encode(fmt: KvStorageFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def decode(fmt: KvStorageFormat, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """Decode stored rows of ``fmt`` to float32."""
     if fmt.is_quantized:
-        assert scales is not None
+        if scales is None:
+            raise ShapeMismatch(f"{fmt} codes need their scales to decode")
         return dequantize_int8(codes, scales)
     return codes.to(torch.float32)

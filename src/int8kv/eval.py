@@ -99,9 +99,12 @@ def read_text(path: str | None) -> str:
     return text
 
 
+MIN_CTX = 4  # shortest window: half of it is context, half is scored
+
+
 def windows(ids: list[int], ctx: int, max_windows: int) -> list[list[int]]:
-    if ctx < 4:
-        raise ValueError(f"--ctx must be at least 4, got {ctx}")
+    if ctx < MIN_CTX:
+        raise ValueError(f"--ctx must be at least {MIN_CTX}, got {ctx}")
     out = [ids[i : i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)][:max_windows]
     if not out:
         raise TextError(f"the text has {len(ids)} tokens, fewer than one window of {ctx}")

@@ -1,7 +1,7 @@
 """Paged decode attention on the CPU against its peers and its memory-bandwidth floor.
 
     python -m int8kv.bench attention [--batch 8 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128]
-                                     [--block-size 16] [--sweep] [--json PATH]
+                                     [--block-size 16] [--sweep] [--json PATH] [--plot PATH.png]
 
 One decode step (one query token per sequence), timed as best-of-N wall time, all in one process:
   int8 paged    int8kv cpu backend, INT8 blocks read directly (scales folded into scores and weights)
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.paged import PagedKvCache
+from ..cli_common import CliError, bench_parser, check_minimums, output_path
 from ..formats import KvStorageFormat
 from ..ops import paged_decode_attention
 from ..progress import progress
@@ -34,18 +35,28 @@ METHODS = ("int8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m int8kv.bench attention", description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=8)
+    """The options of `python -m int8kv.bench attention` and `int8kv bench attention` (checked: bad values raise
+    CliError before anything runs)."""
+    parser = bench_parser("attention", __doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--context", type=int, default=4096, help="tokens of K/V per sequence")
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--q-heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (divides --q-heads)")
+    parser.add_argument("--head-dim", type=int, default=128, help="values per head")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per paged block")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per method (fewer at long contexts)")
     parser.add_argument("--sweep", action="store_true", help=f"contexts {SWEEP_CONTEXTS[0]}..{SWEEP_CONTEXTS[-1]}")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random caches and queries")
+    parser.add_argument(
+        "--plot", metavar="PATH.png", type=output_path, help="latency versus context per method (turns on --sweep)"
+    )
+    args = parser.parse_args(argv)
+    check_minimums(args, {name: 1 for name in ("batch", "context", "q_heads", "kv_heads", "head_dim",
+                                               "block_size", "repeat")})
+    if args.q_heads % args.kv_heads:
+        raise CliError(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
+    args.sweep = args.sweep or args.plot is not None
+    return args
 
 
 def _interleaved_best(
@@ -206,7 +217,38 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: str) -> None:
+    """Latency versus context per method, with the INT8 bandwidth floor, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = result["results"]
+    contexts = [p["context"] for p in points]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for method in points[0]["ms"]:
+        ax.plot(contexts, [p["ms"][method] for p in points], marker="o", label=method)
+    ax.plot(contexts, [p["floor_ms"] for p in points], "k--", label="INT8 bandwidth floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context per sequence (tokens)")
+    ax.set_ylabel("decode attention, one layer (ms)")
+    c = result["config"]
+    ax.set_title(
+        f"decode attention, batch {c['batch']}, {c['q_heads']} q / {c['kv_heads']} kv heads, head_dim "
+        f"{c['head_dim']}, {result['machine']['numba_threads']} threads", fontsize=9,
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     result = run(args)
-    return emit(result, report(result), args.json)
+    emit(result, report(result), args.json)
+    if args.plot:
+        plot(result, args.plot)
+    return result

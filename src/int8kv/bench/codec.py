@@ -8,10 +8,9 @@ so all three rows move the same logical data and the ratios compare like with li
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from ..cli_common import bench_parser, check_minimums
 from ..codec import dequantize_int8, quantize_int8
 from .timing import best_seconds, emit
 
@@ -42,12 +41,12 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m int8kv.bench codec")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--json", metavar="PATH")
+    parser = bench_parser("codec", __doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="rows of the float32 tensor")
+    parser.add_argument("--heads", type=int, default=8, help="KV heads per row")
+    parser.add_argument("--head-dim", type=int, default=128, help="values per head")
+    parser.add_argument("--repeat", type=int, default=30, help="timed calls per op (best kept)")
     args = parser.parse_args(argv)
+    check_minimums(args, {"tokens": 1, "heads": 1, "head_dim": 1, "repeat": 1})
     result = run(args.tokens, args.heads, args.head_dim, args.repeat)
     return emit(result, report(result), args.json)

@@ -15,7 +15,6 @@ busy core to wake its second thread (~10 ms per op), which swamps both a prefill
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..cli_common import bench_parser
 from ..formats import KvStorageFormat
 from ..progress import progress
 from ..store import load_kv, model_fingerprint, save_kv
@@ -134,12 +134,11 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m int8kv.bench prefix")
-    parser.add_argument("--tokens", type=int, default=1024, help="prompt length (default 1024)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs, best kept (default 3)")
+    parser = bench_parser("prefix", __doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="prompt length")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs, best kept")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--model", metavar="PATH", default=None, help="model (default: packaged SmolLM2-135M)")
-    parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.repeat < 1 or (args.threads is not None and args.threads < 1):
         parser.error("--tokens, --repeat and --threads must be >= 1")

@@ -1,12 +1,13 @@
-"""Shared timing helpers for the benchmarks: best-of-N wall time, copy bandwidth."""
+"""Shared helpers for the benchmarks: best-of-N wall time, copy bandwidth, printing and saving results."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 
 import torch
+
+from ..cli_common import write_json
 
 
 def best_seconds(fn: Callable[[], object], repeat: int = 20, warmup: int = 3) -> float:
@@ -32,7 +33,5 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 10) -> float:
 def emit(result: dict, text: str, json_path: str | None) -> dict:
     """Print a benchmark's report and, when asked, write its results as JSON (the CLI's --json)."""
     print(text)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    write_json(json_path, result)
     return result

@@ -7,14 +7,17 @@ Storage per layer is token-major, so a decode step appends one contiguous slab:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..codec import decode, encode
 from ..errors import (
     CapacityExceeded,
     HeadOutOfRange,
+    KvCacheError,
     LayerOutOfRange,
     PositionOutOfRange,
     ShapeMismatch,
@@ -24,6 +27,23 @@ from .state import KvLayout, KvState
 
 Rows = torch.Tensor  # [tokens, num_kv_heads, head_dim]
 Encoded = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def checked_index(value: object, what: str, error: type[KvCacheError]) -> int:
+    """``value`` as a Python int, or ``error``: an index is an int, a numpy integer or a 0-d integer tensor.
+
+    A bool is refused (torch would take it as a mask and return a batch of rows), and so are floats, None,
+    and tensors that are not 0-d integers; the range is the caller's to check.
+    """
+    refused = isinstance(value, bool | np.bool_) or (
+        isinstance(value, torch.Tensor) and (value.dim() != 0 or value.dtype == torch.bool or value.is_meta)
+    )
+    if not refused:
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise error(f"{what} must be an int (or a 0-d integer tensor), got {type(value).__name__} {value!r}")
 
 
 class QuantizedKvLayer:
@@ -37,6 +57,9 @@ class QuantizedKvLayer:
         format: KvStorageFormat = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1,
         device: torch.device | str = "cpu",
     ) -> None:
+        capacity = checked_index(capacity, "capacity", ShapeMismatch)
+        num_kv_heads = checked_index(num_kv_heads, "num_kv_heads", ShapeMismatch)
+        head_dim = checked_index(head_dim, "head_dim", ShapeMismatch)
         if capacity < 0 or num_kv_heads <= 0 or head_dim <= 0:
             raise ShapeMismatch(
                 f"capacity >= 0, num_kv_heads > 0 and head_dim > 0 required, "
@@ -58,8 +81,14 @@ class QuantizedKvLayer:
 
     # -- writing -----------------------------------------------------------------
     def as_rows(self, x: object, what: str) -> Rows:
-        """Accept [H*D], [H, D] or [T, H, D] and return [T, H, D]."""
-        t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+        """Accept [H*D], [H, D] or [T, H, D] and return [T, H, D], detached (the cache stores values, not graphs)."""
+        if isinstance(x, torch.Tensor):
+            t = x.detach()
+        else:
+            try:
+                t = torch.as_tensor(x)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise ShapeMismatch(f"{what} must be a tensor or array, got {type(x).__name__}: {exc}") from None
         heads, dim = self.num_kv_heads, self.head_dim
         if t.dim() == 1 and t.shape[0] == heads * dim:
             return t.reshape(1, heads, dim)
@@ -97,22 +126,26 @@ class QuantizedKvLayer:
         self.commit(*self.encode_step(keys, values))
 
     # -- reading -----------------------------------------------------------------
-    def check_row(self, token_pos: int, head: int) -> None:
+    def check_row(self, token_pos: object, head: object) -> tuple[int, int]:
+        """The checked (token position, head) of one stored row, as ints."""
+        token_pos = checked_index(token_pos, "token position", PositionOutOfRange)
+        head = checked_index(head, "head", HeadOutOfRange)
         if not 0 <= token_pos < self.seq_len:
             raise PositionOutOfRange(f"token position {token_pos} outside stored [0, {self.seq_len})")
         if not 0 <= head < self.num_kv_heads:
             raise HeadOutOfRange(f"head {head} outside [0, {self.num_kv_heads})")
+        return token_pos, head
 
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None, index: object) -> torch.Tensor:
         return decode(self.format, codes[index], None if scales is None else scales[index])
 
     def get_key(self, token_pos: int, head: int) -> torch.Tensor:
-        self.check_row(token_pos, head)
-        return self._decode(self.k_codes, self.k_scales, (token_pos, head))
+        """The decoded key row ``[head_dim]`` at (token_pos, head)."""
+        return self._decode(self.k_codes, self.k_scales, self.check_row(token_pos, head))
 
     def get_value(self, token_pos: int, head: int) -> torch.Tensor:
-        self.check_row(token_pos, head)
-        return self._decode(self.v_codes, self.v_scales, (token_pos, head))
+        """The decoded value row ``[head_dim]`` at (token_pos, head)."""
+        return self._decode(self.v_codes, self.v_scales, self.check_row(token_pos, head))
 
     def keys(self) -> torch.Tensor:
         return self._decode(self.k_codes, self.k_scales, slice(0, self.seq_len))
@@ -131,6 +164,7 @@ class QuantizedKvLayer:
         return self.seq_len * 2 * self.num_kv_heads * self.head_dim * 4
 
     def truncate(self, n: int) -> None:
+        n = checked_index(n, "truncate length", PositionOutOfRange)
         if not 0 <= n <= self.seq_len:
             raise PositionOutOfRange(f"cannot truncate to {n}: stored length is {self.seq_len}")
         self.seq_len = n
@@ -151,6 +185,7 @@ class QuantizedKvCache:
         format: KvStorageFormat = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1,
         device: torch.device | str = "cpu",
     ) -> None:
+        num_layers = checked_index(num_layers, "num_layers", ShapeMismatch)
         if num_layers <= 0:
             raise ShapeMismatch(f"num_layers must be > 0, got {num_layers}")
         self.num_layers = num_layers
@@ -177,12 +212,22 @@ class QuantizedKvCache:
         return self.layers[0].seq_len
 
     def layer(self, index: int) -> QuantizedKvLayer:
+        index = checked_index(index, "layer", LayerOutOfRange)
         if not 0 <= index < self.num_layers:
             raise LayerOutOfRange(f"layer {index} outside [0, {self.num_layers})")
         return self.layers[index]
 
     def push_step(self, all_keys: Sequence[object], all_values: Sequence[object]) -> None:
-        """Append one step (or several tokens) to every layer; on any error nothing changes."""
+        """Append one step (or several tokens) to every layer; on any error nothing changes.
+
+        ``all_keys[i]``/``all_values[i]``: layer i's rows, ``[H*D]``, ``[H, D]`` or ``[tokens, H, D]``.
+        Inputs that require grad are stored detached: pushing never builds an autograd graph.
+        """
+        if not all(isinstance(x, Sequence | torch.Tensor) for x in (all_keys, all_values)):
+            raise ShapeMismatch(
+                f"keys and values must be per-layer sequences, got {type(all_keys).__name__} and "
+                f"{type(all_values).__name__}"
+            )
         if len(all_keys) != self.num_layers or len(all_values) != self.num_layers:
             raise LayerOutOfRange(
                 f"expected {self.num_layers} per-layer entries, got {len(all_keys)} keys and {len(all_values)} values"
@@ -219,6 +264,7 @@ class QuantizedKvCache:
         return self.total_fp32_memory_bytes() / self.total_memory_bytes()
 
     def truncate(self, n: int) -> None:
+        n = checked_index(n, "truncate length", PositionOutOfRange)
         if not 0 <= n <= self.seq_len:
             raise PositionOutOfRange(f"cannot truncate to {n}: stored length is {self.seq_len}")
         for layer in self.layers:
