@@ -8,4 +8,5 @@ BENCHMARKS = {
     "codec": "int8kv.bench.codec",
     "e2e": "int8kv.bench.e2e",
     "prefix": "int8kv.bench.prefix",
+    "slope": "int8kv.bench.slope",
 }
