@@ -77,13 +77,30 @@ def _engine_peer(model, tokenizer, fmt: KvStorageFormat, precision: str, longest
 
 
 def _llama_peer(path: str, kv_type: int, longest: int, new_tokens: int, threads: int):
-    """ms per decode step of llama.cpp (flash attention on) after a prefill of ids; None when not installed."""
-    import llama_cpp
+    """ms per decode step of llama.cpp (flash attention on) after a prefill of ids.
 
-    llm = llama_cpp.Llama(
-        model_path=path, n_ctx=longest + new_tokens + 16, n_batch=512, n_threads=threads, n_threads_batch=threads,
-        flash_attn=True, type_k=kv_type, type_v=kv_type, verbose=False,
-    )  # fmt: skip
+    The weights load without ggml's "extra" buffer types (``use_extra_bufts=False``, which llama-cpp-python
+    0.3.36 does not expose, hence the patched default params): on this 2-core Xeon VM, which reports AMX,
+    ggml's AMX matmul (`ggml_backend_amx_mul_mat`) crashes with SIGSEGV on the first decode. The KV cache and
+    flash attention, what this benchmark compares, are unaffected."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = without_extra_buffers
+    try:
+        llm = llama_cpp.Llama(
+            model_path=path, n_ctx=longest + new_tokens + 16, n_batch=512, n_threads=threads,
+            n_threads_batch=threads, flash_attn=True, type_k=kv_type, type_v=kv_type, verbose=False,
+        )  # fmt: skip
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
 
     def run(ids: list[int]) -> float:
         llm.reset()
@@ -103,8 +120,11 @@ def run(args: argparse.Namespace) -> dict:
     from ..eval import read_text
     from ..models import default_gguf_path, load_model
 
-    if args.threads is not None:
+    if args.threads is not None:  # torch, numba and llama.cpp alike
+        import numba
+
         torch.set_num_threads(args.threads)
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
     threads = torch.get_num_threads()
     model, tokenizer = load_model(None)
     text_ids = tokenizer(read_text(None))["input_ids"]
