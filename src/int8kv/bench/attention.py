@@ -284,8 +284,9 @@ def report(result: dict) -> str:
     m = result["machine"]
     names = list(result["results"][0]["ms"])
     load = ", ".join(f"{x:.1f}" for x in result["load_average_before"])
+    title = f"preset {result['preset']}: " if "preset" in result else ""
     lines = [
-        f"{result.get('preset', 'paged decode attention')} (CPU decode): batch {c['batch']}, {c['q_heads']} q heads, "
+        f"{title}paged decode attention (CPU): batch {c['batch']}, {c['q_heads']} q heads, "
         f"{c['kv_heads']} kv heads, head_dim {c['head_dim']}, block {c['block_size']}; torch {m['torch_threads']} / "
         f"numba {m['numba_threads']} threads ({m['numba_threading_layer']}); copy bandwidth "
         f"{result['copy_gb_per_s']:.1f} GB/s (read + write); load average {load}; median ms (best)",
