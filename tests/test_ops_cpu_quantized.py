@@ -190,7 +190,7 @@ def test_one_thread_or_all_give_the_same_bits(fmt, monkeypatch):
 
 def test_thread_choice_follows_the_measured_costs():
     choice = cpu.ThreadChoice()
-    choice.EXPLORE = math.inf  # no exploration: only the cost model decides
+    choice.wait = {True: math.inf, False: math.inf}  # no exploration: only the cost model decides
     assert choice.parallel(10**6, 2) is False  # nothing measured yet: one thread
     choice.record(False, 10**6, 2, 1e-3)  # 1 ns per unit on one thread
     assert choice.parallel(10**6, 2) is True  # no wake cost known: half the time on two
@@ -201,12 +201,17 @@ def test_thread_choice_follows_the_measured_costs():
     assert choice.parallel(big, 1) is False and choice.parallel(0, 2) is False
 
 
-def test_thread_choice_explores_both_modes():
+def test_thread_choice_explores_both_modes_and_backs_off():
     choice = cpu.ThreadChoice()
     choice.EXPLORE = 4
-    seen = set()
-    for _ in range(12):
+    choice.wait = {True: 4, False: 4}
+    modes = []
+    for _ in range(200):
         mode = choice.parallel(10**6, 2)
-        seen.add(mode)
+        modes.append(mode)
         choice.record(mode, 10**6, 2, 1e-3 if not mode else 5.0)  # parallel is terribly slow here
-    assert seen == {False, True}  # parallel is still tried now and then, though it lost
+    tries = [i for i, m in enumerate(modes) if m]
+    assert len(tries) >= 3  # parallel is still tried now and then, though it lost
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # and less and less often, as it keeps losing
+    assert choice.wait[True] > 4 and choice.wait[False] == 4

@@ -504,10 +504,12 @@ class ThreadChoice:
     seconds per unit of work (query head x key) and `wake` what waking and joining the pool adds. On an idle
     machine `wake` is ~2 us (an empty parallel region, back to back); with 7 busy processes on 2 cores it was
     26-80 ms (median, after a 0.1-10 ms pause: the second thread waits for the scheduler), so a fixed threshold
-    tuned on one machine state is wrong on the other. Each mode is re-measured every `EXPLORE` calls so a
-    change in load is noticed."""
+    tuned on one machine state is wrong on the other. A mode not chosen is re-measured after `EXPLORE` calls, so
+    a change in load is noticed; each time it still loses, the wait doubles (up to `MAX_EXPLORE`): on a loaded
+    machine a 30-layer model would otherwise pay a parallel call's tens of ms every two steps."""
 
     EXPLORE = 64
+    MAX_EXPLORE = 4096
     DECAY = 0.25  # weight of the newest measurement in the running estimates
 
     def __init__(self) -> None:
@@ -515,18 +517,26 @@ class ThreadChoice:
         self.wake = 0.0  # seconds a parallel call adds beyond its share of the work
         self.calls = 0
         self.last = {True: -1, False: -1}  # call index each mode last ran
+        self.wait = {True: self.EXPLORE, False: self.EXPLORE}  # calls before a mode not chosen is tried again
+        self.exploring: bool | None = None  # the mode of a call made only to re-measure it
 
-    def parallel(self, work: int, threads: int) -> bool:
-        if threads <= 1 or work <= 0:
-            return False
-        self.calls += 1
-        for mode in (False, True):  # measure each mode now and then
-            if self.calls - self.last[mode] > self.EXPLORE:
-                return mode
+    def _prefers_parallel(self, work: int, threads: int) -> bool:
         if self.per_unit is None:
             return False
         share = work * self.per_unit
         return share / threads + self.wake < share
+
+    def parallel(self, work: int, threads: int) -> bool:
+        self.exploring = None
+        if threads <= 1 or work <= 0:
+            return False
+        self.calls += 1
+        best = self._prefers_parallel(work, threads)
+        other = not best
+        if self.calls - self.last[other] > self.wait[other]:
+            self.exploring = other
+            return other
+        return best
 
     def record(self, parallel: bool, work: int, threads: int, seconds: float) -> None:
         self.last[parallel] = self.calls
@@ -538,6 +548,10 @@ class ThreadChoice:
         elif self.per_unit is not None:
             extra = max(0.0, seconds - work * self.per_unit / threads)
             self.wake += self.DECAY * (extra - self.wake)
+        if self.exploring is not None:  # a re-measured mode: wait longer next time if it still loses
+            lost = self._prefers_parallel(work, threads) != parallel
+            self.wait[parallel] = min(2 * self.wait[parallel], self.MAX_EXPLORE) if lost else self.EXPLORE
+            self.exploring = None
 
 
 _THREADS = ThreadChoice()
