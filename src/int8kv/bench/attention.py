@@ -2,20 +2,28 @@
 
     python -m int8kv.bench attention [--batch 8 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128]
                                      [--block-size 16] [--sweep] [--json PATH] [--plot PATH.png]
+    python -m int8kv.bench attention --preset all [--contexts 512,7000] [--json PATH]
 
-One decode step (one query token per sequence), timed as best-of-N wall time, all in one process:
-  int8 paged    int8kv cpu backend, INT8 blocks read directly (scales folded into scores and weights)
+One decode step (one query token per sequence), all in one process; the methods take turns (interleaved
+bursts) and each reports the best and the median of its calls:
+  int8 paged    int8kv cpu backend, INT8 blocks read directly (scales folded into scores and weights), exact
+  int8 q8       the same with precision="int8": query quantized per (token, head), q . k in int32
   f16 paged     int8kv cpu backend, F16 blocks
   torch gather  vectorised torch: gather the INT8 blocks through the block table, dequantize, then SDPA
   sdpa f32/bf16 torch scaled_dot_product_attention (enable_gqa) over contiguous caches of the same shape
   floor         bytes the INT8 kernel must read (codes + scales of K and V) / measured copy bandwidth
 Block tables are a random permutation of the pool, as after a long run of allocations and frees.
+Presets (issue 11): smollm2 = batch 1, 9 q / 3 kv heads, head_dim 64, 7,000 tokens; batch8 = batch 8,
+32 / 8, 128, 4,096; long = batch 1, 32 / 8, 128, 32,768. They time int8, int8 q8, f16 and SDPA float32 (the
+gather and bf16 peers only run without --preset). The machine's load average is recorded beside the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -26,12 +34,19 @@ import torch.nn.functional as F
 from ..cache.paged import PagedKvCache
 from ..cli_common import CliError, bench_parser, check_minimums, output_path
 from ..formats import KvStorageFormat
-from ..ops import paged_decode_attention
+from ..ops import attention, plan_attention
 from ..progress import progress
 from .timing import copy_bandwidth, emit
 
 SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-METHODS = ("int8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
+METHODS = ("int8_paged", "int8_q8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
+PRESET_METHODS = ("int8_paged", "int8_q8_paged", "f16_paged", "sdpa_f32")
+# name: (batch, q heads, kv heads, head_dim, context)
+PRESETS = {
+    "smollm2": (1, 9, 3, 64, 7000),
+    "batch8": (8, 32, 8, 128, 4096),
+    "long": (1, 32, 8, 128, 32768),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per paged block")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per method (fewer at long contexts)")
     parser.add_argument("--sweep", action="store_true", help=f"contexts {SWEEP_CONTEXTS[0]}..{SWEEP_CONTEXTS[-1]}")
+    parser.add_argument(
+        "--preset", choices=(*PRESETS, "all"), help="issue 11's shapes (overrides batch, heads, head_dim, context)"
+    )
+    parser.add_argument("--contexts", help="comma-separated contexts, e.g. 512,7000 (overrides --context/--sweep)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random caches and queries")
     parser.add_argument(
         "--plot", metavar="PATH.png", type=output_path, help="latency versus context per method (turns on --sweep)"
@@ -56,29 +75,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.q_heads % args.kv_heads:
         raise CliError(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
     args.sweep = args.sweep or args.plot is not None
+    if args.contexts is not None:
+        try:
+            args.contexts = tuple(int(c) for c in args.contexts.split(","))
+        except ValueError:
+            raise CliError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+        if not args.contexts or min(args.contexts) < 1:
+            raise CliError("--contexts needs at least one context, each >= 1")
     return args
 
 
-def _interleaved_best(
+def _interleaved_samples(
     fns: dict[str, Callable[[], object]], repeat: int, budget_s: float = 6.0, burst: int = 3
-) -> dict[str, float]:
-    """Best-of-N seconds per method. Methods take turns, `burst` back-to-back calls each per round: the load of a
-    shared machine drifts, and turns give every method the same chances; the bursts keep a call from paying for
-    the previous method's cache footprint and still-spinning thread pool."""
+) -> dict[str, list[float]]:
+    """Seconds of every timed call per method. Methods take turns, `burst` back-to-back calls each per round: the
+    load of a shared machine drifts, and turns give every method the same chances; the bursts keep a call from
+    paying for the previous method's cache footprint and still-spinning thread pool."""
     first = {}
     for name, fn in fns.items():
         start = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - start
     rounds = max(2, min(repeat // burst, int(budget_s / max(burst * sum(first.values()), 1e-6))))
-    best = dict(first)
+    samples: dict[str, list[float]] = {name: [t] for name, t in first.items()}
     for _ in range(rounds):
         for name, fn in fns.items():
             for _ in range(burst):
                 start = time.perf_counter()
                 fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def _interleaved_best(fns: dict[str, Callable[[], object]], repeat: int, **kw: float) -> dict[str, float]:
+    """Best-of-N seconds per method (see `_interleaved_samples`)."""
+    return {name: min(ts) for name, ts in _interleaved_samples(fns, repeat, **kw).items()}
 
 
 def _paged_cache(args: argparse.Namespace, context: int, fmt: KvStorageFormat, gen: torch.Generator):
@@ -116,14 +147,21 @@ def _torch_gather(cache: PagedKvCache, q: torch.Tensor, tables: torch.Tensor, le
     return out[:, :, 0]
 
 
-def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: torch.Tensor) -> dict:
-    """The callables to time, over inputs of the same shape (built once, all alive while timing)."""
+def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: torch.Tensor, names=METHODS) -> dict:
+    """The callables `names` to time, over inputs of the same shape (built once, all alive while timing)."""
     int8, tables, lens = _paged_cache(args, context, KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, gen)
     f16, f16_tables, f16_lens = _paged_cache(args, context, KvStorageFormat.F16, gen)
     shape = (args.batch, args.kv_heads, context, args.head_dim)
+    dtypes = [dt for dt, name in ((torch.float32, "sdpa_f32"), (torch.bfloat16, "sdpa_bf16")) if name in names]
     dense = {
         dtype: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-        for dtype in (torch.float32, torch.bfloat16)
+        for dtype in dtypes
+    }
+    # One plan per cache, as a model step builds it once for all its layers.
+    plans = {
+        "exact": plan_attention(int8.pool, tables, lens, precision="exact"),
+        "int8": plan_attention(int8.pool, tables, lens, precision="int8"),
+        "f16": plan_attention(f16.pool, f16_tables, f16_lens),
     }
 
     def sdpa(dtype: torch.dtype) -> Callable[[], torch.Tensor]:
@@ -131,34 +169,49 @@ def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: to
         qq = q[:, :, None].to(dtype)
         return lambda: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True)
 
-    return {
-        "int8_paged": lambda: paged_decode_attention(int8, 0, q, tables, lens, backend="cpu"),
-        "f16_paged": lambda: paged_decode_attention(f16, 0, q, f16_tables, f16_lens, backend="cpu"),
+    fns = {
+        "int8_paged": lambda: attention(int8, 0, q, plans["exact"], backend="cpu"),
+        "int8_q8_paged": lambda: attention(int8, 0, q, plans["int8"], backend="cpu"),
+        "f16_paged": lambda: attention(f16, 0, q, plans["f16"], backend="cpu"),
         "torch_gather_int8": lambda: _torch_gather(int8, q, tables, lens),
-        "sdpa_f32": sdpa(torch.float32),
-        "sdpa_bf16": sdpa(torch.bfloat16),
+        "sdpa_f32": (lambda: sdpa(torch.float32)()) if torch.float32 in dense else None,
+        "sdpa_bf16": (lambda: sdpa(torch.bfloat16)()) if torch.bfloat16 in dense else None,
     }
+    return {name: fns[name] for name in names}
 
 
-def run_context(args: argparse.Namespace, context: int, bandwidth: float) -> dict:
+def run_context(args: argparse.Namespace, context: int, bandwidth: float, names=METHODS) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     q = torch.randn(args.batch, args.q_heads, args.head_dim, generator=gen)
-    fns = _methods(args, context, gen, q)
-    agreement = _rel_diff(fns["int8_paged"](), fns["torch_gather_int8"]())
-    seconds = _interleaved_best(fns, args.repeat)
+    fns = _methods(args, context, gen, q, names)
+    exact = fns["int8_paged"]()
+    if "torch_gather_int8" in fns:
+        agreement = _rel_diff(exact, fns["torch_gather_int8"]())
+    else:  # the float32 exact path stands in for the gather (both agree with the float64 reference to ~1e-6)
+        agreement = None
+    q8_diff = _rel_diff(fns["int8_q8_paged"](), exact)
+    samples = _interleaved_samples(fns, args.repeat)
+    best = {name: min(ts) for name, ts in samples.items()}
+    median = {name: statistics.median(ts) for name, ts in samples.items()}
     int8_bytes = 2 * args.batch * context * args.kv_heads * (args.head_dim + 4)  # K and V: codes + a float32 scale
     floor = int8_bytes / bandwidth
-    return {
+    row = {
         "context": context,
-        "ms": {name: seconds[name] * 1e3 for name in METHODS},
+        "ms": {name: best[name] * 1e3 for name in names},
+        "median_ms": {name: median[name] * 1e3 for name in names},
+        "calls": {name: len(samples[name]) for name in names},
         "int8_bytes_read": int8_bytes,
         "floor_ms": floor * 1e3,
-        "int8_speedup_vs_sdpa_f32": seconds["sdpa_f32"] / seconds["int8_paged"],
-        "int8_speedup_vs_sdpa_bf16": seconds["sdpa_bf16"] / seconds["int8_paged"],
-        "int8_speedup_vs_torch_gather": seconds["torch_gather_int8"] / seconds["int8_paged"],
-        "int8_over_floor": seconds["int8_paged"] / floor,
+        "int8_over_floor": best["int8_paged"] / floor,
+        "q8_over_floor": best["int8_q8_paged"] / floor,
         "int8_rel_diff_vs_torch_gather": agreement,
+        "q8_rel_diff_vs_exact": q8_diff,
     }
+    for fast in ("int8_paged", "int8_q8_paged"):  # peer time / ours, on medians: > 1 means ours is faster
+        for peer in names:
+            if peer not in ("int8_paged", "int8_q8_paged"):
+                row[f"{fast}_speedup_vs_{peer}"] = median[peer] / median[fast]
+    return row
 
 
 def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -166,9 +219,34 @@ def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark described by `args` (see `parse_args`) and return the results as a dict."""
+    """Run the benchmark described by `args` (see `parse_args`) and return the results as a dict: one config,
+    or with --preset a list of them under "presets"."""
+    if args.preset is None:
+        return _run_config(args, copy_bandwidth(), METHODS)
     bandwidth = copy_bandwidth()
-    contexts = SWEEP_CONTEXTS if args.sweep else (args.context,)
+    names = tuple(PRESETS) if args.preset == "all" else (args.preset,)
+    load_before = os.getloadavg()
+    runs = []
+    for name in names:
+        sub = argparse.Namespace(**vars(args))
+        sub.batch, sub.q_heads, sub.kv_heads, sub.head_dim, sub.context = PRESETS[name]
+        runs.append({"preset": name, **_run_config(sub, bandwidth, PRESET_METHODS)})
+    return {
+        "benchmark": "paged_decode_attention_cpu_presets",
+        "copy_gb_per_s": bandwidth / 1e9,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "presets": runs,
+    }
+
+
+def _run_config(args: argparse.Namespace, bandwidth: float, names: tuple[str, ...]) -> dict:
+    if args.contexts is not None:
+        contexts = args.contexts
+    else:
+        contexts = SWEEP_CONTEXTS if args.sweep else (args.context,)
+    load_before = os.getloadavg()
+    results = [run_context(args, ctx, bandwidth, names) for ctx in progress(contexts, "attention: contexts")]
     return {
         "benchmark": "paged_decode_attention_cpu",
         "config": {
@@ -185,7 +263,9 @@ def run(args: argparse.Namespace) -> dict:
             "torch": torch.__version__,
         },
         "copy_gb_per_s": bandwidth / 1e9,
-        "results": [run_context(args, ctx, bandwidth) for ctx in progress(contexts, "attention: contexts")],
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "results": results,
     }
 
 
@@ -197,28 +277,42 @@ def _threading_layer() -> str:
 
 
 def report(result: dict) -> str:
+    if "presets" in result:
+        parts = [report({**run, "copy_gb_per_s": result["copy_gb_per_s"]}) for run in result["presets"]]
+        return "\n\n".join(parts)
     c = result["config"]
     m = result["machine"]
+    names = list(result["results"][0]["ms"])
+    load = ", ".join(f"{x:.1f}" for x in result["load_average_before"])
+    title = f"preset {result['preset']}: " if "preset" in result else ""
     lines = [
-        f"paged decode attention (CPU): batch {c['batch']}, {c['q_heads']} q heads, {c['kv_heads']} kv heads, "
-        f"head_dim {c['head_dim']}, block {c['block_size']}; torch {m['torch_threads']} / numba "
-        f"{m['numba_threads']} threads ({m['numba_threading_layer']}); copy bandwidth "
-        f"{result['copy_gb_per_s']:.1f} GB/s (read + write); best-of-N ms",
-        f"{'context':>8}" + "".join(f"{name:>19}" for name in METHODS) + f"{'floor':>9}{'f32/int8':>10}"
-        f"{'int8/floor':>11}{'rel diff':>10}",
+        f"{title}paged decode attention (CPU): batch {c['batch']}, {c['q_heads']} q heads, "
+        f"{c['kv_heads']} kv heads, head_dim {c['head_dim']}, block {c['block_size']}; torch {m['torch_threads']} / "
+        f"numba {m['numba_threads']} threads ({m['numba_threading_layer']}); copy bandwidth "
+        f"{result['copy_gb_per_s']:.1f} GB/s (read + write); load average {load}; median ms (best)",
+        f"{'context':>8}" + "".join(f"{name:>22}" for name in names) + f"{'floor':>9}"
+        + "".join(f"{'x ' + peer:>16}" for peer in names if not peer.startswith("int8"))
+        + f"{'int8/floor':>11}{'q8/floor':>9}{'q8 diff':>9}",
     ]
     for r in result["results"]:
         lines.append(
             f"{r['context']:>8}"
-            + "".join(f"{r['ms'][name]:>19.2f}" for name in METHODS)
-            + f"{r['floor_ms']:>9.2f}{r['int8_speedup_vs_sdpa_f32']:>9.2f}x{r['int8_over_floor']:>10.2f}x"
-            + f"{r['int8_rel_diff_vs_torch_gather']:>10.1e}"
+            + "".join(f"{r['median_ms'][n]:>13.3f} ({r['ms'][n]:>6.3f})" for n in names)
+            + f"{r['floor_ms']:>9.3f}"
+            + "".join(
+                f"{r[f'int8_paged_speedup_vs_{p}']:>7.2f}/{r[f'int8_q8_paged_speedup_vs_{p}']:<7.2f}"
+                for p in names if not p.startswith("int8")
+            )
+            + f"{r['int8_over_floor']:>10.2f}x{r['q8_over_floor']:>8.2f}x{r['q8_rel_diff_vs_exact']:>9.1e}"
         )
+    lines.append("x peer: peer median / int8 exact median, then / int8 q8 median (> 1: int8kv faster)")
     return "\n".join(lines)
 
 
 def plot(result: dict, path: str) -> None:
-    """Latency versus context per method, with the INT8 bandwidth floor, as a PNG."""
+    """Latency versus context per method, with the INT8 bandwidth floor, as a PNG (the first preset's)."""
+    if "presets" in result:
+        result = result["presets"][0]
     import matplotlib
 
     matplotlib.use("Agg")

@@ -16,6 +16,7 @@ K/V tile at a time (`_flash_prefill`): there its blocked matmuls beat this kerne
 from __future__ import annotations
 
 import math
+import time
 
 import numba
 import numpy as np
@@ -27,14 +28,12 @@ from numba.extending import intrinsic, overload
 from ..cache.pool import KvPool
 from .plan import AttentionPlan
 
-__all__ = ["attend"]
+__all__ = ["attend", "quantize_query"]
 
 TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
-# (query head, key) pairs below which one thread beats waking the pool: on a busy machine the wake-up of a
-# second thread alone can take milliseconds, more than such a call computes (~10 ns per pair).
-SERIAL_WORK = 1 << 16
+_NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
 # A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
 # (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
 # 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
@@ -108,10 +107,21 @@ def _code_to_f32_impl(x):
     return None
 
 
+def _tile_value(x, like):  # typed by the overload below: a code as the tile's element type
+    raise NotImplementedError
+
+
+@overload(_tile_value, inline="always")
+def _tile_value_impl(x, like):
+    if isinstance(like, types.Integer):  # an INT8 tile of the quantized-query path: codes copied as they are
+        return lambda x, like: x
+    return lambda x, like: _code_to_f32(x)
+
+
 @njit(fastmath=True, inline="always")
 def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
-    """Positions [p0, p0 + nt) of every head -> dst[h, t] float32 and dst_scale[h, t] (1 for F16), reading each
-    block in memory order."""
+    """Positions [p0, p0 + nt) of every head -> dst[h, t] (float32, or the raw int8 codes for an int8 `dst`) and
+    dst_scale[h, t] (1 for F16), reading each block in memory order."""
     bs = codes.shape[1]
     hkv = codes.shape[2]
     d = codes.shape[3]
@@ -127,7 +137,7 @@ def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
                 src = block[offset + j, h]
                 row = dst[h, t + j]
                 for i in range(d):
-                    row[i] = _code_to_f32(src[i])
+                    row[i] = _tile_value(src[i], row[0])
                 if scales is None:
                     dst_scale[h, t + j] = np.float32(1.0)
                 else:
@@ -137,27 +147,51 @@ def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
         offset = 0
 
 
+def _zero(q):  # typed by the overload below: the accumulator of a dot product with q's elements
+    raise NotImplementedError
+
+
+@overload(_zero, inline="always")
+def _zero_impl(q):
+    if isinstance(q, types.Integer):
+        return lambda q: np.int32(0)
+    return lambda q: np.float32(0.0)
+
+
+def _prod(x, k):  # typed by the overload below: one term of q . k, exact in int32 for int8 x int8
+    raise NotImplementedError
+
+
+@overload(_prod, inline="always")
+def _prod_impl(x, k):
+    if isinstance(x, types.Integer):
+        # int16 q (holding int8 values) x int8 k: LLVM widens to int16 pairs and multiplies with vpmaddwd
+        return lambda x, k: np.int32(x) * np.int32(k)
+    return lambda x, k: x * k
+
+
 @njit(fastmath=True, inline="always")
 def _scores(qr, kt, nt, out):
-    """out[t] = q . k_t for t < nt; four keys per pass share each load of q."""
+    """out[t] = q . k_t for t < nt; four keys per pass share each load of q. float32 q and keys, or int16 q
+    (int8 values) and int8 keys summed exactly in int32."""
     d = qr.shape[0]
     t = 0
     while t + 4 <= nt:
         k0, k1, k2, k3 = kt[t], kt[t + 1], kt[t + 2], kt[t + 3]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
+        a0 = a1 = a2 = a3 = _zero(qr[0])
         for i in range(d):
             x = qr[i]
-            a0 += x * k0[i]
-            a1 += x * k1[i]
-            a2 += x * k2[i]
-            a3 += x * k3[i]
+            a0 += _prod(x, k0[i])
+            a1 += _prod(x, k1[i])
+            a2 += _prod(x, k2[i])
+            a3 += _prod(x, k3[i])
         out[t], out[t + 1], out[t + 2], out[t + 3] = a0, a1, a2, a3
         t += 4
     while t < nt:
         k0 = kt[t]
-        a0 = np.float32(0.0)
+        a0 = _zero(qr[0])
         for i in range(d):
-            a0 += qr[i] * k0[i]
+            a0 += _prod(qr[i], k0[i])
         out[t] = a0
         t += 1
 
@@ -169,19 +203,19 @@ def _scores_pair(qa, qb, kt, nt, out_a, out_b):
     t = 0
     while t + 4 <= nt:
         k0, k1, k2, k3 = kt[t], kt[t + 1], kt[t + 2], kt[t + 3]
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _zero(qa[0])
         for i in range(d):
             x = qa[i]
             y = qb[i]
             c0, c1, c2, c3 = k0[i], k1[i], k2[i], k3[i]
-            a0 += x * c0
-            a1 += x * c1
-            a2 += x * c2
-            a3 += x * c3
-            b0 += y * c0
-            b1 += y * c1
-            b2 += y * c2
-            b3 += y * c3
+            a0 += _prod(x, c0)
+            a1 += _prod(x, c1)
+            a2 += _prod(x, c2)
+            a3 += _prod(x, c3)
+            b0 += _prod(y, c0)
+            b1 += _prod(y, c1)
+            b2 += _prod(y, c2)
+            b3 += _prod(y, c3)
         out_a[t], out_a[t + 1], out_a[t + 2], out_a[t + 3] = a0, a1, a2, a3
         out_b[t], out_b[t + 1], out_b[t + 2], out_b[t + 3] = b0, b1, b2, b3
         t += 4
@@ -229,11 +263,12 @@ def _accumulate_pair(acc_a, acc_b, wa, wb, vt, nt):
 
 
 @njit(fastmath=True, inline="always")
-def _softmax_step(s, k_scale, nt, r, m, denom, acc):
-    """Fold this tile's raw scores s[:nt] of row r into the running (max m, sum denom, acc); s becomes exp weights."""
+def _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc):
+    """Fold this tile's raw scores s[:nt] of row r into the running (max m, sum denom, acc); s becomes exp weights.
+    A raw score is q . k in codes: the logit is s[t] * k_scale[t] * q_scale (q_scale 1 for a float32 query)."""
     mx = m[r]
     for t in range(nt):
-        x = s[t] * k_scale[t]
+        x = s[t] * (k_scale[t] * q_scale)
         s[t] = x
         mx = max(mx, x)
     alpha = _exp_nonpos(m[r] - mx)
@@ -250,20 +285,36 @@ def _softmax_step(s, k_scale, nt, r, m, denom, acc):
             a[i] *= alpha
 
 
+def _key_tile(q, tile):  # typed by the overload below: the buffer K tiles are loaded into
+    raise NotImplementedError
+
+
+@overload(_key_tile, inline="always")
+def _key_tile_impl(q, tile):
+    if isinstance(q.dtype, types.Integer):  # quantized query: int8 codes, multiplied in integers
+        return lambda q, tile: np.empty(tile.shape, np.int8)
+    return lambda q, tile: tile  # exact: K and V share one float32 tile
+
+
 @njit(fastmath=True, cache=True)
-def _attend_item(q, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+def _attend_item(q, q_scale, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
     """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, limit) of one
-    sequence. State per (KV head, row of its group): running max m, sum denom, unnormalised output acc."""
+    sequence. State per (KV head, row of its group): running max m, sum denom, unnormalised output acc.
+    q is float32 (exact path; q_scale is empty) or int16 holding int8 codes with one float32 scale per
+    (row, head) in q_scale (quantized-query path, INT8 caches only: q . k runs in int32)."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
     rows = nrows * g
-    qr = np.empty((hkv, rows, d), np.float32)
+    qr = np.empty((hkv, rows, d), q.dtype)
+    qs = np.ones((hkv, rows), np.float32)
     limit = np.empty(rows, np.int64)
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
                 qr[h, i * g + j] = q[row0 + i, h * g + j]
+                if q_scale.shape[0]:
+                    qs[h, i * g + j] = q_scale[row0 + i, h * g + j]
     for i in range(nrows):
         for j in range(g):
             limit[i * g + j] = min(row_limits[row0 + i], hi)
@@ -271,32 +322,34 @@ def _attend_item(q, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, d
     denom[:] = 0.0
     acc[:] = 0.0
     tile = np.empty((hkv, TILE, d), np.float32)
+    ktile = _key_tile(q, tile)
     tile_scale = np.empty((hkv, TILE), np.float32)
     s = np.empty((hkv, rows, TILE), np.float32)
     end = limit.max()
     p0 = lo
     while p0 < end:
         nt = min(TILE, end - p0)
-        _load_tile(kc, ks, table, p0, nt, tile, tile_scale)
+        _load_tile(kc, ks, table, p0, nt, ktile, tile_scale)
         for h in range(hkv):
-            kt = tile[h]
+            kt = ktile[h]
             ksc = tile_scale[h]
             sh = s[h]
             mh = m[h]
             dh = denom[h]
             ah = acc[h]
             qh = qr[h]
+            qsh = qs[h]
             r = 0
             while r < rows:
                 n = min(limit[r] - p0, nt)
                 paired = r + 1 < rows and n == min(limit[r + 1] - p0, nt)  # same causal cut: share key loads
                 if n > 0 and paired:
                     _scores_pair(qh[r], qh[r + 1], kt, n, sh[r], sh[r + 1])
-                    _softmax_step(sh[r], ksc, n, r, mh, dh, ah)
-                    _softmax_step(sh[r + 1], ksc, n, r + 1, mh, dh, ah)
+                    _softmax_step(sh[r], ksc, qsh[r], n, r, mh, dh, ah)
+                    _softmax_step(sh[r + 1], ksc, qsh[r + 1], n, r + 1, mh, dh, ah)
                 elif n > 0:
                     _scores(qh[r], kt, n, sh[r])
-                    _softmax_step(sh[r], ksc, n, r, mh, dh, ah)
+                    _softmax_step(sh[r], ksc, qsh[r], n, r, mh, dh, ah)
                 r += 2 if paired else 1
         _load_tile(vc, vs, table, p0, nt, tile, tile_scale)
         for h in range(hkv):
@@ -321,7 +374,7 @@ def _attend_item(q, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, d
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
+def _attention_kernel(q, q_scale, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
     """items[i] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to `out`;
     several: the unnormalised state (m, l, acc) of each split goes to part_* for `_merge_kernel`."""
     hkv = kc.shape[2]
@@ -335,7 +388,7 @@ def _attention_kernel(q, kc, ks, vc, vs, tables, items, row_limits, out, part_m,
         m = np.empty((hkv, rows), np.float32)
         denom = np.empty((hkv, rows), np.float32)
         acc = np.empty((hkv, rows, d), np.float32)
-        _attend_item(q, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
+        _attend_item(q, q_scale, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
         for h in range(hkv):
             for i in range(nrows):
                 for j in range(g):
@@ -432,13 +485,90 @@ def _prefill_items(cu: np.ndarray, lens: np.ndarray, starts: np.ndarray, group: 
     return items.astype(np.int64), row_limits.astype(np.int64)
 
 
+def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of ``q [n, Hq, D]`` (float32) with one float32 scale per (row, head):
+    ``(codes [n, Hq, D] int16 holding values in [-127, 127], scales [n, Hq])``, ``q ~ codes * scale`` with
+    ``|q - codes * scale| <= scale / 2`` elementwise (round half to even). A row of zeros gets scale 0.
+    int16 rather than int8 storage: the dot loop then skips one sign extension (3.3 vs 3.8 ns per 64-wide row)."""
+    scale = q.abs().amax(dim=2) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(q / safe.unsqueeze(2)).clamp_(-127, 127).to(torch.int16)
+    return codes, scale
+
+
+class ThreadChoice:
+    """Runs a call on one thread or on all of numba's, whichever the calls so far measured cheaper for its work.
+
+    The items (and so the numerics) never depend on this: only how many threads share them. Cost model, per
+    mode, fitted on the calls themselves: serial = work x c, parallel = work x c / threads + wake, where c is
+    seconds per unit of work (query head x key) and `wake` what waking and joining the pool adds. On an idle
+    machine `wake` is ~2 us (an empty parallel region, back to back); with 7 busy processes on 2 cores it was
+    26-80 ms (median, after a 0.1-10 ms pause: the second thread waits for the scheduler), so a fixed threshold
+    tuned on one machine state is wrong on the other. A mode not chosen is re-measured after `EXPLORE` calls, so
+    a change in load is noticed; each time it still loses, the wait doubles (up to `MAX_EXPLORE`): on a loaded
+    machine a 30-layer model would otherwise pay a parallel call's tens of ms every two steps."""
+
+    EXPLORE = 64
+    MAX_EXPLORE = 4096
+    DECAY = 0.25  # weight of the newest measurement in the running estimates
+
+    def __init__(self) -> None:
+        self.per_unit: float | None = None  # seconds per unit of work, one thread
+        self.wake = 0.0  # seconds a parallel call adds beyond its share of the work
+        self.calls = 0
+        self.last = {True: -1, False: -1}  # call index each mode last ran
+        self.wait = {True: self.EXPLORE, False: self.EXPLORE}  # calls before a mode not chosen is tried again
+        self.exploring: bool | None = None  # the mode of a call made only to re-measure it
+
+    def _prefers_parallel(self, work: int, threads: int) -> bool:
+        if self.per_unit is None:
+            return False
+        share = work * self.per_unit
+        return share / threads + self.wake < share
+
+    def parallel(self, work: int, threads: int) -> bool:
+        self.exploring = None
+        if threads <= 1 or work <= 0:
+            return False
+        self.calls += 1
+        best = self._prefers_parallel(work, threads)
+        other = not best
+        if self.calls - self.last[other] > self.wait[other]:
+            self.exploring = other
+            return other
+        return best
+
+    def record(self, parallel: bool, work: int, threads: int, seconds: float) -> None:
+        self.last[parallel] = self.calls
+        if work <= 0:
+            return
+        if not parallel:
+            unit = seconds / work
+            self.per_unit = unit if self.per_unit is None else self.per_unit + self.DECAY * (unit - self.per_unit)
+        elif self.per_unit is not None:
+            extra = max(0.0, seconds - work * self.per_unit / threads)
+            self.wake += self.DECAY * (extra - self.wake)
+        if self.exploring is not None:  # a re-measured mode: wait longer next time if it still loses
+            lost = self._prefers_parallel(work, threads) != parallel
+            self.wait[parallel] = min(2 * self.wait[parallel], self.MAX_EXPLORE) if lost else self.EXPLORE
+            self.exploring = None
+
+
+_THREADS = ThreadChoice()
+
+
 def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple) -> torch.Tensor:
     """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs)`` of the plan."""
     items, row_limits, splits, pairs = work
     out = torch.zeros(q.shape, dtype=torch.float32)
     if q.numel() == 0 or items.shape[0] == 0:
         return out
-    q_scaled = (q * plan.softmax_scale).numpy()
+    q_scaled = q * plan.softmax_scale
+    if plan.precision == "int8" and pool.format.is_quantized:
+        codes, scales = quantize_query(q_scaled)
+        q_arg, q_scale = codes.numpy(), scales.numpy()
+    else:
+        q_arg, q_scale = q_scaled.numpy(), _NO_SCALE
     kc, ks, vc, vs = _layer_arrays(pool, layer)
     tables = plan.block_tables.numpy()
     parts = (splits, *q.shape[:2]) if splits > 1 else (0, 0, 0)
@@ -447,14 +577,18 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     part_acc = np.empty((*parts, q.shape[2] if splits > 1 else 0), np.float32)
     o = out.numpy()
     threads = numba.get_num_threads()
-    if pairs * q.shape[1] < SERIAL_WORK:
+    units = pairs * q.shape[1]
+    parallel = _THREADS.parallel(units, min(threads, items.shape[0]))
+    if not parallel:
         numba.set_num_threads(1)  # thread-local in numba, restored below
     try:
+        start = time.perf_counter()
         # Items are sorted longest first and vary in cost: hand them out one at a time, not in equal slices.
         with numba.parallel_chunksize(1):
-            _attention_kernel(q_scaled, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l, part_acc)
+            _attention_kernel(q_arg, q_scale, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l, part_acc)
         if splits > 1:
             _merge_kernel(part_m, part_l, part_acc, o)
+        _THREADS.record(parallel, units, min(threads, items.shape[0]), time.perf_counter() - start)
     finally:
         numba.set_num_threads(threads)
     return out

@@ -25,6 +25,7 @@ sync per step on a GPU. A caller that built its metadata itself and wants no syn
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +33,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
+from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch, UnknownBackend
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
+# How the CPU backend multiplies an INT8 cache: "exact" (float32 query and arithmetic, checked against the
+# float64 reference) or "int8" (query quantized per (token, head), q . k in int32; docs/design.md gives its
+# error bound). Default: exact, or the INT8KV_ATTENTION_PRECISION environment variable.
+PRECISIONS = ("exact", "int8")
+PRECISION_ENV = "INT8KV_ATTENTION_PRECISION"
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +68,7 @@ class AttentionPlan:
     slots: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     host: HostIndex | None = None
+    precision: str = "exact"
     # Backend-derived data that depends only on the plan (the CPU backend's sorted work items), computed by
     # the first layer and reused by the others. Not part of the plan's identity.
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -138,14 +145,17 @@ def plan_attention(
     positions: torch.Tensor | None = None,
     max_position: int | None = None,
     validate: bool = True,
+    precision: str | None = None,
 ) -> AttentionPlan:
     """Check a step's metadata against ``pool`` (a :class:`~int8kv.cache.pool.KvPool` or anything with its
     ``num_blocks``, ``block_size``, ``head_dim`` and ``device``) and freeze it.
 
     Decode when ``cu_seqlens_q`` is None (one query per sequence). ``num_queries`` (the rows of q) defaults to
     ``cu_seqlens_q[-1]``; ``max_position`` bounds ``positions`` (the rows of the RoPE tables). With
-    ``validate=False`` only dtypes are normalised: the caller vouches for shapes and values.
+    ``validate=False`` only dtypes are normalised: the caller vouches for shapes and values. ``precision``: one
+    of :data:`PRECISIONS` (None: the environment's ``INT8KV_ATTENTION_PRECISION``, else "exact").
     """
+    precision = resolve_precision(precision)
     device = pool.device
     scale = pool.head_dim**-0.5 if softmax_scale is None else softmax_scale
     try:
@@ -193,8 +203,16 @@ def plan_attention(
         tables, lens, starts, cu, int(n_q), int(max_q), scale, is_decode,
         None if slots is None else slots.to(torch.int64).contiguous(),
         None if positions is None else positions.to(torch.int64).contiguous(),
-        host,
+        host, precision,
     )  # fmt: skip
+
+
+def resolve_precision(precision: str | None) -> str:
+    """``precision``, or the environment's default when None; anything else is refused (UnknownBackend)."""
+    name = os.environ.get(PRECISION_ENV, "exact") if precision is None else precision
+    if name not in PRECISIONS:
+        raise UnknownBackend(f"unknown attention precision {name!r}; accepted: {', '.join(PRECISIONS)}")
+    return name
 
 
 def validate_values(

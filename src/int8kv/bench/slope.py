@@ -1,0 +1,211 @@
+"""Decode cost per 1,000 tokens of context, batch 1, SmolLM2: the int8kv engine against llama.cpp.
+
+    python -m int8kv.bench slope [--contexts 512,7000] [--new-tokens 16] [--repeat 3] [--json PATH]
+
+For each peer and context: prefill `context` tokens of the license texts, then decode `--new-tokens` tokens one
+at a time; the decode cost is the median milliseconds per new token. The slope between the shortest and the
+longest context, in ms per generated token per 1,000 tokens of context, is what attention adds as the context
+grows (the weights cost the same at every context). Peers, all in one process, taking turns per repetition:
+  engine int8         int8kv engine, INT8 paged cache, exact attention (precision "exact")
+  engine int8 q8      the same with the quantized-query attention (precision "int8")
+  engine f16          int8kv engine, F16 paged cache
+  llama.cpp f16 / q8_0  llama-cpp-python (the optional `peers` extra), same GGUF, flash attention on, F16 or
+                      q8_0 K and V cache; skipped with a note when llama_cpp is not installed
+The machine's load average is recorded beside the figures: on a shared machine they are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..cli_common import CliError, bench_parser, check_minimums
+from ..formats import KvStorageFormat
+from ..ops.plan import PRECISION_ENV
+from ..progress import note
+from .timing import emit
+
+GGML_TYPE_F16 = 1  # ggml's type ids (ggml.h), as llama_cpp.Llama's type_k / type_v take them
+GGML_TYPE_Q8_0 = 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = bench_parser("slope", __doc__.split("\n")[0])
+    parser.add_argument("--contexts", default="512,7000", help="comma-separated contexts; the slope uses the ends")
+    parser.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per run")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per peer and context (median)")
+    parser.add_argument("--threads", type=int, default=None, help="threads for every peer (default: torch's)")
+    parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp even when installed")
+    args = parser.parse_args(argv)
+    check_minimums(args, {"new_tokens": 2, "repeat": 1})
+    try:
+        args.contexts = sorted({int(c) for c in args.contexts.split(",")})
+    except ValueError:
+        raise CliError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    if len(args.contexts) < 2 or args.contexts[0] < 1:
+        raise CliError("--contexts needs two or more contexts >= 1")
+    return args
+
+
+def _engine_peer(model, tokenizer, fmt: KvStorageFormat, precision: str, longest: int, new_tokens: int):
+    """ms per decode step of the int8kv engine at batch 1, for a prompt of ids."""
+    from ..engine import LLM, EngineStats, SamplingParams
+    from ..models import kv_dims
+
+    memory = int(1.2 * (longest + new_tokens + 64) * fmt.bytes_per_token(*kv_dims(model.config)))
+    llm = LLM(model, kv_format=fmt, memory=max(memory, 64 << 20), max_num_seqs=1, tokenizer=tokenizer)
+
+    def run(ids: list[int]) -> float:
+        previous = os.environ.get(PRECISION_ENV)
+        os.environ[PRECISION_ENV] = precision  # the engine plans with the environment's default precision
+        try:
+            llm.stats = EngineStats()
+            llm.generate([ids], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        finally:
+            if previous is None:
+                os.environ.pop(PRECISION_ENV, None)
+            else:
+                os.environ[PRECISION_ENV] = previous
+        return 1e3 / llm.stats.decode_tokens_per_s
+
+    return run
+
+
+def _llama_peer(path: str, kv_type: int, longest: int, new_tokens: int, threads: int):
+    """ms per decode step of llama.cpp (flash attention on) after a prefill of ids.
+
+    The weights load without ggml's "extra" buffer types (``use_extra_bufts=False``, which llama-cpp-python
+    0.3.36 does not expose, hence the patched default params): on this 2-core Xeon VM, which reports AMX,
+    ggml's AMX matmul (`ggml_backend_amx_mul_mat`) crashes with SIGSEGV on the first decode. The KV cache and
+    flash attention, what this benchmark compares, are unaffected."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = without_extra_buffers
+    try:
+        llm = llama_cpp.Llama(
+            model_path=path, n_ctx=longest + new_tokens + 16, n_batch=512, n_threads=threads,
+            n_threads_batch=threads, flash_attn=True, type_k=kv_type, type_v=kv_type, verbose=False,
+        )  # fmt: skip
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
+
+    def run(ids: list[int]) -> float:
+        llm.reset()
+        llm.eval(ids)
+        token = ids[-1]
+        stamps = [time.perf_counter()]
+        for _ in range(new_tokens):
+            llm.eval([token])
+            stamps.append(time.perf_counter())
+        steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return 1e3 * statistics.median(steps)
+
+    return run
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..eval import read_text
+    from ..models import default_gguf_path, load_model
+
+    if args.threads is not None:  # torch, numba and llama.cpp alike
+        import numba
+
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+    threads = torch.get_num_threads()
+    model, tokenizer = load_model(None)
+    text_ids = tokenizer(read_text(None))["input_ids"]
+    if len(text_ids) < args.contexts[-1]:
+        raise CliError(f"the default text has only {len(text_ids)} tokens; use smaller --contexts")
+    longest = args.contexts[-1]
+    int8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+    peers: dict[str, Callable[[list[int]], float]] = {
+        "engine int8": _engine_peer(model, tokenizer, int8, "exact", longest, args.new_tokens),
+        "engine int8 q8": _engine_peer(model, tokenizer, int8, "int8", longest, args.new_tokens),
+        "engine f16": _engine_peer(model, tokenizer, KvStorageFormat.F16, "exact", longest, args.new_tokens),
+    }
+    llama_note = None
+    if args.no_llama:
+        llama_note = "skipped (--no-llama)"
+    else:
+        try:
+            import llama_cpp
+        except ImportError:
+            llama_note = "llama_cpp not installed (pip install int8kv[peers])"
+        else:
+            gguf = str(default_gguf_path())
+            llama_note = f"llama-cpp-python {llama_cpp.__version__}"
+            peers["llama.cpp f16"] = _llama_peer(gguf, GGML_TYPE_F16, longest, args.new_tokens, threads)
+            peers["llama.cpp q8_0"] = _llama_peer(gguf, GGML_TYPE_Q8_0, longest, args.new_tokens, threads)
+    for name, fn in peers.items():  # compile / load every kernel outside the timings
+        note(f"slope: warming {name}")
+        fn(text_ids[:64])
+    load_before = os.getloadavg()
+    samples: dict[str, dict[int, list[float]]] = {name: {c: [] for c in args.contexts} for name in peers}
+    for rep in range(args.repeat):  # peers take turns: the machine's load drifts alike for all of them
+        for context in args.contexts:
+            for name, fn in peers.items():
+                note(f"slope: run {rep + 1}/{args.repeat}, {name}, context {context}")
+                samples[name][context].append(fn(text_ids[:context]))
+    lo, hi = args.contexts[0], args.contexts[-1]
+    results = {}
+    for name, per_context in samples.items():
+        ms = {c: statistics.median(v) for c, v in per_context.items()}
+        results[name] = {
+            "ms_per_token": ms,
+            "runs": per_context,
+            "slope_ms_per_1k": (ms[hi] - ms[lo]) / ((hi - lo) / 1000),
+        }
+    base = results.get("llama.cpp f16")
+    for row in results.values():
+        row["slope_vs_llama_f16"] = row["slope_ms_per_1k"] / base["slope_ms_per_1k"] if base else None
+    return {
+        "benchmark": "decode_slope_batch1",
+        "contexts": args.contexts,
+        "new_tokens": args.new_tokens,
+        "repeat": args.repeat,
+        "threads": threads,
+        "llama_cpp": llama_note,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "results": results,
+    }
+
+
+def report(result: dict) -> str:
+    lo, hi = result["contexts"][0], result["contexts"][-1]
+    load = ", ".join(f"{x:.1f}" for x in result["load_average_before"])
+    lines = [
+        f"decode cost per 1,000 tokens of context, batch 1, SmolLM2, {result['threads']} threads, "
+        f"{result['new_tokens']} new tokens, median of {result['repeat']}; llama.cpp: {result['llama_cpp']}; "
+        f"load average {load}",
+        f"{'peer':<18}" + "".join(f"{f'ms/tok @{c}':>14}" for c in result["contexts"])
+        + f"{'ms per 1k ctx':>15}{'x llama f16':>13}",
+    ]  # fmt: skip
+    for name, r in result["results"].items():
+        ratio = "" if r["slope_vs_llama_f16"] is None else f"{r['slope_vs_llama_f16']:.2f}"
+        lines.append(
+            f"{name:<18}" + "".join(f"{r['ms_per_token'][c]:>14.2f}" for c in result["contexts"])
+            + f"{r['slope_ms_per_1k']:>15.3f}{ratio:>13}"
+        )  # fmt: skip
+    lines.append(f"slope = (ms/token at {hi} - at {lo}) / {(hi - lo) / 1000:g}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    return emit(result, report(result), args.json)

@@ -1,0 +1,217 @@
+"""The quantized-query path of the CPU kernel (`precision="int8"`) and its thread choice.
+
+The int8 path quantizes each (query row, head) of q * softmax_scale to int8 codes with one float32 scale and
+multiplies them with the INT8 key codes in int32; everything after the logits is the exact path's float32.
+Two checks per case, both against the float64 reference on fresh random inputs (pools poisoned as in
+test_ops_cpu.py):
+  1. it equals the reference run on the dequantized query (codes x scale) to float32 tolerance: the only
+     change from the exact path is the query's rounding;
+  2. it stays within the derived bound from the reference on the true query (docs/design.md, "Quantized
+     query"): with u = softmax_scale * q = s n + e, |e_i| <= s / 2, every logit moves by at most
+     delta = max_t |e . k_t| <= s / 2 * max_t |k_t|_1, every weight by a factor within e^(+-2 delta), so
+     |out - ref|_i <= (e^(2 delta) - 1) * max_t |v_t,i| (k, v decoded, t over the visible keys). Checked with
+     the worst case (s / 2 |k|_1, the bound a caller can compute beforehand) and with the actual rounding
+     error e (tighter, computed afterwards).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_ops_cpu import F16, FORMATS, INT8, TOL, build, one_torch_thread, rel_err, starts_for  # noqa: F401
+
+from int8kv.errors import UnknownBackend
+from int8kv.ops import attention, cpu, plan_attention, reference
+from int8kv.ops.plan import PRECISION_ENV
+from int8kv.ops.reference import gather_kv
+
+
+def dequantized(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The query the int8 path effectively uses, in the units of q (softmax scale taken back out)."""
+    codes, s = cpu.quantize_query(q * scale)
+    return (codes.double() * s.double().unsqueeze(2) / scale).float()
+
+
+def bound(cache, layer, q, plan, actual: bool = False) -> torch.Tensor:
+    """Per (query, head, dim) bound of |int8 path - exact reference| (module docs), float64 [n, Hq, D]; worst
+    case, or with the actual rounding error of the query (`actual`)."""
+    u = (q * plan.softmax_scale).double()
+    codes, s = cpu.quantize_query(q * plan.softmax_scale)
+    err = u - codes.double() * s.double().unsqueeze(2)  # [n, Hq, D]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cu, lens = plan.cu_seqlens_q.tolist(), plan.context_lens.tolist()
+    starts = [0] * plan.batch if plan.kv_starts is None else plan.kv_starts.tolist()
+    group = q.shape[1] // cache.num_kv_heads
+    for b in range(plan.batch):
+        lo, hi, n = cu[b], cu[b + 1], lens[b]
+        if hi == lo or n <= starts[b]:
+            continue
+        k, v = gather_kv(cache.pool, layer, plan.block_tables[b], n)
+        k, v = k[starts[b] :], v[starts[b] :]  # the visible keys (a superset for causal rows: a looser bound)
+        vmax = v.abs().amax(dim=0).repeat_interleave(group, dim=0)  # [Hq, D]: max_t |v_t,i|
+        if actual:  # max_t |e . k_t| per (row, head)
+            kk = k.repeat_interleave(group, dim=1)  # [t, Hq, D]
+            delta = torch.einsum("nhd,thd->nht", err[lo:hi], kk).abs().amax(dim=2)
+        else:
+            k1 = k.abs().sum(dim=2).amax(dim=0).repeat_interleave(group)  # [Hq]: max_t |k_t|_1
+            delta = s[lo:hi].double() / 2 * k1  # [rows, Hq]
+        out[lo:hi] = torch.expm1(2 * delta).unsqueeze(2) * vmax
+    return out
+
+
+def check(cache, tables, context, q, cu=None, starts=None, layer=1):
+    plan = plan_attention(
+        cache.pool, tables, context, cu_seqlens_q=cu, kv_starts=starts, num_queries=q.shape[0], precision="int8"
+    )  # fmt: skip
+    out = attention(cache, layer, q, plan, backend="cpu")
+    if cu is None:
+        emulated = reference.paged_decode_attention(cache, layer, dequantized(q, plan.softmax_scale), tables,
+                                                    context, kv_starts=starts)  # fmt: skip
+        exact = reference.paged_decode_attention(cache, layer, q, tables, context, kv_starts=starts)
+    else:
+        emulated = reference.paged_prefill_attention(cache, layer, dequantized(q, plan.softmax_scale), cu,
+                                                     tables, context, kv_starts=starts)  # fmt: skip
+        exact = reference.paged_prefill_attention(cache, layer, q, cu, tables, context, kv_starts=starts)
+    assert rel_err(out, emulated) < TOL
+    slack = TOL * float(exact.abs().max())
+    for actual in (False, True):
+        excess = (out.double() - exact).abs() - bound(cache, layer, q, plan, actual)
+        assert float(excess.max()) <= slack, f"beyond the derived error bound (actual rounding error: {actual})"
+    return out, exact
+
+
+# -- the quantizer ------------------------------------------------------------------------------------------
+def test_quantize_query_codes_and_rounding_error():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(7, 6, 64, generator=gen) * torch.logspace(-3, 2, 6).view(1, 6, 1)
+    q[2, 3] = 0.0  # a zero row
+    q[4, 1, 5] = 1e4  # an outlier takes the whole row's range
+    codes, s = cpu.quantize_query(q)
+    assert codes.dtype == torch.int16 and s.dtype == torch.float32 and s.shape == (7, 6)
+    assert int(codes.abs().max()) <= 127
+    nonzero = s > 0
+    assert bool((codes.abs().amax(dim=2)[nonzero] == 127).all())  # each row uses the full range
+    assert not codes[2, 3].any() and float(s[2, 3]) == 0.0
+    err = (q.double() - codes.double() * s.double().unsqueeze(2)).abs()
+    assert bool((err <= s.double().unsqueeze(2) * (0.5 + 1e-6)).all())
+
+
+# -- decode and prefill against the reference --------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_int8_query_matches_reference_within_bound(block_size, head_dim, group):
+    seed = 5000 + block_size * 100 + head_dim + group
+    lens = [1, 37, 150, 0, 64 + block_size, 700]
+    cache, tables, context = build(INT8, block_size, head_dim, 2, lens, seed)
+    q = torch.randn(len(lens), 2 * group, head_dim, generator=torch.Generator().manual_seed(seed))
+    for starts in (None, starts_for(context, seed)):
+        out, _ = check(cache, tables, context, q, starts=starts)
+        assert not out[3].any()  # the empty sequence attends to nothing
+
+
+def test_decode_split_keys_int8_query():
+    """One long sequence: its keys are split across work items and the partial states merged."""
+    cache, tables, context = build(INT8, 16, 64, 3, [3000], seed=41)
+    q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(41)) * 3
+    check(cache, tables, context, q)
+    check(cache, tables, context, q, starts=torch.tensor([2900], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_int8_query_matches_reference_within_bound(group):
+    seed = 6000 + group
+    lens = [70, 5, 130, 40]
+    q_lens = [20, 0, 31, 1]  # chunks below cpu.FLASH_MIN_QUERIES: all on the numba kernel
+    assert max(q_lens) < cpu.FLASH_MIN_QUERIES
+    cache, tables, context = build(INT8, 16, 64, 2, lens, seed)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 2 * group, 64, generator=torch.Generator().manual_seed(seed))
+    for starts in (None, starts_for(context, seed)):
+        check(cache, tables, context, q, cu=cu, starts=starts)
+
+
+def test_int8_query_error_is_that_of_the_query_rounding():
+    """The path does quantize (it differs from the exact one beyond float32 rounding), its error is below the
+    bound computed from the actual rounding error, which is below the worst-case one."""
+    cache, tables, context = build(INT8, 16, 64, 2, [500, 260], seed=43)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(43))
+    out, exact = check(cache, tables, context, q)
+    plan = plan_attention(cache.pool, tables, context)
+    assert rel_err(out, exact) > 1e-5
+    actual, worst = bound(cache, 1, q, plan, actual=True), bound(cache, 1, q, plan)
+    assert bool((actual <= worst).all()) and float(actual.max()) < 0.5 * float(worst.max())
+
+
+def test_f16_cache_ignores_int8_precision():
+    """Only INT8 keys have codes to multiply in integers: an F16 cache runs the exact path either way."""
+    cache, tables, context = build(F16, 16, 64, 2, [90, 33], seed=44)
+    q = torch.randn(2, 4, 64)
+    outs = [
+        attention(cache, 1, q, plan_attention(cache.pool, tables, context, precision=p), backend="cpu")
+        for p in ("exact", "int8")
+    ]
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[1], reference.paged_decode_attention(cache, 1, q, tables, context)) < TOL
+
+
+def test_precision_names_and_environment_default(monkeypatch):
+    cache, tables, context = build(INT8, 16, 64, 1, [10], seed=45)
+    monkeypatch.delenv(PRECISION_ENV, raising=False)
+    assert plan_attention(cache.pool, tables, context).precision == "exact"
+    monkeypatch.setenv(PRECISION_ENV, "int8")
+    assert plan_attention(cache.pool, tables, context).precision == "int8"
+    assert plan_attention(cache.pool, tables, context, precision="exact").precision == "exact"
+    for bad in ("fp8", "", "INT8"):
+        with pytest.raises(UnknownBackend):
+            plan_attention(cache.pool, tables, context, precision=bad)
+    monkeypatch.setenv(PRECISION_ENV, "fast")
+    with pytest.raises(UnknownBackend):
+        plan_attention(cache.pool, tables, context)
+
+
+# -- threads ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_thread_or_all_give_the_same_bits(fmt, monkeypatch):
+    """The thread choice changes who runs the work items, never the items: outputs are bit-identical."""
+    cache, tables, context = build(fmt, 16, 64, 3, [2000, 5], seed=46)
+    q = torch.randn(2, 9, 64)
+    outs = []
+    for parallel in (False, True):
+        monkeypatch.setattr(cpu._THREADS, "parallel", lambda work, threads, p=parallel: p)
+        for precision in ("exact", "int8"):
+            plan = plan_attention(cache.pool, tables, context, precision=precision)
+            outs.append(attention(cache, 1, q, plan, backend="cpu"))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
+def test_thread_choice_follows_the_measured_costs():
+    choice = cpu.ThreadChoice()
+    choice.wait = {True: math.inf, False: math.inf}  # no exploration: only the cost model decides
+    assert choice.parallel(10**6, 2) is False  # nothing measured yet: one thread
+    choice.record(False, 10**6, 2, 1e-3)  # 1 ns per unit on one thread
+    assert choice.parallel(10**6, 2) is True  # no wake cost known: half the time on two
+    choice.record(True, 10**6, 2, 0.5e-3 + 0.2e-3)  # a parallel call cost 0.2 ms beyond its share
+    assert 0.0 < choice.wake <= 0.2e-3
+    big, small = 10**7, 10**3
+    assert choice.parallel(big, 2) is True and choice.parallel(small, 2) is False
+    assert choice.parallel(big, 1) is False and choice.parallel(0, 2) is False
+
+
+def test_thread_choice_explores_both_modes_and_backs_off():
+    choice = cpu.ThreadChoice()
+    choice.EXPLORE = 4
+    choice.wait = {True: 4, False: 4}
+    modes = []
+    for _ in range(200):
+        mode = choice.parallel(10**6, 2)
+        modes.append(mode)
+        choice.record(mode, 10**6, 2, 1e-3 if not mode else 5.0)  # parallel is terribly slow here
+    tries = [i for i, m in enumerate(modes) if m]
+    assert len(tries) >= 3  # parallel is still tried now and then, though it lost
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # and less and less often, as it keeps losing
+    assert choice.wait[True] > 4 and choice.wait[False] == 4
