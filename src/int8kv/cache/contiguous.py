@@ -294,12 +294,7 @@ class QuantizedKvCache:
 
     def import_state(self, state: KvState) -> None:
         """Replace the contents with a batch-1 ``state``; on any error the cache is unchanged."""
-        if not isinstance(state, KvState):
-            raise ShapeMismatch(f"expected a KvState, got {type(state).__name__}")
-        if state.layout != self.layout:
-            raise ShapeMismatch(f"the state's layout {state.layout} differs from the cache's {self.layout}")
-        if state.batch != 1:
-            raise ShapeMismatch(f"a QuantizedKvCache holds one sequence; the state holds {state.batch}")
+        KvState.check_single(state, self.layout, "a QuantizedKvCache")
         if state.length > self.capacity:
             raise CapacityExceeded(f"the state holds {state.length} tokens but the capacity is {self.capacity}")
         n = state.length

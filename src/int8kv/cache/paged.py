@@ -174,12 +174,7 @@ class PagedKvCache:
     def import_state(self, seq_id: SeqId, state: KvState) -> torch.Tensor:
         """Create sequence ``seq_id`` holding a batch-1 ``state``; returns its slots. Atomic: on any error
         (layout, existing id, too few free blocks) nothing is allocated or written."""
-        if not isinstance(state, KvState):
-            raise ShapeMismatch(f"expected a KvState, got {type(state).__name__}")
-        if state.layout != self.layout:
-            raise ShapeMismatch(f"the state's layout {state.layout} differs from the cache's {self.layout}")
-        if state.batch != 1:
-            raise ShapeMismatch(f"a paged sequence holds one sequence; the state holds {state.batch}")
+        KvState.check_single(state, self.layout, "a paged sequence")
         moved = [
             None if g is None else [t[0].to(self.device) for t in g]
             for g in (state.k_codes, state.v_codes, state.k_scales, state.v_scales)

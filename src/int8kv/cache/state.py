@@ -149,6 +149,17 @@ class KvState:
     def format(self) -> KvStorageFormat:
         return self.layout.format
 
+    @staticmethod
+    def check_single(state: object, layout: KvLayout, owner: str) -> KvState:
+        """``state`` as a batch-1 state of ``layout``, or ShapeMismatch naming ``owner`` (the importing cache)."""
+        if not isinstance(state, KvState):
+            raise ShapeMismatch(f"expected a KvState, got {type(state).__name__}")
+        if state.layout != layout:
+            raise ShapeMismatch(f"the state's layout {state.layout} differs from the cache's {layout}")
+        if state.batch != 1:
+            raise ShapeMismatch(f"{owner} holds one sequence; the state holds {state.batch}")
+        return state
+
     def nbytes(self) -> int:
         """Bytes of codes and scales held (batch x length x bytes per token)."""
         return self.batch * self.length * self.layout.bytes_per_token
