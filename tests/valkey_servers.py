@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from int8kv.blockstore.embedded import ValkeyProcess, free_port
 
 CLUSTER_READY_TIMEOUT = 30.0
@@ -73,3 +75,24 @@ class ValkeyCluster:
     def stop(self) -> None:
         for n in self.nodes:
             n.stop()
+
+
+@pytest.fixture(scope="module")
+def valkey_node():
+    """One Valkey server for a test module (import this fixture into the module), checked gone afterwards."""
+    server = node()
+    pid = server.pid
+    yield server
+    server.stop()
+    assert_gone(pid)
+
+
+@pytest.fixture(scope="module")
+def valkey_cluster():
+    """A 3-node Valkey Cluster for a test module, every node checked gone afterwards."""
+    cluster = ValkeyCluster(3)
+    pids = cluster.pids
+    yield cluster
+    cluster.stop()
+    for pid in pids:
+        assert_gone(pid)
