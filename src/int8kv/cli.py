@@ -35,7 +35,7 @@ DEMO_PROMPTS = (
     "Write a haiku about the sea.",
     "Give me three tips for learning a new language.",
 )
-BENCHES = ("attention", "codec", "e2e", "prefix")
+BENCHES = ("attention", "codec", "e2e", "prefix", "store")
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 KV_STORE_HELP = (
