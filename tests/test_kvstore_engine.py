@@ -196,3 +196,15 @@ def test_the_embedded_store_serves_a_fresh_engine_and_stops_with_close(model, pr
     assert a.kv_store.server.running
     a.close()
     assert_gone(pid)
+
+
+def test_bench_store_runs_on_a_small_model(model):
+    from int8kv.bench import store as bench_store
+
+    result = bench_store.run(tokens=48, suffix=3, repeat=1, backends=("none", "disk"), io_repeat=1, model=model)
+    none, disk = result["backends"]["none"], result["backends"]["disk"]
+    assert none["store_hit_tokens"] == 0 and none["prefill_tokens"] == 51
+    assert disk["store_hit_tokens"] == 48 and disk["prefill_tokens"] == 3 and disk["store_faults"] == 0
+    assert disk["same_first_token"]
+    assert 0.52 < result["io"]["bytes_ratio_int8_f16"] < 0.54
+    assert "speedup" in bench_store.report(result)

@@ -1,6 +1,7 @@
 """Shared prefixes through a KV block store: a fresh engine's time to first token, recompute vs each store.
 
     python -m int8kv.bench store [--tokens 2048] [--suffix 8] [--repeat 3] [--backends none,disk,embedded,cluster]
+                                 [--threads 1]
 
 A `--tokens`-token shared prompt (random token ids) with a short unique suffix per request, on SmolLM2-135M
 (INT8 KV). One engine computes the shared prompt and its blocks go to the store; then, per round and per
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from ..cli_common import bench_parser, check_minimums
-from .timing import emit
+from .timing import emit, set_threads
 
 BACKENDS = ("none", "disk", "embedded", "cluster")
 
@@ -59,13 +60,19 @@ def run(
     backends: tuple[str, ...] = BACKENDS,
     model_path: str | None = None,
     io_repeat: int = 15,
+    model: Any = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
+    """`model`: an already loaded transformers model instead of `model_path` (tests pass a tiny one)."""
+    if threads is not None:
+        set_threads(threads)
     from ..engine import LLM, SamplingParams
     from ..models import load_model
     from ..store import model_fingerprint
     from . import store_io
 
-    model, _ = load_model(model_path, quiet=True)
+    if model is None:
+        model, _ = load_model(model_path, quiet=True)
     # Hashing SmolLM2's weights takes ~1 s: once here, then every engine is given the id (equal keys).
     model_id = "bench:" + model_fingerprint(model).digest
     g = torch.Generator().manual_seed(0)
@@ -143,13 +150,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--io-repeat", type=int, default=15, help="timed runs of the store_io half")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated, of " + ", ".join(BACKENDS))
     parser.add_argument("--model", help="local transformers dir or .gguf (default: packaged SmolLM2-135M)")
+    parser.add_argument("--threads", type=int, help="torch and numba threads (default: theirs)")
     args = parser.parse_args(argv)
-    check_minimums(args, {"tokens": 16, "suffix": 1, "repeat": 1, "io_repeat": 1})
+    minimums = {"tokens": 16, "suffix": 1, "repeat": 1, "io_repeat": 1}
+    check_minimums(args, minimums if args.threads is None else {**minimums, "threads": 1})
     backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown or not backends:
         parser.error(f"--backends: unknown {unknown}; accepted: {', '.join(BACKENDS)}")
-    result = run(args.tokens, args.suffix, args.repeat, backends, args.model, args.io_repeat)
+    result = run(args.tokens, args.suffix, args.repeat, backends, args.model, args.io_repeat, threads=args.threads)
+    result["threads"] = args.threads
     return emit(result, report(result), args.json)
 
 
