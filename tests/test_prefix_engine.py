@@ -4,6 +4,7 @@ import pytest
 import torch
 from test_engine import F16, INT8, SMALL, tiny
 
+from int8kv.blockstore import InvalidBlockKey
 from int8kv.cache.prefix import PrefixHasher
 from int8kv.cache.state import KvLayout
 from int8kv.engine import LLM, SamplingParams
@@ -113,6 +114,8 @@ def test_prefix_caching_off_and_bad_settings(model):
                 dict(model_id="")):  # fmt: skip
         with pytest.raises(InvalidEngineConfig):
             LLM(model, memory="1MiB", **bad)
+    with pytest.raises(InvalidBlockKey):  # refused before the store is opened
+        LLM(model, memory="1MiB", kv_store="embedded", kv_namespace="no spaces")
 
 
 def test_a_request_reuses_blocks_another_is_still_prefilling(model):

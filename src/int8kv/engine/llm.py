@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blockstore import BlockSpec, BlockStore
+from ..blockstore.base import check_namespace
 from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
@@ -152,6 +153,7 @@ class LLM:
                 raise InvalidEngineConfig(f"kv_store must be a URL, a BlockStore or None, got {kv_store!r}")
             if not prefix_caching:
                 raise InvalidEngineConfig("kv_store needs prefix_caching=True (blocks are found by their keys)")
+            check_namespace(kv_namespace)  # InvalidBlockKey
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
