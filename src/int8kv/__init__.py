@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .cache import PagedKvCache, QuantizedKvCache, QuantizedKvLayer
+from .cache import KvLayout, KvPool, PagedKvCache, QuantizedKvCache, QuantizedKvLayer
 from .cache.allocator import BlockAllocator
 from .codec import dequantize_int8, quantize_int8
 from .errors import (
@@ -29,7 +29,15 @@ from .errors import (
     UnsupportedAttention,
 )
 from .formats import KvStorageFormat
-from .ops import append_paged_kv, paged_decode_attention, paged_prefill_attention, paged_write
+from .ops import (
+    AttentionPlan,
+    append_paged_kv,
+    attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    paged_write,
+    plan_attention,
+)
 from .store import inspect_kv, load_kv, model_fingerprint, save_kv
 
 if TYPE_CHECKING:
@@ -46,11 +54,14 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AttentionPlan",
     "BlockAllocator",
     "CapacityExceeded",
     "HeadOutOfRange",
     "InvalidModelError",
     "KvCacheError",
+    "KvLayout",
+    "KvPool",
     "KvPoolExhausted",
     "KvStorageFormat",
     "LayerOutOfRange",
@@ -66,6 +77,7 @@ __all__ = [
     "UnknownSequence",
     "UnsupportedAttention",
     "append_paged_kv",
+    "attention",
     "dequantize_int8",
     "engine",
     "hf",
@@ -76,6 +88,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "paged_write",
+    "plan_attention",
     "quantize_int8",
     "save_kv",
 ]

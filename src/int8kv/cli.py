@@ -1,4 +1,4 @@
-"""`int8kv demo | eval | bench | cache inspect`: the command-line front end.
+"""`int8kv demo | eval | serve | bench | cache inspect`: the command-line front end.
 
 Errors a user can cause (missing model, unknown format, a budget too small, a bad text file) print one
 line and exit 1; --debug shows the traceback instead. Every argument is checked before a model is loaded.
@@ -35,7 +35,7 @@ DEMO_PROMPTS = (
     "Write a haiku about the sea.",
     "Give me three tips for learning a new language.",
 )
-BENCHES = ("attention", "codec", "e2e", "prefix", "store")
+BENCHES = ("attention", "codec", "e2e", "prefix", "serve", "store")
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 KV_STORE_HELP = (
@@ -88,6 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=BENCHES, help="the benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options (see <name> --help)")
     _common(bench)
+
+    serve = command(sub, "serve", "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    serve.add_argument("--model", help=MODEL_HELP)
+    serve.add_argument("--kv-format", default="int8", help="KV storage format: int8 or f16")
+    serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
+    serve.add_argument("--kv-store", help="shared KV block store (disk:PATH, redis://..., embedded)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together in one step")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    serve.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot (then 429)")
+    serve.add_argument("--max-tokens", type=int, default=1024, help="the most new tokens a request may ask for")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM lets running requests finish before aborting them")
+    serve.add_argument("--served-model-name", help="the model name clients use (default: from --model)")
+    _common(serve)
 
     cache = command(sub, "cache", "saved KV files")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
@@ -284,11 +300,48 @@ def plot_eval(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# -- serve ---------------------------------------------------------------------------------------------
+def run_serve(args: argparse.Namespace) -> int:
+    import inspect
+
+    from .engine import LLM
+    from .models import load_model
+
+    check_minimums(args, {"port": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_queue": 0,
+                          "max_tokens": 1})
+    if args.port > 65535:
+        raise CliError(f"--port must be <= 65535, got {args.port}")
+    if not args.shutdown_timeout >= 0:
+        raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    memory_budget(args.memory)
+    fmt = _formats(args.kv_format)
+    if len(fmt) != 1:
+        raise CliError(f"--kv-format takes one format, got {args.kv_format!r}")
+    extra = {}
+    if args.kv_store:
+        if "kv_store" not in inspect.signature(LLM).parameters:
+            raise CliError("--kv-store needs an engine with a shared KV block store (LLM(kv_store=...)), "
+                           "which this build does not have")
+        extra["kv_store"] = args.kv_store
+    from .server import Limits, serve
+
+    progress.note("loading model ...")
+    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    llm = LLM(model, kv_format=fmt[0], memory=args.memory, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, **extra)
+    name = args.served_model_name or (
+        os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
+    limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+    return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning")
+
+
 # -- entry point -----------------------------------------------------------------------------------------
-def _dispatch(args: argparse.Namespace, extra: list[str]) -> None:
+def _dispatch(args: argparse.Namespace, extra: list[str]) -> int | None:
     if extra:
         raise CliError(f"unrecognized arguments: {' '.join(extra)}")
     check_outputs(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "demo":
         result = run_demo(args)
         print(format_demo(result))

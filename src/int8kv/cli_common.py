@@ -98,9 +98,7 @@ def memory_budget(text: str, option: str = "--memory") -> int:
     from .engine import parse_bytes
 
     try:
-        budget = parse_bytes(text)
-    except OverflowError:  # float("1e400") is inf: int(inf) overflows
-        raise CliError(f"{option} {text!r} is not a finite size") from None
+        budget = parse_bytes(text)  # InvalidEngineConfig (a ValueError) for text, inf, NaN or a negative size
     except ValueError as exc:
         raise CliError(f"{option}: {exc}") from None
     if budget <= 0:

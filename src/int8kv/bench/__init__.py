@@ -10,4 +10,5 @@ BENCHMARKS = {
     "prefix": "int8kv.bench.prefix",
     "store": "int8kv.bench.store",
     "store_io": "int8kv.bench.store_io",
+    "serve": "int8kv.bench.serve",
 }

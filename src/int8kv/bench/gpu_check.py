@@ -1,20 +1,33 @@
-"""One prepared GPU session: compiled correctness checks, then the decode benchmark.
+"""One prepared GPU session: compile smoke, correctness at every shape and switch, benchmark, then pytest.
 
-    python -m int8kv.bench.gpu_check [--skip-tests] [--skip-bench] [--contexts 4096 16384]
+    python -m int8kv.bench.gpu_check [--out gpu_check.log] [--budget 450] [--smoke] [--skip-pytest]
 
-Sections run one after another; a failing section prints its traceback and the next one still runs, so a
-single short device session reports everything it can. Exit status 1 if any section failed. Without CUDA
-it says so and exits 0 (the interpreter tests in tests/test_ops_triton.py cover the CPU).
+Built for a borrowed GPU with minutes of device time: everything runs in one process in this order, and
+every line printed also goes to ``--out``.
 
-Benchmark: decode, batch 8, 32 query heads, 8 KV heads, head_dim 128, block size 16, one layer:
-Triton INT8 vs Triton F16 vs torch SDPA on a contiguous bf16 cache. Each call is timed alone with CUDA
-events after an L2 flush, median of the runs. The bandwidth floor is the bytes a call must read over the
-measured device copy bandwidth; time / floor says how far a kernel is from memory speed.
+1. compile smoke: every kernel and switch launched once on a tiny batch (a compile error shows in seconds);
+2. correctness: quantize-append bit for bit against the V1 codec, and attention (decode with the default
+   split plan, forced 1 split and many splits, every switch; a 2k prefill chunk) against the float64
+   reference at every benchmark shape, plus a pool of more than 2^31 elements per tensor. Every failure is
+   collected; none stops the run;
+3. benchmark: decode at batch 1, 8 and 32 and contexts 4k-32k, Triton INT8 vs Triton F16 vs torch SDPA on a
+   contiguous bf16 cache pinned to the flash backend; each Triton variant timed as plain launches and as a
+   CUDA-graph replay, and its output checked; one 2k prefill chunk against causal flash SDPA. Each call is
+   timed alone with CUDA events after an L2 flush (median). Bandwidth is bytes a call must read over its
+   time, against the measured read-only floor (``torch.sum`` of a 2 GiB tensor);
+4. the GPU test subset (tests/test_ops_triton.py) in parallel shards, without ``-x``, with what time is left.
+
+Exit status: 0 all passed, 1 something failed, 3 skipped (no CUDA device and no TRITON_INTERPRET=1). Without
+a GPU but with TRITON_INTERPRET=1 it runs the same sections on the CPU interpreter on a small shape
+(``--smoke`` is implied; CUDA graphs and CUDA-event timing are skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import math
 import os
 import statistics
 import subprocess
@@ -24,27 +37,101 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+EXIT_OK, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
+ROOT = Path(__file__).resolve().parents[3]
 
-BATCH, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 32, 8, 128, 16
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    prefill: int  # tokens of the one prefill chunk (batch 1, the whole context)
+    runs: int  # timed calls per median
+    large_pool: bool  # the > 2^31-element pool check (needs ~5 GB)
+    pytest_k: str | None  # -k filter for the pytest section (None: every test)
+    switches: tuple[str, ...] | None  # SWITCHES checked and timed (None: all)
+
+
+FULL = Shapes((1, 8, 32), (4096, 8192, 16384, 32768), 32, 8, 128, 16, 2048, 20, True, None, None)
+# Under the interpreter num_stages means nothing; these five reach every code path of the kernels.
+SMOKE = Shapes(
+    (1, 2), (40, 72), 4, 2, 32, 8, 24, 1, False, "decode_matches_reference and bs8-d64",
+    ("default", "magic", "no hilo", "block_n 64", "64 splits"),
+)  # fmt: skip
+
+# name -> (attention options, relative tolerance against float64). Without the hi/lo split each product
+# rounds q (or p) to float16 once: ~2^-11.
 TOL = 1e-5
+SWITCHES = {
+    "default": ({}, TOL),
+    "magic": ({"magic": True}, TOL),
+    "no hilo": ({"hilo": False}, 2e-3),
+    "block_n 32": ({"block_n": 32}, TOL),
+    "block_n 64": ({"block_n": 64}, TOL),
+    "stages 2": ({"num_stages": 2}, TOL),
+    "stages 3": ({"num_stages": 3}, TOL),
+    "magic block_n 32": ({"magic": True, "block_n": 32}, TOL),
+    "1 split": ({"num_splits": 1}, TOL),
+    "64 splits": ({"num_splits": 64}, TOL),
+}
+SDPA_TOL = 3e-2  # bf16 queries and keys against the exact result on the same stored values
 
 
-def _say(msg: str) -> None:
-    print(msg, flush=True)
+def switches(sh: Shapes) -> dict[str, tuple[dict, float]]:
+    return {name: SWITCHES[name] for name in (sh.switches or SWITCHES)}
+
+
+class Report:
+    """Prints every line and appends it to the log file; collects failures."""
+
+    def __init__(self, path: Path | None, budget: float) -> None:
+        self.file = open(path or os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (lives as long as the run)
+        self.failures: list[str] = []
+        self.deadline = time.monotonic() + budget
+
+    def say(self, msg: str = "") -> None:
+        print(msg, flush=True)
+        self.file.write(msg + "\n")
+        self.file.flush()
+
+    def fail(self, where: str, detail: str | None = None) -> None:
+        self.failures.append(where)
+        self.say(f"  FAIL {where}" + (f": {detail}" if detail else ""))
+        if detail is None:
+            for line in traceback.format_exc().rstrip().splitlines()[-12:]:
+                self.say("    " + line)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
 
 # --------------------------------------------------------------------------------------------------------
 # timing
 # --------------------------------------------------------------------------------------------------------
-class _Timer:
-    def __init__(self, flush_bytes: int = 512 << 20) -> None:
-        # Bigger than any L2 so a timed call starts from HBM, as a decode step does after the other layers.
-        self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+class Timer:
+    def __init__(self, device) -> None:
+        import torch
 
-    def median_seconds(self, fn: Callable[[], object], runs: int = 30, warmup: int = 5) -> float:
-        for _ in range(warmup):
+        self.cuda = device.type == "cuda"
+        # Bigger than any L2 (H100/H200: 50 MB) so a timed call starts from HBM, as after the other layers.
+        self.flush = torch.empty(256 << 20 if self.cuda else 1, dtype=torch.uint8, device=device)
+
+    def seconds(self, fn: Callable[[], object], runs: int, warmup: int = 3) -> float:
+        import torch
+
+        for _ in range(warmup if self.cuda else 0):
             fn()
+        if not self.cuda:
+            times = []
+            for _ in range(runs):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
         torch.cuda.synchronize()
         events = []
         for _ in range(runs):
@@ -57,42 +144,76 @@ class _Timer:
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events) * 1e-3
 
-    def copy_bandwidth(self, nbytes: int = 1 << 30) -> float:
-        """Device-to-device copy, bytes read + written per second."""
-        src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        seconds = self.median_seconds(lambda: dst.copy_(src), runs=10, warmup=2)
-        return 2 * nbytes / seconds
+    def read_bandwidth(self, device) -> float:
+        """Bytes per second a read-only reduction reaches: the floor for a kernel that must read N bytes."""
+        import torch
+
+        n = (2 << 30) if self.cuda else (16 << 20)
+        x = torch.zeros(n // 4, dtype=torch.float32, device=device)
+        return n / self.seconds(x.sum, runs=10 if self.cuda else 3)
+
+
+def graph_of(fn: Callable[[], object]):
+    """(graph, its output tensor) for a call with no host read: capture after a warm-up on a side stream."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 # --------------------------------------------------------------------------------------------------------
-# building caches
+# caches
 # --------------------------------------------------------------------------------------------------------
-def _paged_cache(fmt, context_lens: list[int], k: torch.Tensor, v: torch.Tensor, seed: int = 0):
-    """A one-layer PagedKvCache holding k/v ``[batch, ctx_max, kv_heads, dim]`` in shuffled blocks via the kernel."""
+def _formats():
+    from int8kv.formats import KvStorageFormat
+
+    return {"int8": KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, "f16": KvStorageFormat.F16}
+
+
+def _append(cache, k, v, slots) -> None:
+    from int8kv import ops
+
+    # The write path, as the engine takes it: checks, then Triton's fused quantize-and-store kernel.
+    ops.append_paged_kv(cache, 0, k, v, slots, backend="triton")
+
+
+def _plan(pool, tables, lens, cu=None, kv_starts=None, num_queries=None):
+    """The validated attention plan of one call (decode when ``cu`` is None), built outside any timing: its one
+    host read is the step's, and the launches it feeds read nothing back (capturable in a CUDA graph)."""
+    from int8kv.ops.plan import plan_attention
+
+    return plan_attention(pool, tables, lens, cu_seqlens_q=cu, kv_starts=kv_starts, num_queries=num_queries)
+
+
+def filled_pool(fmt, sh: Shapes, batch: int, context: int, k, v, device, extra_blocks: int = 0):
+    """A one-layer pool with ``k``/``v`` ``[batch, context, kv_heads, dim]`` appended by the kernel into
+    shuffled blocks (at the top of the pool when ``extra_blocks`` pads it); returns (pool, block_tables)."""
+    import torch
+
     from int8kv.cache.paged import PagedKvCache
-    from int8kv.ops import triton as tk
 
-    pages = [-(-n // BLOCK_SIZE) for n in context_lens]
-    width = max(pages)
-    num_blocks = sum(pages) + 1
-    cache = PagedKvCache(num_blocks, BLOCK_SIZE, 1, KV_HEADS, HEAD_DIM, fmt, "cuda")
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros((len(context_lens), width), dtype=torch.int32)
-    used = 0
-    for b in range(len(context_lens)):
-        tables[b, : pages[b]] = order[used : used + pages[b]].to(torch.int32)
-        used += pages[b]
-    tables = tables.cuda()
-    for b, n in enumerate(context_lens):
-        pos = torch.arange(n, device="cuda")
-        slots = tables[b].long()[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        tk.append_paged_kv(cache, 0, k[b, :n], v[b, :n], slots)
-    return cache, tables
+    pages = context // sh.block_size
+    num_blocks = batch * pages + extra_blocks + 1
+    pool = PagedKvCache(num_blocks, sh.block_size, 1, sh.kv_heads, sh.head_dim, fmt, device)
+    gen = torch.Generator().manual_seed(batch * 7 + context)
+    order = torch.randperm(batch * pages + 1, generator=gen)[: batch * pages] + extra_blocks
+    tables = order.to(torch.int32).reshape(batch, pages).to(device)
+    pos = torch.arange(context, device=device)
+    for b in range(batch):
+        slots = tables[b].long()[pos // sh.block_size] * sh.block_size + pos % sh.block_size
+        _append(pool, k[b], v[b], slots)
+    return pool, tables
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+def rel_err(got, want) -> float:
     want = want.double()
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
@@ -100,241 +221,491 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------------------------
 # sections
 # --------------------------------------------------------------------------------------------------------
-def check_append() -> None:
+def compile_smoke(rep: Report, sh: Shapes, smoke: bool) -> None:
+    """Every kernel and switch compiled and run once, one process per switch in parallel.
+
+    Each process checks its switch against the float64 reference at the smallest and largest batch of the
+    shortest context (so every specialisation the later sections launch is compiled, into Triton's on-disk
+    cache) and the prefill chunk. Compiling them one after another would take minutes of the budget.
+    """
+    # The interpreter compiles nothing: two processes exercise the mechanism (the decode section checks all).
+    names = list(switches(sh))[: 2 if smoke else None]
+    timeout = max(60.0, min(300.0, rep.left() - 200))
+    rep.say(f"  {len(names)} switches in parallel processes, {timeout:.0f} s allowed")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    base = [sys.executable, "-m", "int8kv.bench.gpu_check", *(["--smoke"] if smoke else [])]
+    procs = {
+        name: subprocess.Popen(
+            [*base, "--warm", name], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name in names
+    }
+    end = time.monotonic() + timeout
+    for name, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        lines = out.rstrip().splitlines()
+        fails = [x.strip() for x in lines if x.strip().startswith("FAIL")]
+        for line in fails[:5]:
+            rep.say(f"  | {name}: {line}")
+        if proc.returncode != 0 or fails:
+            detail = f"exit status {proc.returncode}, {len(fails)} failed check(s)"
+            rep.fail(f"compile smoke: {name}", detail + ("" if fails else ": " + " / ".join(lines[-3:])))
+        else:
+            rep.say(f"  {name:18s} ok: {lines[-1].strip() if lines else ''}")
+
+
+def warm(sh: Shapes, switch: str, device) -> int:
+    """The body of one compile-smoke process (``--warm SWITCH``): 0 when every check passed."""
+    rep = Report(None, 600.0)
+    one = dataclasses.replace(
+        sh,
+        batches=(min(sh.batches), max(sh.batches)) if device.type == "cuda" else (max(sh.batches),),
+        contexts=(min(sh.contexts),),
+        switches=(switch,),
+    )
+    start = time.perf_counter()
+    try:
+        check_attention(rep, Workload(one, device))
+        check_prefill(rep, one, device)
+    except Exception:
+        rep.fail(f"warm {switch}")
+    rep.say(f"decode and prefill checked in {time.perf_counter() - start:.1f} s")
+    return EXIT_FAILED if rep.failures else EXIT_OK
+
+
+def check_append(rep: Report, sh: Shapes, device) -> None:
+    import torch
+
     from int8kv.codec import quantize_int8
-    from int8kv.formats import KvStorageFormat
 
-    fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
-    gen = torch.Generator().manual_seed(0)
-    n = 3000
+    fmt = _formats()["int8"]
+    gen = torch.Generator().manual_seed(1)
+    n = 3000 if device.type == "cuda" else 40
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        mag = torch.exp(2 * torch.randn((n, KV_HEADS, 1), generator=gen))  # stays inside float16
-        k = (torch.randn((n, KV_HEADS, HEAD_DIM), generator=gen) * mag).to(dtype)
-        v = (torch.randn((n, KV_HEADS, HEAD_DIM), generator=gen) * mag).to(dtype)
+        mag = torch.exp(2 * torch.randn((n, sh.kv_heads, 1), generator=gen))
+        k = (torch.randn((n, sh.kv_heads, sh.head_dim), generator=gen) * mag).to(dtype)
         k[0] = 0.0
-        k[1, 0] = (torch.randint(-127, 127, (HEAD_DIM,), generator=gen).float() + 0.5) / 8  # exact ties
+        k[1, 0] = (torch.randint(-127, 127, (sh.head_dim,), generator=gen).float() + 0.5) / 8  # exact ties
         k[1, 0, 0] = 127 / 8
-        cache, tables = _paged_cache(fmt, [n], k[None].cuda(), v[None].cuda())
-        pos = torch.arange(n, device="cuda")
-        slots = tables[0].long()[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        rows = (-1, KV_HEADS, HEAD_DIM)
-        for x, codes, scales in ((k, cache.k_codes[0], cache.k_scales[0]), (v, cache.v_codes[0], cache.v_scales[0])):
-            q_cpu, s_cpu = quantize_int8(x)  # CPU codec
-            q_gpu, s_gpu = quantize_int8(x.cuda())  # torch codec on the GPU
-            got_q = codes.reshape(rows)[slots].cpu()
-            got_s = scales.reshape(rows[:2])[slots].cpu()
-            ok = (
-                torch.equal(got_q, q_cpu)
-                and torch.equal(got_s.view(torch.int32), s_cpu.view(torch.int32))
-                and torch.equal(q_gpu.cpu(), q_cpu)
-                and torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))
-            )
-            if not ok:
-                bad = int((got_q != q_cpu).sum())
-                raise AssertionError(f"append {dtype}: {bad} code(s) differ from quantize_int8")
-        _say(f"  append {str(dtype):15s} {n} tokens: bit-exact vs quantize_int8 (CPU and CUDA codec)")
+        v = -k.flip(0)
+        ctx = n // sh.block_size * sh.block_size
+        try:
+            pool, tables = filled_pool(fmt, sh, 1, ctx, k[None, :ctx].to(device), v[None, :ctx].to(device), device)
+            pos = torch.arange(ctx, device=device)
+            slots = tables[0].long()[pos // sh.block_size] * sh.block_size + pos % sh.block_size
+            for x, codes, scales in ((k, pool.k_codes[0], pool.k_scales[0]), (v, pool.v_codes[0], pool.v_scales[0])):
+                want_q, want_s = quantize_int8(x[:ctx])
+                got_q = codes.reshape(-1, sh.kv_heads, sh.head_dim)[slots].cpu()
+                got_s = scales.reshape(-1, sh.kv_heads)[slots].cpu()
+                if not (torch.equal(got_q, want_q) and torch.equal(got_s.view(torch.int32), want_s.view(torch.int32))):
+                    raise AssertionError(f"{int((got_q != want_q).sum())} code(s) differ from quantize_int8")
+            rep.say(f"  append {str(dtype):15s} {ctx} tokens: bit-exact vs quantize_int8")
+        except Exception:
+            rep.fail(f"append {dtype}")
 
 
-def check_attention() -> None:
-    from int8kv.formats import KvStorageFormat
+class Workload:
+    """The benchmark's K/V (bf16 source), q, and pools per format, for the largest batch and context."""
+
+    def __init__(self, sh: Shapes, device) -> None:
+        import torch
+
+        self.sh, self.device = sh, device
+        batch, ctx = max(sh.batches), max(sh.contexts)
+        gen = torch.Generator(device=device).manual_seed(2)
+        shape = (batch, ctx, sh.kv_heads, sh.head_dim)
+        self.k = torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16)
+        self.v = torch.randn(shape, device=device, generator=gen, dtype=torch.bfloat16)
+        self.q = torch.randn((batch, sh.q_heads, sh.head_dim), device=device, generator=gen)
+        self.pools = {
+            name: filled_pool(fmt, sh, batch, ctx, self.k, self.v, device) for name, fmt in _formats().items()
+        }
+
+    def args(self, fmt_name: str, batch: int, context: int):
+        """(pool, q, block_tables, context_lens, launch shape) for the first ``batch`` sequences cut to ``context``."""
+        import torch
+
+        from int8kv.ops import triton as tk
+
+        pool, tables = self.pools[fmt_name]
+        tables = tables[:batch, : context // self.sh.block_size].contiguous()
+        lens = torch.full((batch,), context, dtype=torch.int32, device=self.device)
+        launch = tk.launch_plan(
+            self.device, batch=batch, num_kv_heads=self.sh.kv_heads, group=self.sh.q_heads // self.sh.kv_heads,
+            max_q=1, kv_bound=context, is_int8=fmt_name == "int8",
+        )  # fmt: skip
+        return pool, self.q[:batch].contiguous(), tables, lens, launch
+
+
+def check_attention(rep: Report, work: Workload) -> None:
+    import torch
+
     from int8kv.ops import reference as ref
     from int8kv.ops import triton as tk
 
-    gen = torch.Generator().manual_seed(1)
-    context_lens = [4096, 1, 777, 2500]
-    n_q = [64, 1, 300, 17]
-    ctx_max = max(context_lens)
-    k = torch.randn((len(context_lens), ctx_max, KV_HEADS, HEAD_DIM), generator=gen).cuda()
-    v = torch.randn((len(context_lens), ctx_max, KV_HEADS, HEAD_DIM), generator=gen).cuda()
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
-    starts = torch.tensor([100, 0, 0, 2490], dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    worst = 0.0
-    for fmt in (KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, KvStorageFormat.F16):
-        cache, tables = _paged_cache(fmt, context_lens, k, v)
-        for group in (1, 4, 8):
-            heads = KV_HEADS * group
-            qd = torch.randn((len(context_lens), heads, HEAD_DIM), generator=gen).cuda()
-            qp = torch.randn((sum(n_q), heads, HEAD_DIM), generator=gen).cuda()
-            for kv_starts in (None, starts):
-                cases = [
-                    ("decode", tk.paged_decode_attention(cache, 0, qd, tables, ctx, None, kv_starts),
-                     ref.paged_decode_attention(cache, 0, qd, tables, ctx, None, kv_starts)),
-                    ("decode split=7", tk._attention(cache, 0, qd, torch.arange(5, dtype=torch.int32, device="cuda"),
-                                                     1, tables, ctx, None, kv_starts, num_splits=7),
-                     ref.paged_decode_attention(cache, 0, qd, tables, ctx, None, kv_starts)),
-                    ("prefill", tk.paged_prefill_attention(cache, 0, qp, cu, tables, ctx, 0.1, kv_starts),
-                     ref.paged_prefill_attention(cache, 0, qp, cu, tables, ctx, 0.1, kv_starts)),
-                ]  # fmt: skip
-                for name, got, want in cases:
-                    err = _rel_err(got, want)
-                    worst = max(worst, err)
-                    tag = f"{fmt.value[:4]} group={group} starts={'yes' if kv_starts is not None else 'no '} {name}"
-                    if not err < TOL:
-                        raise AssertionError(f"{tag}: relative error {err:.2e} >= {TOL:.0e}")
-        _say(f"  attention {fmt.value}: decode/split/prefill within {TOL:.0e} (worst so far {worst:.2e})")
+    sh = work.sh
+    for batch in sh.batches:
+        for context in sh.contexts:
+            for fmt_name in ("int8", "f16"):
+                pool, q, tables, lens, _ = work.args(fmt_name, batch, context)
+                starts = (torch.arange(batch, dtype=torch.int32, device=work.device) * 37) % (context // 2) + 1
+                worst = {}
+                for kv_starts in (None, starts):
+                    want = ref.paged_decode_attention(pool, 0, q, tables, lens, None, kv_starts)
+                    plan = _plan(pool, tables, lens, kv_starts=kv_starts)
+                    for switch, (opts, tol) in switches(sh).items():
+                        tag = f"decode b{batch} ctx{context} {fmt_name} {switch} starts={kv_starts is not None}"
+                        try:
+                            got = tk.attention(pool, 0, q, plan, **opts)
+                            err = rel_err(got, want)
+                            worst[switch] = max(worst.get(switch, 0.0), err)
+                            if not err < tol:
+                                rep.fail(tag, f"relative error {err:.2e} >= {tol:.0e}")
+                        except Exception:
+                            rep.fail(tag)
+                    del want
+                errs = " ".join(f"{s}={e:.1e}" for s, e in worst.items())
+                rep.say(f"  decode b{batch:<2d} ctx {context:>5d} {fmt_name:4s} worst rel err: {errs}")
+            if rep.left() < 150:
+                rep.say("  (budget: remaining decode shapes skipped)")
+                return
 
 
-def run_pytest() -> None:
-    root = Path(__file__).resolve().parents[3]
-    test_file = root / "tests" / "test_ops_triton.py"
+def check_prefill(rep: Report, sh: Shapes, device) -> None:
+    import torch
+
+    from int8kv.ops import reference as ref
+    from int8kv.ops import triton as tk
+
+    n = sh.prefill
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    k = torch.randn((1, n, sh.kv_heads, sh.head_dim), generator=gen).to(device)
+    v = torch.randn((1, n, sh.kv_heads, sh.head_dim), generator=gen).to(device)
+    q = torch.randn((n, sh.q_heads, sh.head_dim), generator=gen).to(device)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    lens = torch.tensor([n], dtype=torch.int32, device=device)
+    for fmt_name, fmt in _formats().items():
+        pool, tables = filled_pool(fmt, sh, 1, n, k, v, device)
+        want = ref.paged_prefill_attention(pool, 0, q, cu, tables, lens, None, None)
+        plan = _plan(pool, tables, lens, cu, num_queries=n)
+        for switch, (opts, tol) in switches(sh).items():
+            try:
+                err = rel_err(tk.attention(pool, 0, q, plan, **opts), want)
+                rep.say(f"  prefill {n} tokens {fmt_name:4s} {switch:12s} rel err {err:.1e}")
+                if not err < tol:
+                    rep.fail(f"prefill {fmt_name} {switch}", f"relative error {err:.2e} >= {tol:.0e}")
+            except Exception:
+                rep.fail(f"prefill {fmt_name} {switch}")
+
+
+def check_large_pool(rep: Report, sh: Shapes, device) -> None:
+    """A pool whose code tensors hold more than 2^31 elements, the sequence in its top blocks."""
+    import torch
+
+    from int8kv.codec import quantize_int8
+    from int8kv.ops import reference as ref
+    from int8kv.ops import triton as tk
+
+    per_block = sh.block_size * sh.kv_heads * sh.head_dim
+    extra = (1 << 31) // per_block + 8
+    context = 4096
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    k = torch.randn((1, context, sh.kv_heads, sh.head_dim), generator=gen).to(device)
+    v = torch.randn((1, context, sh.kv_heads, sh.head_dim), generator=gen).to(device)
+    q = torch.randn((1, sh.q_heads, sh.head_dim), generator=gen).to(device)
+    pool, tables = filled_pool(_formats()["int8"], sh, 1, context, k, v, device, extra_blocks=extra)
+    elements = pool.k_codes[0].numel()
+    pos = torch.arange(context, device=device)
+    slots = tables[0].long()[pos // sh.block_size] * sh.block_size + pos % sh.block_size
+    want_q, _ = quantize_int8(k[0].cpu())
+    got_q = pool.k_codes[0].reshape(-1, sh.kv_heads, sh.head_dim)[slots].cpu()
+    if not torch.equal(got_q, want_q):
+        rep.fail("large pool append", "codes differ from quantize_int8")
+    lens = torch.tensor([context], dtype=torch.int32, device=device)
+    want = ref.paged_decode_attention(pool, 0, q, tables, lens, None, None)
+    plan = _plan(pool, tables, lens)
+    for splits in (None, 8):
+        err = rel_err(tk.attention(pool, 0, q, plan, num_splits=splits), want)
+        if not err < TOL:
+            rep.fail(f"large pool decode splits={splits}", f"relative error {err:.2e}")
+    rep.say(f"  pool of {elements / 2**31:.2f} x 2^31 elements per tensor: append bit-exact, decode within {TOL:.0e}")
+
+
+def _sdpa_decode(q, k, v):
+    """torch SDPA on a contiguous ``[B, Hkv, T, D]`` bf16 cache, pinned to the flash backend; (fn, note)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(kk, vv, **kw):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, kk, vv, **kw)
+
+    try:
+        run(k, v, enable_gqa=True)
+        return (lambda: run(k, v, enable_gqa=True)), "enable_gqa"
+    except (RuntimeError, TypeError):
+        group = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        run(ke, ve)
+        return (lambda: run(ke, ve)), f"K/V expanded x{group} (flash refused GQA)"
+
+
+def bench_decode(rep: Report, work: Workload, timer: Timer, floor_bps: float) -> None:
+    import torch
+
+    from int8kv.ops import triton as tk
+
+    sh = work.sh
+    cuda = work.device.type == "cuda"
+    rep.say(f"  read-only floor {floor_bps / 1e9:.0f} GB/s (torch.sum of a large float32 tensor)")
+    header = "  batch    ctx kernel                    plain us  graph us       MB   GB/s x floor"
+    for batch in sh.batches:
+        for context in sh.contexts:
+            if rep.left() < 100:
+                rep.say("  (budget: remaining benchmark shapes skipped)")
+                return
+            rep.say(header)
+            best: dict[str, float] = {}
+            ref_out = None
+            for fmt_name in ("f16", "int8"):
+                pool, q, tables, lens, launch = work.args(fmt_name, batch, context)
+                plan = _plan(pool, tables, lens)
+                fmt = _formats()[fmt_name]
+                nbytes = batch * context * sh.kv_heads * 2 * fmt.bytes_per_row(sh.head_dim) + tables.numel() * 4
+                for switch, (opts, tol) in switches(sh).items():
+                    name = f"triton {fmt_name} {switch}"
+                    try:
+                        call = functools.partial(tk.attention, pool, 0, q, plan, **opts)
+                        out = call()
+                        if ref_out is None:
+                            ref_out = out.clone()  # F16 default: the exact result on the stored bf16 values
+                        else:
+                            err = rel_err(out, ref_out)
+                            limit = 5e-2 if fmt_name == "int8" else tol  # INT8 rounding: ~1e-2 (4k-32k)
+                            if not err < limit:
+                                rep.fail(f"bench output {name} b{batch} ctx{context}", f"rel err {err:.2e} vs f16")
+                        plain = timer.seconds(call, sh.runs)
+                        graph_us = "-"
+                        if cuda:
+                            graph, g_out = graph_of(call)
+                            graph.replay()
+                            torch.cuda.synchronize()
+                            if not torch.equal(g_out, out):
+                                rep.fail(
+                                    f"graph replay {name} b{batch} ctx{context}", "output differs from plain launch"
+                                )
+                            seconds = timer.seconds(graph.replay, sh.runs)
+                            graph_us = f"{seconds * 1e6:9.1f}"
+                            del graph, g_out
+                        else:
+                            seconds = plain
+                        best[fmt_name] = min(best.get(fmt_name, math.inf), seconds)
+                        extra = f"  splits {launch.num_splits}" if switch == "default" else ""
+                        rep.say(
+                            f"  {batch:5d} {context:6d} {name:24s} {plain * 1e6:9.1f} {graph_us:>9s} "
+                            f"{nbytes / 1e6:8.1f} {nbytes / seconds / 1e9:6.0f} "
+                            f"{seconds * floor_bps / nbytes:7.2f}{extra}"
+                        )
+                    except Exception:
+                        rep.fail(f"bench {name} b{batch} ctx{context}")
+            try:
+                ks = work.k[:batch, :context].transpose(1, 2).contiguous()
+                vs = work.v[:batch, :context].transpose(1, 2).contiguous()
+                qs = work.q[:batch].to(torch.bfloat16).unsqueeze(2)
+                fn, note = _sdpa_decode(qs, ks, vs)
+                out = fn().squeeze(2).float()
+                if ref_out is not None and not rel_err(out, ref_out) < SDPA_TOL:
+                    rep.fail(f"sdpa output b{batch} ctx{context}", f"rel err {rel_err(out, ref_out):.2e}")
+                seconds = timer.seconds(fn, sh.runs)
+                nbytes = (ks.numel() + vs.numel()) * 2
+                rep.say(
+                    f"  {batch:5d} {context:6d} {'sdpa bf16 flash':24s} {seconds * 1e6:9.1f} {'-':>9s} "
+                    f"{nbytes / 1e6:8.1f} {nbytes / seconds / 1e9:6.0f} {seconds * floor_bps / nbytes:7.2f}  {note}"
+                )
+                best["sdpa"] = seconds
+                del ks, vs
+            except Exception:
+                rep.fail(f"bench sdpa b{batch} ctx{context}")
+            if "int8" in best:
+                ratios = ", ".join(f"{n} / int8 = {t / best['int8']:.2f}x" for n, t in best.items() if n != "int8")
+                rep.say(f"  best times: {ratios}")
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def bench_prefill(rep: Report, sh: Shapes, device, timer: Timer) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from int8kv.ops import triton as tk
+
+    n = sh.prefill
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    k = torch.randn((1, n, sh.kv_heads, sh.head_dim), generator=gen).to(device, torch.bfloat16)
+    v = torch.randn((1, n, sh.kv_heads, sh.head_dim), generator=gen).to(device, torch.bfloat16)
+    q = torch.randn((n, sh.q_heads, sh.head_dim), generator=gen).to(device)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    lens = torch.tensor([n], dtype=torch.int32, device=device)
+    flops = 4 * n * n / 2 * sh.q_heads * sh.head_dim  # causal: half the score matrix, two products
+    for fmt_name, fmt in _formats().items():
+        try:
+            pool, tables = filled_pool(fmt, sh, 1, n, k, v, device)
+            call = functools.partial(tk.attention, pool, 0, q, _plan(pool, tables, lens, cu, num_queries=n))
+            seconds = timer.seconds(call, sh.runs)
+            rate = flops / seconds / 1e12
+            rep.say(f"  prefill chunk {n}: triton {fmt_name:4s} {seconds * 1e6:9.1f} us  {rate:6.1f} TFLOP/s")
+        except Exception:
+            rep.fail(f"bench prefill {fmt_name}")
+    try:
+        qs = q.to(torch.bfloat16).transpose(0, 1).unsqueeze(0)
+        ks, vs = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+
+        seconds = timer.seconds(sdpa, sh.runs)
+        rate = flops / seconds / 1e12
+        rep.say(f"  prefill chunk {n}: sdpa bf16 flash causal {seconds * 1e6:9.1f} us  {rate:6.1f} TFLOP/s")
+    except Exception:
+        rep.fail("bench prefill sdpa")
+
+
+def run_pytest(rep: Report, sh: Shapes, interpret: bool) -> None:
+    test_file = ROOT / "tests" / "test_ops_triton.py"
     if not test_file.exists():
-        _say(f"  {test_file} not found (installed package?): skipped")
+        rep.say(f"  {test_file} not found (installed package?): skipped")
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", str(test_file)]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=420)
-    tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
-    for line in tail:
-        _say("  | " + line)
-    if done.returncode != 0:
-        raise AssertionError(f"pytest exited with {done.returncode}")
-
-
-_VARIANTS = (
-    {"num_splits": 1},
-    {"num_splits": 16},
-    {"num_splits": 32},
-    {"block_n": 32, "num_warps": 4},
-    {"block_n": 128, "num_warps": 4},
-    {"block_n": 64, "num_warps": 8},
-    {"block_n": 64, "num_warps": 4, "num_stages": 2},
-    {"block_n": 64, "num_warps": 4, "num_stages": 4},
-)
-
-
-def _bench_triton(timer: _Timer, fmt, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> tuple[float, int]:
-    from int8kv.ops import triton as tk
-
-    batch, ctx_len = k.shape[0], k.shape[1]
-    cache, tables = _paged_cache(fmt, [ctx_len] * batch, k, v)
-    ctx = torch.full((batch,), ctx_len, dtype=torch.int32, device="cuda")
-    nbytes = batch * ctx_len * KV_HEADS * 2 * fmt.bytes_per_row(HEAD_DIM) + tables.numel() * 4
-    seconds = timer.median_seconds(lambda: tk.paged_decode_attention(cache, 0, q, tables, ctx))
-    splits = tk._num_splits(q.device, batch * KV_HEADS, tables.shape[1] * BLOCK_SIZE)
-    name = "triton int8" if fmt.is_quantized else "triton f16"
-    _say(f"    {name:12s} {seconds * 1e6:8.1f} us  (default config, {splits} KV splits)")
-    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    for opts in _VARIANTS:
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    select = ["-k", sh.pytest_k] if sh.pytest_k else []
+    collect = [sys.executable, "-m", "pytest", str(test_file), *select, "--collect-only", "-q"]
+    listed = subprocess.run(collect, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    if not ids:
+        rep.fail("pytest collection", (listed.stdout + listed.stderr).strip()[-500:])
+        return
+    # Each shard compiles its own kernels (one CPU core each); the GPU machine has 16 cores.
+    shards = min(2 if interpret else max(2, min(8, (os.cpu_count() or 4) // 2)), len(ids))
+    timeout = max(30.0, rep.left() - 10)
+    rep.say(f"  {len(ids)} tests in {shards} parallel shards, {timeout:.0f} s left for them")
+    procs = []
+    for i in range(shards):
+        cmd = [sys.executable, "-m", "pytest", "-q", *ids[i::shards]]
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    end = time.monotonic() + timeout
+    for i, proc in enumerate(procs):
         try:
-            t = timer.median_seconds(lambda o=opts: tk._attention(cache, 0, q, cu, 1, tables, ctx, None, None, **o), 15)
-            _say(f"      variant {opts}: {t * 1e6:8.1f} us")
-        except Exception as exc:  # a config that fails to compile must not end the sweep
-            _say(f"      variant {opts}: failed: {type(exc).__name__}: {exc}")
-    return seconds, nbytes
+            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            rep.fail(f"pytest shard {i}", "timed out (budget)")
+        lines = out.strip().splitlines()
+        for line in [x for x in lines if x.startswith(("FAILED", "ERROR"))] + lines[-1:]:
+            rep.say(f"  | shard {i}: {line}")
+        if proc.returncode not in (0, None, -9):
+            rep.fail(f"pytest shard {i}", f"exit status {proc.returncode}")
 
 
-def _bench_sdpa(timer: _Timer, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> tuple[float, int]:
-    import torch.nn.functional as F
-
-    batch = k.shape[0]
-    qs = q.to(torch.bfloat16).reshape(batch, Q_HEADS, 1, HEAD_DIM)
-    ks, vs = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [B, Hkv, T, D]
-    scale = HEAD_DIM**-0.5
-    note = "enable_gqa"
-    try:
-        F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
-        seconds = timer.median_seconds(lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True))
-    except TypeError:  # torch without enable_gqa: every query head gets its own K/V copy
-        group = Q_HEADS // KV_HEADS
-        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
-        note = "K/V expanded to every query head"
-        seconds = timer.median_seconds(lambda: F.scaled_dot_product_attention(qs, ks, vs, scale=scale))
-    _say(f"    {'sdpa bf16':12s} {seconds * 1e6:8.1f} us  ({note}, contiguous cache)")
-    return seconds, (ks.numel() + vs.numel()) * 2
-
-
-def bench_decode(contexts: list[int]) -> None:
-    from int8kv.formats import KvStorageFormat
-    from int8kv.ops import triton as tk
-
-    tk.check_values = False  # no host syncs inside timed calls
-    timer = _Timer()
-    bandwidth = timer.copy_bandwidth()
-    props = torch.cuda.get_device_properties(0)
-    _say(f"  {props.name}, {props.multi_processor_count} SMs, copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)")
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    for ctx_len in contexts:
-        _say(f"\n  batch {BATCH}, context {ctx_len}, heads {Q_HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}")
-        shape = (BATCH, ctx_len, KV_HEADS, HEAD_DIM)
-        k = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
-        v = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
-        q = torch.randn((BATCH, Q_HEADS, HEAD_DIM), device="cuda", generator=gen)
-        results: dict[str, tuple[float, int]] = {}
-        int8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
-        for name, bench, args in (
-            ("triton int8", _bench_triton, (timer, int8, k, v, q)),
-            ("triton f16", _bench_triton, (timer, KvStorageFormat.F16, k, v, q)),
-            ("sdpa bf16", _bench_sdpa, (timer, k, v, q)),
-        ):
-            try:
-                results[name] = bench(*args)
-            except Exception:
-                traceback.print_exc()
-            torch.cuda.empty_cache()
-
-        _say(f"    {'kernel':12s} {'time us':>9s} {'MB read':>9s} {'floor us':>9s} {'x floor':>8s} {'GB/s':>7s}")
-        for name, (seconds, nbytes) in results.items():
-            floor = nbytes / bandwidth
-            _say(
-                f"    {name:12s} {seconds * 1e6:9.1f} {nbytes / 1e6:9.1f} {floor * 1e6:9.1f} "
-                f"{seconds / floor:8.2f} {nbytes / seconds / 1e9:7.0f}"
-            )
-        if "triton int8" in results:
-            base = results["triton int8"][0]
-            for name, (seconds, _) in results.items():
-                if name != "triton int8":
-                    _say(f"    {name} time / triton int8 time: {seconds / base:.2f}x")
-
-
+# --------------------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m int8kv.bench.gpu_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--skip-tests", action="store_true", help="skip the correctness sections")
-    parser.add_argument("--skip-bench", action="store_true", help="skip the decode benchmark")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check.log"), help="log file (default gpu_check.log)")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run (default 450)")
+    parser.add_argument("--smoke", action="store_true", help="small shapes (implied without a GPU)")
+    parser.add_argument("--skip-pytest", action="store_true", help="skip the pytest section")
+    parser.add_argument("--skip-bench", action="store_true", help="skip the benchmark section")
+    parser.add_argument("--warm", metavar="SWITCH", help=argparse.SUPPRESS)  # one compile-smoke process
     args = parser.parse_args(argv)
 
-    if not torch.cuda.is_available():
-        _say("gpu_check: no CUDA device here; nothing to run (tests/test_ops_triton.py covers the CPU interpreter).")
-        return 0
-    if os.environ.pop("TRITON_INTERPRET", None) is not None:
-        _say("gpu_check: TRITON_INTERPRET was set; unset so the kernels run compiled.")
+    import torch
+
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if torch.cuda.is_available():
+        # @triton.jit picks interpreter or compiler when int8kv.ops.triton is first imported: not yet here.
+        os.environ.pop("TRITON_INTERPRET", None)
+        interpret = False
+        device = torch.device("cuda")
+    elif interpret:
+        device = torch.device("cpu")
+    else:
+        print("gpu_check: skipped: no CUDA device here and TRITON_INTERPRET is not set (nothing to run on)")
+        return EXIT_SKIPPED
+    sh = SMOKE if (args.smoke or device.type != "cuda") else FULL
+    if args.warm:
+        return warm(sh, args.warm, device)
+    rep = Report(args.out, args.budget)
     try:
         import triton
 
         from int8kv.ops import triton as tk
     except ImportError as exc:
-        _say(f"gpu_check: cannot import triton or int8kv.ops.triton: {exc}")
-        return 1
-    # @triton.jit picks interpreter or compiler when the module is first imported.
-    if type(tk._attention_kernel).__name__ != "JITFunction":
-        _say("gpu_check: int8kv.ops.triton was imported in interpreter mode; run this script in a fresh process")
-        return 1
-    _say(f"gpu_check: torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name(0)}")
+        rep.say(f"gpu_check: cannot import triton or int8kv.ops.triton: {exc}")
+        return EXIT_FAILED
+    compiled = tk.is_compiled()
+    if device.type == "cuda" and not compiled:
+        rep.say("gpu_check: int8kv.ops.triton was imported in interpreter mode; run this in a fresh process")
+        return EXIT_FAILED
+    where = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU, Triton interpreter"
+    rep.say(f"gpu_check: torch {torch.__version__}, triton {triton.__version__}, {where}; shapes {sh}")
+    # No host syncs inside timed calls: every plan is validated once, before its calls are timed or captured.
 
-    sections: list[tuple[str, Callable[[], None]]] = []
-    if not args.skip_tests:
-        sections += [
-            ("append: bit-exact V1 quantize", check_append),
-            ("attention: compiled vs float64 reference", check_attention),
-            ("pytest tests/test_ops_triton.py (compiled)", run_pytest),
-        ]
+    timer = Timer(device)
+    work: Workload | None = None
+    sections: list[tuple[str, Callable[[], None]]] = [
+        ("compile smoke", lambda: compile_smoke(rep, sh, smoke=sh is SMOKE)),
+        ("append: bit-exact V1 quantize", lambda: check_append(rep, sh, device)),
+    ]
+
+    def build() -> None:
+        nonlocal work
+        work = Workload(sh, device)
+
+    sections += [
+        ("building the benchmark pools", build),
+        ("decode vs float64 reference, every shape and switch", lambda: check_attention(rep, work)),
+        ("prefill chunk vs float64 reference", lambda: check_prefill(rep, sh, device)),
+    ]
+    if sh.large_pool:
+        sections.append(("pool over 2^31 elements", lambda: check_large_pool(rep, sh, device)))
     if not args.skip_bench:
-        sections.append(("decode benchmark", lambda: bench_decode(args.contexts)))
-    failed = []
+        sections += [
+            ("decode benchmark", lambda: bench_decode(rep, work, timer, timer.read_bandwidth(device))),
+            ("prefill benchmark", lambda: bench_prefill(rep, sh, device, timer)),
+        ]
+    if not args.skip_pytest:
+        sections.append(("pytest tests/test_ops_triton.py", lambda: run_pytest(rep, sh, interpret)))
+
     for name, fn in sections:
-        _say(f"\n== {name}")
+        rep.say(f"\n== {name}")
         start = time.perf_counter()
+        before = len(rep.failures)
         try:
             fn()
-            _say(f"   ok ({time.perf_counter() - start:.1f} s)")
         except Exception:
-            traceback.print_exc()
-            failed.append(name)
-            _say(f"   FAILED ({time.perf_counter() - start:.1f} s)")
-        torch.cuda.empty_cache()
-    _say("\ngpu_check: " + ("all sections passed" if not failed else "failed: " + "; ".join(failed)))
-    return 1 if failed else 0
+            rep.fail(name)
+        status = "ok" if len(rep.failures) == before else f"{len(rep.failures) - before} failure(s)"
+        rep.say(f"   {status} ({time.perf_counter() - start:.1f} s, {rep.left():.0f} s of budget left)")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    rep.say("\ngpu_check: " + ("all passed" if not rep.failures else f"{len(rep.failures)} failed:"))
+    for f in rep.failures:
+        rep.say(f"  - {f}")
+    rep.file.close()
+    return EXIT_FAILED if rep.failures else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ packed Batch per step, failures isolated), sampler.py (greedy / temperature / to
 """
 
 from ..errors import InvalidEngineConfig, InvalidRequest
-from .llm import LLM, EngineStats, RequestOutput, parse_bytes
+from .llm import LLM, EngineStats, RequestOutput, RequestUpdate, parse_bytes
 from .model import Batch, DecoderModel
 from .runner import ModelRunner
 from .sampler import probabilities, sample
@@ -21,6 +21,7 @@ __all__ = [
     "InvalidRequest",
     "ModelRunner",
     "RequestOutput",
+    "RequestUpdate",
     "SamplingParams",
     "Scheduled",
     "Scheduler",

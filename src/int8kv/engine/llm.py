@@ -78,6 +78,25 @@ class RequestOutput:
 
 
 @dataclass
+class RequestUpdate:
+    """What one online request (`LLM.add_request`) produced since the previous `LLM.pop_updates()`."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # once finished: as RequestOutput.finish_reason ("stop", "length", "error")
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # all generated so far, new_token_ids included
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    sent: int = 0  # output tokens already handed out by pop_updates
+
+
+@dataclass
 class EngineStats:
     """What the engine ran since it was built (assign a fresh EngineStats() to start counting anew).
 
@@ -203,6 +222,7 @@ class LLM:
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).
         self._lock = threading.RLock()
+        self._live: dict[int, _Live] = {}  # online requests (add_request) whose last update is not yet popped
 
     # -- public -------------------------------------------------------------------
     @property
@@ -230,7 +250,7 @@ class LLM:
             seqs = self._requests(prompts, params)
             self.scheduler.add(seqs)  # all or none
             try:
-                while self.scheduler.has_work():
+                while any(s.finish_reason is None for s in seqs):
                     if not self.step():
                         break  # nothing could be scheduled (cannot happen after check_fits; never spin)
                     if on_step is not None:
@@ -305,6 +325,59 @@ class LLM:
     def kv_bytes_per_token(self) -> int:
         m = self.model
         return self.format.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim)
+
+    # -- online: requests join, stream and leave between steps ---------------------------------------------
+    # The server's engine thread: add_request() whenever a request arrives, step() while has_unfinished(),
+    # pop_updates() after each step for every request's new tokens, abort_request() when a client goes away.
+    def add_request(self, prompt: str | Seq[int] | torch.Tensor, params: SamplingParams | None = None) -> int:
+        """Queue one request and return its id; refused up front (InvalidRequest / KvPoolExhausted, nothing
+        queued) for exactly what `generate` refuses. Its tokens come out of `pop_updates`."""
+        with self._lock:
+            (seq,) = self._requests([prompt], params)
+            self.scheduler.add([seq])
+            self._live[seq.seq_id] = _Live(seq)
+            return seq.seq_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Take a request out (running or waiting) and free its blocks now; False if it is not live (unknown,
+        or finished and already popped). Its pending update, if any, is dropped."""
+        with self._lock:
+            live = self._live.pop(request_id, None)
+            if live is None:
+                return False
+            if live.seq.finish_reason is None:
+                self.scheduler.fail(live.seq, "aborted")
+                live.seq.finish_reason = "abort"
+            return True
+
+    def pop_updates(self) -> list[RequestUpdate]:
+        """Per live request, the tokens it produced since the last call; a finished request appears once more
+        with `finished` set (and its last tokens), then is forgotten. Requests with nothing new are left out."""
+        with self._lock:
+            out = []
+            for request_id, live in list(self._live.items()):
+                seq, sent = live.seq, live.sent
+                done = seq.finish_reason is not None
+                if len(seq.output) == sent and not done:
+                    continue
+                live.sent = len(seq.output)
+                out.append(RequestUpdate(request_id, seq.output[sent:], done, seq.finish_reason, seq.error,
+                                         len(seq.prompt), len(seq.output)))
+                if done:
+                    del self._live[request_id]
+            return out
+
+    def has_unfinished(self) -> bool:
+        """Anything queued or running (from add_request or generate): step() has work."""
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     # -- requests -----------------------------------------------------------------
     def _requests(

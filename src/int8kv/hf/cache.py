@@ -119,7 +119,6 @@ class Int8KvLayer(CacheLayerMixin):
         # Grow by a quarter at least, so a long generation reallocates O(log n) times, not once per chunk.
         self.pool = p.resized(self._round_up(max(needed, p.block_size + p.block_size // 4)), self.seq_len)
 
-    _ensure_capacity = reserve  # the name int8kv.store used before Int8KvCache.import_state existed
 
     def storage_from(
         self, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor | None, vs: torch.Tensor | None

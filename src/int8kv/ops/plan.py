@@ -66,6 +66,12 @@ class AttentionPlan:
     # the first layer and reused by the others. Not part of the plan's identity.
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        require_unit_stride(
+            block_tables=self.block_tables, context_lens=self.context_lens, kv_starts=self.kv_starts,
+            cu_seqlens_q=self.cu_seqlens_q, slots=self.slots, positions=self.positions,
+        )  # fmt: skip
+
     @property
     def batch(self) -> int:
         return int(self.block_tables.shape[0])
@@ -76,6 +82,31 @@ class AttentionPlan:
         if key not in memo:
             memo[key] = build()
         return memo[key]
+
+
+def require_unit_stride(**tensors: torch.Tensor | None) -> None:
+    """Refuse (ShapeMismatch) a tensor whose last dimension is strided: the kernels read metadata row ``i`` at
+    ``ptr + i`` (a block table's rows at ``ptr + b * stride(0) + i``), so ``ctx[::2]`` would be read wrongly.
+
+    :func:`plan_attention` copies strided metadata to contiguous tensors; this guards plans built by hand and
+    the write path's caller-vouched slots. Host-side strides only: no device read."""
+    for name, t in tensors.items():
+        if t is not None and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ShapeMismatch(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+
+
+_DECODE_CU: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def decode_cu_seqlens(batch: int, device: torch.device) -> torch.Tensor:
+    """``[0, 1, ..., batch]`` int32 on ``device`` without a launch per step: a slice of a kept ``arange``.
+
+    Every ``arange`` ever handed out stays referenced, so a captured CUDA graph never reads freed memory."""
+    kept = _DECODE_CU.setdefault(device, [])
+    if not kept or kept[-1].numel() < batch + 1:
+        size = max(batch + 1, 2 * kept[-1].numel() if kept else 1024)
+        kept.append(torch.arange(size, dtype=torch.int32, device=device))
+    return kept[-1][: batch + 1]
 
 
 def _index(x: Any, what: str, dim: int, device: torch.device, length: int | None = None) -> torch.Tensor:
@@ -149,7 +180,7 @@ def plan_attention(
             raise ShapeMismatch("an unvalidated prefill plan needs num_queries and max_query_len")
     if is_decode:
         max_q = 1 if batch else 0
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        cu = decode_cu_seqlens(batch, device)
     tables, lens, starts, cu = _int32(tables), _int32(lens), _int32(starts), _int32(cu)
     host = None
     if device.type == "cpu":
@@ -236,8 +267,11 @@ def validate_values(
 
 
 def _slot_stats(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    distinct = torch.tensor(torch.unique(slots).numel(), device=slots.device)
-    return slots.min(), slots.max(), distinct
+    # Sorting finds repeats without torch.unique's own host sync (its output size), so the count joins the
+    # step's single host read.
+    ordered = slots.sort().values
+    distinct = slots.shape[0] - (ordered[1:] == ordered[:-1]).sum()
+    return ordered[0], ordered[-1], distinct
 
 
 def _check_slot_stats(pool: Any, lo: int, hi: int, distinct: int, n: int) -> None:

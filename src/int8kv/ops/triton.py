@@ -15,11 +15,26 @@ Both matrix products run on float16 tensor cores yet keep float32-level accuracy
 int8 codes and float16 values are exact in float16, and the float32 side (q, and the softmax weights) is
 split into a float16 high part and a float16 low part, so each product is two dots. That is a third of the
 tensor-core work of TF32x3 (decode must stay memory-bound) and works the same in the interpreter.
+
+Constexpr switches, compiled and checked but off by default until timed on a GPU (``attention(...)``
+options, docs/benchmarks.md for their registers): ``magic`` (int8 -> float16 by bit arithmetic instead of
+I2F), ``hilo=False`` (one float16 product each, ~2e-4 relative error), ``block_n`` and ``num_stages``.
+``python -m int8kv.bench.gpu_compile`` compiles every kernel and switch for sm_90/sm_80 without a GPU.
+
+The backend interface of :mod:`int8kv.ops`: ``attend(pool, layer, q, plan)`` and ``store_rows(pool, layer,
+k16, v16, slots)`` check no values: the :class:`~int8kv.ops.plan.AttentionPlan` was validated once for the
+step (unit-stride int32 metadata) and the write path checked the rows. Neither reads the device back, so a
+decode step with a plan built beforehand (``validate=False``) can be captured in a CUDA graph
+(tests/test_ops_triton.py::test_steady_state_decode_step_reads_nothing_back). ``attention(pool, layer, q,
+plan, **options)`` is ``attend`` with the tuning options; ``launch_plan`` the grid it would use;
+``record_launches`` records launches instead of running them (the compile check).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
+import dataclasses
+import functools
 import operator
 
 import torch
@@ -27,9 +42,18 @@ import triton
 import triton.language as tl
 
 from ..errors import LayerOutOfRange, ShapeMismatch
-from .plan import AttentionPlan
+from .plan import AttentionPlan, require_unit_stride
 
-__all__ = ["attend", "store_rows"]
+__all__ = [
+    "Launch",
+    "LaunchShape",
+    "attend",
+    "attention",
+    "is_compiled",
+    "launch_plan",
+    "record_launches",
+    "store_rows",
+]
 
 _LOG2E = 1.4426950408889634
 _MIN_CHUNK = 256  # shortest KV range worth a split: below it the merge costs more than it saves
@@ -148,6 +172,37 @@ def _append_kernel(
 
 
 @triton.jit
+def _kv_range(t0, n_q, ctx, kv_lo, pid_s, chunk, TOKENS: tl.constexpr, SPLIT: tl.constexpr):
+    """Keys ``[lo, hi)`` one program scans: its query block's causal reach, cut to its split.
+
+    A query block past the sequence's last query (``t0 >= n_q``: a decoding sequence beside a long prefill
+    chunk in one launch) gets the empty range instead of a full scan with every row masked.
+    """
+    kv_hi = ctx - n_q + tl.minimum(t0 + TOKENS, n_q)
+    lo = kv_lo
+    if SPLIT:
+        lo = kv_lo + pid_s * chunk
+        kv_hi = tl.minimum(kv_hi, lo + chunk)
+    hi = tl.where(t0 < n_q, kv_hi, lo)
+    return lo, hi
+
+
+@triton.jit
+def _codes_to_f16(x, IS_INT8: tl.constexpr, MAGIC: tl.constexpr):
+    """Stored K/V codes as float16 (exact: int8 codes and F16 values are both float16 numbers).
+
+    MAGIC converts int8 without an int-to-float instruction: 0x6480 is the float16 1152.0, whose unit in the
+    last place is 1, so adding a code in [-128, 127] to its bits as int16 gives the float16 1152 + code;
+    subtracting 1152 is exact.
+    """
+    if IS_INT8 and MAGIC:
+        y = (x.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True)
+        return y - 1152.0
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     stride_qt,
@@ -180,6 +235,7 @@ def _attention_kernel(
     num_kv_heads,
     head_dim,
     chunk,
+    m_blocks,
     qk_scale,
     GROUP: tl.constexpr,
     TOKENS: tl.constexpr,
@@ -190,10 +246,16 @@ def _attention_kernel(
     IS_INT8: tl.constexpr,
     HAS_START: tl.constexpr,
     SPLIT: tl.constexpr,
+    MAGIC: tl.constexpr,
+    HILO: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # Axis 0 folds (sequence, KV head) with the query block, query block fastest so neighbouring programs
+    # share K/V in L2; axis 1 is the KV split (<= _MAX_SPLITS). A separate query-block axis would be grid
+    # axis y, limited to 65,535 (an MQA prefill of 8 tokens per block reaches it at 524k tokens).
+    pid = tl.program_id(0)
+    pid_bh = pid // m_blocks
+    pid_m = pid % m_blocks
+    pid_s = tl.program_id(1)
     b = pid_bh // num_kv_heads
     kvh = pid_bh % num_kv_heads
 
@@ -233,12 +295,7 @@ def _attention_kernel(
 
     # The queries are the last n_q positions: row token i sees keys < ctx - n_q + i + 1.
     row_limit = ctx - n_q + t_local + 1
-    kv_hi = ctx - n_q + tl.minimum(t0 + TOKENS, n_q)
-    lo = kv_lo
-    hi = kv_hi
-    if SPLIT:
-        lo = kv_lo + pid_s * chunk
-        hi = tl.minimum(kv_hi, lo + chunk)
+    lo, hi = _kv_range(t0, n_q, ctx, kv_lo, pid_s, chunk, TOKENS, SPLIT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -256,9 +313,12 @@ def _attention_kernel(
         row_off = page * stride_kb + off * stride_ko + kv_head_off
 
         k_t = tl.load(k_ptr + row_off[None, :] + d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0)
-        k_t = k_t.to(tl.float16)
-        s = tl.dot(q_lo, k_t)
-        s = tl.dot(q_hi, k_t, s)
+        k_t = _codes_to_f16(k_t, IS_INT8, MAGIC)
+        if HILO:
+            s = tl.dot(q_lo, k_t)
+            s = tl.dot(q_hi, k_t, s)
+        else:
+            s = tl.dot(q_hi, k_t)
         s = s * row_scale[:, None]
         if IS_INT8:
             s_k = tl.load(ks_ptr + page * stride_sb + off * stride_so + scale_head_off, mask=n_ok, other=0.0)
@@ -273,7 +333,7 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(v_ptr + row_off[:, None] + d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0)
-        v = v.to(tl.float16)
+        v = _codes_to_f16(v, IS_INT8, MAGIC)
         # p (times the value scale for INT8) goes through float16 as hi + lo too. It is first scaled so its
         # largest possible value is 2^14: far from float16's max, and small weights stay out of subnormals.
         # For INT8 the tile's largest value scale is factored out and applied to the product instead.
@@ -287,9 +347,12 @@ def _attention_kernel(
             pw = p * 16384.0
             pv_scale = 1.0 / 16384.0
         pw_hi = pw.to(tl.float16)
-        pw_lo = (pw - pw_hi.to(tl.float32)).to(tl.float16)
-        pv = tl.dot(pw_lo, v)
-        pv = tl.dot(pw_hi, v, pv)
+        if HILO:
+            pw_lo = (pw - pw_hi.to(tl.float32)).to(tl.float16)
+            pv = tl.dot(pw_lo, v)
+            pv = tl.dot(pw_hi, v, pv)
+        else:
+            pv = tl.dot(pw_hi, v)
         acc = acc * alpha[:, None] + pv * pv_scale
         m_i = m_new
 
@@ -327,7 +390,8 @@ def _merge_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
+    # int64: num_splits x stride_ps may pass 2^31 elements where one split's plane does not.
+    s = tl.arange(0, BLOCK_S).to(tl.int64)
     s_ok = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
@@ -351,6 +415,46 @@ def _merge_kernel(
 # --------------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the wrappers would issue it: ``kernel[grid](*args, **kwargs)``."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict
+
+
+_recording: list[Launch] | None = None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside the block the wrappers record their kernel launches in the yielded list instead of running them.
+
+    For compiling exactly what a call would launch (``int8kv.bench.gpu_compile``) and for checking that a
+    call's host side reads nothing back from the device. Not thread-safe.
+    """
+    global _recording
+    saved, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = saved
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    if _recording is not None:
+        _recording.append(Launch(kernel, tuple(grid), args, kwargs))
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def is_compiled() -> bool:
+    """Whether this module's kernels were bound to the compiler (False: ``TRITON_INTERPRET=1`` at first import)."""
+    return type(_attention_kernel).__name__ == "JITFunction"
+
+
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(max(1, int(n))))
 
@@ -385,13 +489,18 @@ def _layer_tensors(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def store_rows(cache, layer: int, k16: torch.Tensor, v16: torch.Tensor, slots: torch.Tensor) -> None:
-    """Encode float16 ``k16``, ``v16`` ``[tokens, num_kv_heads, head_dim]`` into int64 ``slots`` of ``layer``.
+    """Encode float16 ``k16``, ``v16`` ``[tokens, num_kv_heads, head_dim]`` into ``slots [tokens]`` of ``layer``.
 
     INT8 rows are quantized in the kernel with the V1 codec (codes and scales bit-identical to
     ``codec.quantize_int8``); F16 rows are stored as given. The write path (:mod:`int8kv.ops.write`) has run
-    every check (shapes, device, slot range and distinctness, NaN/inf, float16 range) before this is called.
+    every check (shapes, device, slot range and distinctness, NaN/inf, float16 range) before this is called;
+    nothing here reads the device back, so a step's writes can be captured in a CUDA graph.
     """
     kc, vc, ks, vs = _layer_tensors(cache, layer)
+    # The kernel reads slot t at ``slots_ptr + t``: a strided view would store rows at the wrong slots.
+    # Planned slots are contiguous already; this catches the write path's caller-vouched slots (a host-side
+    # stride comparison, no device read).
+    require_unit_stride(slots=slots)
     tokens = int(k16.shape[0])
     if tokens == 0:
         return
@@ -399,7 +508,8 @@ def store_rows(cache, layer: int, k16: torch.Tensor, v16: torch.Tensor, slots: t
     sk = ks if is_int8 else kc
     sv = vs if is_int8 else vc
     s_strides = ks.stride() if is_int8 else (0, 0, 0)
-    _append_kernel[(tokens,)](
+    _launch(
+        _append_kernel, (tokens,),
         k16, v16, *k16.stride(), *v16.stride(), slots,
         kc, vc, *kc.stride(), sk, sv, *s_strides,
         cache.num_kv_heads, cache.head_dim,
@@ -408,114 +518,194 @@ def store_rows(cache, layer: int, k16: torch.Tensor, v16: torch.Tensor, slots: t
     )  # fmt: skip
 
 
-def _num_splits(device: torch.device, programs: int, kv_bound: int) -> int:
-    if device.type != "cuda" or kv_bound < 2 * _MIN_CHUNK:
-        return 1
-    # A decode program is one small CTA; several per SM keep enough loads in flight to cover HBM latency.
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= target:
-        return 1
-    return max(1, min(triton.cdiv(target, programs), kv_bound // _MIN_CHUNK, _MAX_SPLITS))
+# Resident CTAs per SM of the default decode configuration (BLOCK_N 64, 4 warps, 3 stages), from the
+# registers ptxas allocates for sm_90 (`python -m int8kv.bench.gpu_compile`, docs/benchmarks.md): INT8
+# 249-255 registers x 128 threads -> 2 CTAs in 65,536 registers; F16 155-163 -> 3. Shared memory (31 KiB
+# INT8, 46 KiB F16 per CTA, of 228 KiB) is not the limit. sm_80 allocates fewer (INT8 168-188): 2 or 3.
+_CTAS_PER_SM = {True: 2, False: 3}
 
 
-def _attention(
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, read once per process (0 for other devices)."""
+    if device.type != "cuda":
+        return 0
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+def _split_chunk(kv_bound: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, chunk) once the chunk is rounded up to whole key tiles; the split count may shrink."""
+    chunk = triton.cdiv(triton.cdiv(kv_bound, max(1, splits)), block_n) * block_n
+    return triton.cdiv(kv_bound, chunk), chunk
+
+
+def _num_splits(programs: int, kv_bound: int, block_n: int, slots: int) -> int:
+    """KV splits per program so ``programs x splits`` fills whole waves of ``slots`` resident CTAs.
+
+    Chooses the fewest splits whose last wave is within 5 % as full as the best choice (every extra split is
+    one more partial result to write and merge); no split when there is no device, or the range is short.
+    """
+    if slots <= 0 or programs <= 0 or kv_bound < 2 * _MIN_CHUNK:
+        return 1
+    limit = min(kv_bound // _MIN_CHUNK, _MAX_SPLITS)
+    fill = {}
+    for want in range(1, limit + 1):
+        real, _ = _split_chunk(kv_bound, want, block_n)
+        work = programs * real
+        fill.setdefault(real, work / (triton.cdiv(work, slots) * slots))
+    best = max(fill.values())
+    return min(s for s, f in fill.items() if f >= best - 0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """How one attention call is cut into programs (host integers only: no device read)."""
+
+    block_m: int
+    block_n: int
+    tokens_per_prog: int
+    m_blocks: int
+    num_splits: int
+    chunk: int
+    num_warps: int | None
+    num_stages: int | None
+
+    def grid(self, batch: int, num_kv_heads: int) -> tuple[int, int]:
+        return (batch * num_kv_heads * self.m_blocks, self.num_splits)
+
+
+def _plan_launch(
+    device: torch.device,
+    *,
+    batch: int,
+    num_kv_heads: int,
+    group: int,
+    max_q: int,
+    kv_bound: int,
+    is_int8: bool,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    gpu: bool | None = None,
+) -> LaunchShape:
+    on_gpu = device.type == "cuda" if gpu is None else gpu
+    if block_m is None:
+        # Decode needs only the group's rows; prefill stacks several tokens to reuse each K/V tile more.
+        block_m = _pow2(group, 16) if max_q == 1 else _pow2(group, 64 if on_gpu else 16)
+    if block_m < group or block_m < 16 or block_m & (block_m - 1):
+        raise ShapeMismatch(f"block_m must be a power of two >= max(16, group={group}), got {block_m}")
+    if block_n is None:
+        block_n = 64 if on_gpu else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ShapeMismatch(f"block_n must be a power of two >= 16, got {block_n}")
+    tokens_per_prog = block_m // group
+    m_blocks = max(1, triton.cdiv(max(max_q, 0), tokens_per_prog))
+    kv_bound = max(1, kv_bound)
+    if num_splits is None:
+        slots = _CTAS_PER_SM[is_int8] * _sm_count(device)
+        num_splits = _num_splits(batch * num_kv_heads * m_blocks, kv_bound, block_n, slots)
+    num_splits, chunk = _split_chunk(kv_bound, min(int(num_splits), triton.cdiv(kv_bound, block_n)), block_n)
+    if num_warps is None and on_gpu and block_m >= 64:
+        # A 64-row tile keeps q twice (hi, lo), acc, scores and p in registers; 8 warps halve each
+        # thread's share. Untuned guess: gpu_check times the decode configurations, not prefill.
+        num_warps = 8
+    return LaunchShape(block_m, block_n, tokens_per_prog, m_blocks, num_splits, chunk, num_warps, num_stages)
+
+
+
+
+def attention(
     cache,
     layer: int,
     q: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    max_q: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    softmax_scale: float | None,
-    kv_starts: torch.Tensor | None,
+    plan: AttentionPlan,
     *,
+    kv_bound: int | None = None,
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    magic: bool = False,
+    hilo: bool = True,
+    gpu: bool | None = None,
 ) -> torch.Tensor:
-    """The shared launcher. ``max_q`` bounds the queries of any one sequence (1 for decode)."""
+    """:func:`attend` with its tuning options (benchmarks, compile checks); reads nothing back from the device.
+
+    ``q [plan.num_queries, num_q_heads, head_dim]``, checked by the caller like ``plan``. ``kv_bound``: the
+    longest context when the caller knows it on the host (else the block table's width x block size), fewer
+    splits for the same result. ``magic`` and ``hilo`` pick the int8 -> float16 conversion and whether both
+    products carry a float16 low part (see the kernel); ``gpu`` plans block sizes as for a GPU (or not)
+    whatever the device (default: the device's kind). The other options override :func:`launch_plan`'s choice.
+    """
     kc, vc, ks, vs = _layer_tensors(cache, layer)
     device = kc.device
+    block_tables, context_lens, kv_starts = plan.block_tables, plan.context_lens, plan.kv_starts
     total, num_q_heads, head_dim = q.shape
     num_kv_heads = cache.num_kv_heads
     group = num_q_heads // num_kv_heads
-    batch = int(block_tables.shape[0])
+    batch = plan.batch
     page = cache.block_size
-
-    if block_m is None:
-        # Decode needs only the group's rows; prefill stacks several tokens to reuse each K/V tile more.
-        block_m = _pow2(group, 16) if max_q == 1 else _pow2(group, 64 if device.type == "cuda" else 16)
-    if block_m < group or block_m < 16 or block_m & (block_m - 1):
-        raise ShapeMismatch(f"block_m must be a power of two >= max(16, group={group}), got {block_m}")
-    if block_n is None:
-        block_n = 64 if device.type == "cuda" else 32
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ShapeMismatch(f"block_n must be a power of two >= 16, got {block_n}")
-    tokens_per_prog = block_m // group
-    m_blocks = max(1, triton.cdiv(max(max_q, 0), tokens_per_prog))
-
-    # Without a host sync the block table's width is the only bound on any sequence's KV range.
-    kv_bound = max(1, int(block_tables.shape[1]) * page)
-    if num_splits is None:
-        num_splits = _num_splits(device, batch * num_kv_heads * m_blocks, kv_bound)
-    num_splits = max(1, min(int(num_splits), triton.cdiv(kv_bound, block_n)))
-    chunk = triton.cdiv(triton.cdiv(kv_bound, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(kv_bound, chunk)
-    split = num_splits > 1
+    is_int8 = cache.format.is_quantized
+    # Without a host read the block table's width is the only bound on any sequence's KV range.
+    width_bound = int(block_tables.shape[1]) * page
+    kv_bound = width_bound if kv_bound is None else min(int(kv_bound), width_bound)
+    launch = _plan_launch(
+        device, batch=batch, num_kv_heads=num_kv_heads, group=group, max_q=plan.max_query_len, kv_bound=kv_bound,
+        is_int8=is_int8, block_m=block_m, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, gpu=gpu,
+    )  # fmt: skip
+    split = launch.num_splits > 1
 
     out = torch.empty((total, num_q_heads, head_dim), dtype=torch.float32, device=device)
     if total == 0 or batch == 0:
         return out.zero_()
     if split:
-        part = torch.empty((num_splits, total, num_q_heads, head_dim), dtype=torch.float32, device=device)
-        ml = torch.empty((num_splits, total, num_q_heads, 2), dtype=torch.float32, device=device)
+        part = torch.empty((launch.num_splits, total, num_q_heads, head_dim), dtype=torch.float32, device=device)
+        ml = torch.empty((launch.num_splits, total, num_q_heads, 2), dtype=torch.float32, device=device)
         dst, dst_strides, ml_strides = part, part.stride()[:3], ml.stride()[:3]
     else:
         ml = out  # never touched without a split
         dst, dst_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0, 0)
 
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    is_int8 = cache.format.is_quantized
     sk = ks if is_int8 else kc
     sv = vs if is_int8 else vc
     s_strides = ks.stride() if is_int8 else (0, 0, 0)
     has_start = kv_starts is not None
     starts = kv_starts if has_start else context_lens
     launch_opts = {}
-    if num_warps is None and device.type == "cuda" and block_m >= 64:
-        # A 64-row tile keeps q twice (hi, lo), acc, scores and p in registers; 8 warps halve each
-        # thread's share. Untuned guess: gpu_check times the decode configurations, not prefill.
-        num_warps = 8
-    if num_warps is not None:
-        launch_opts["num_warps"] = num_warps
-    if num_stages is not None:
-        launch_opts["num_stages"] = num_stages
+    if launch.num_warps is not None:
+        launch_opts["num_warps"] = launch.num_warps
+    if launch.num_stages is not None:
+        launch_opts["num_stages"] = launch.num_stages
 
-    grid = (batch * num_kv_heads, m_blocks, num_splits)
-    _attention_kernel[grid](
+    _launch(
+        _attention_kernel, launch.grid(batch, num_kv_heads),
         q, *q.stride(),
         dst, *dst_strides,
         ml, *ml_strides,
         kc, vc, *kc.stride(),
         sk, sv, *s_strides,
         block_tables, block_tables.stride(0),
-        context_lens, starts, cu_seqlens_q,
-        num_kv_heads, head_dim, chunk, float(softmax_scale) * _LOG2E,
-        GROUP=group, TOKENS=tokens_per_prog, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(head_dim, 16),
-        IS_INT8=is_int8, HAS_START=has_start, SPLIT=split,
+        context_lens, starts, plan.cu_seqlens_q,
+        num_kv_heads, head_dim, launch.chunk, launch.m_blocks, plan.softmax_scale * _LOG2E,
+        GROUP=group, TOKENS=launch.tokens_per_prog, PAGE=page,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_D=_pow2(head_dim, 16),
+        IS_INT8=is_int8, HAS_START=has_start, SPLIT=split, MAGIC=bool(magic and is_int8), HILO=bool(hilo),
         **launch_opts,
     )  # fmt: skip
     if split:
-        _merge_kernel[(total, num_q_heads)](
+        _launch(
+            _merge_kernel, (total, num_q_heads),
             part, *part.stride()[:3],
             ml, *ml.stride()[:3],
             out, *out.stride()[:2],
-            num_splits, head_dim,
-            BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim),
+            launch.num_splits, head_dim,
+            BLOCK_S=_pow2(launch.num_splits), BLOCK_D=_pow2(head_dim),
         )  # fmt: skip
     return out
 
@@ -527,7 +717,13 @@ def attend(cache, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Ten
     positions; query ``i`` sees keys in ``[kv_start, context_len - n_b + i + 1)``; decode is ``n_b = 1``.
     Returns float32 of q's shape; a query with no visible key gets zeros.
     """
-    return _attention(
-        cache, layer, q, plan.cu_seqlens_q, plan.max_query_len, plan.block_tables, plan.context_lens,
-        plan.softmax_scale, plan.kv_starts,
-    )  # fmt: skip
+    return attention(cache, layer, q, plan)
+
+
+def launch_plan(device: torch.device, **shape) -> LaunchShape:
+    """The block sizes, split count and grid an attention call would use (host integers only).
+
+    ``shape``: ``batch``, ``num_kv_heads``, ``group``, ``max_q``, ``kv_bound``, ``is_int8`` and optionally the
+    overrides of :func:`attention` (``block_m``, ``block_n``, ``num_splits``, ``num_warps``, ``num_stages``,
+    ``gpu``)."""
+    return _plan_launch(device, **shape)

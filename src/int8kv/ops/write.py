@@ -161,13 +161,27 @@ def encode_kv(fmt, k: torch.Tensor, v: torch.Tensor):
     return (codes[0], None if scales is None else scales[0]), (codes[1], None if scales is None else scales[1])
 
 
+def kv_to_f16(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked rows ``k``, ``v`` rounded to float16; NaN, inf or |x| > 65504 refused in one host read for both.
+
+    NaN and inf stay non-finite through the cast and an overflow becomes inf, so finiteness of the float16
+    copies is the codec's whole check (one sync per layer on a GPU where ``round_to_f16`` twice takes four);
+    only a failing call goes back to ``round_to_f16`` for its message."""
+    k16, v16 = k.to(torch.float16), v.to(torch.float16)
+    if k16.numel() and not bool(torch.isfinite(k16).all() & torch.isfinite(v16).all()):
+        round_to_f16(k, "keys")
+        round_to_f16(v, "values")
+        raise NonFiniteError("keys or values hold NaN, inf or values beyond float16")  # pragma: no cover
+    return k16, v16
+
+
 def store_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, backend: str) -> None:
     """Encode checked rows and store them at checked int64 ``slots`` (nothing is stored if encoding fails)."""
     if backend == "triton":
         from . import triton as tk
 
         # The codec's checks (NaN/inf, float16 range) run here, before the fused kernel writes anything.
-        tk.store_rows(pool, layer, round_to_f16(k, "keys"), round_to_f16(v, "values"), slots)
+        tk.store_rows(pool, layer, *kv_to_f16(k, v), slots)
         return
     k_rows, v_rows = encode_kv(pool.format, k, v)
     pool.write_rows(layer, slots, k_rows, v_rows)

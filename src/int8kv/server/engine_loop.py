@@ -1,0 +1,196 @@
+"""The engine thread: the one thread that touches the `LLM`, so HTTP handlers never wait on a step.
+
+Handlers talk to it through an inbox (add a group of requests, abort one, stop) and get each request's
+updates on an asyncio queue of their own, delivered with `call_soon_threadsafe`. Between two steps the thread
+drains the inbox, so requests join and leave between steps; an abort frees the request's blocks before the
+next step. A step that raises (the engine isolates per-request failures, so this means a bug) fails every
+live request and the thread goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import LLM, RequestUpdate, SamplingParams
+from ..errors import KvCacheError
+from .metrics import Metrics
+
+log = logging.getLogger("int8kv.server")
+
+
+class QueueFull(KvCacheError):
+    """More requests would wait for a slot than the server's queue holds (HTTP 429)."""
+
+
+class ServerStopping(KvCacheError):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass
+class Sink:
+    """Where one request's updates go: an asyncio queue on the handler's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token: bool = False
+
+    def put(self, update: RequestUpdate) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Add:
+    requests: list[tuple[list[int], SamplingParams, Sink]]
+    done: concurrent.futures.Future
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM, metrics: Metrics, max_queue: int) -> None:
+        self.llm = llm
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[int, Sink] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="int8kv-engine", daemon=True)
+
+    # -- called from handlers (any thread) ---------------------------------------------------------------
+    def start(self) -> None:
+        self._publish()
+        self._thread.start()
+
+    def add(self, requests: list[tuple[list[int], SamplingParams, Sink]]) -> concurrent.futures.Future:
+        """Queue a group (the n choices of one HTTP request) all or none; the future gives their ids or raises
+        InvalidRequest / KvPoolExhausted (400), QueueFull (429) or ServerStopping (503)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Add(requests, done))
+        return done
+
+    def abort(self, request_ids: list[int]) -> None:
+        self._send(("abort", request_ids))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort whatever is left, then end the thread (handlers still waiting get a finished update)."""
+        self._send(("stop", None))
+        self._thread.join(timeout)
+
+    def _send(self, message: Any) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    # -- the thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            self._drain()
+            if self._stopping:
+                break
+            self._publish()  # adds and aborts show at once, even when no step follows
+            if self.llm.has_unfinished():
+                try:
+                    self.llm.step()
+                except Exception:  # noqa: BLE001 - a bug in a step must not take the server down
+                    log.exception("engine step failed; failing every live request")
+                    self._abort(list(self._sinks), "error")
+                # Published before the updates go out: a client that sees its response done and then scrapes
+                # /metrics finds the blocks its request held already free.
+                self._publish()
+                self._deliver()
+            else:
+                self._wake.wait(1.0)
+        self._abort(list(self._sinks), "abort")
+        self._publish()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Add):
+                self._add(message)
+            elif message[0] == "abort":
+                self._abort(message[1], None)
+            else:
+                self._stopping = True
+
+    def _add(self, message: _Add) -> None:
+        if not message.done.set_running_or_notify_cancel():
+            return
+        try:
+            if self._stopping:
+                raise ServerStopping("the server is shutting down")
+            free_slots = self.llm.scheduler.max_num_seqs - self.llm.num_running
+            queued = self.llm.num_waiting + len(message.requests) - free_slots
+            if queued > self.max_queue:
+                self.metrics.count("requests_rejected")
+                raise QueueFull(f"{self.llm.num_waiting} requests already wait for a slot; the queue holds "
+                                f"{self.max_queue}. Retry later.")
+            ids: list[int] = []
+            try:
+                for prompt, params, sink in message.requests:
+                    request_id = self.llm.add_request(prompt, params)
+                    ids.append(request_id)
+                    self._sinks[request_id] = sink
+            except BaseException:
+                for request_id in ids:  # all or none: the group's earlier members leave again
+                    self.llm.abort_request(request_id)
+                    del self._sinks[request_id]
+                raise
+        except Exception as e:  # noqa: BLE001 - handed to the waiting handler
+            message.done.set_exception(e)
+        else:
+            message.done.set_result(ids)
+
+    def _abort(self, request_ids: list[int], reason: str | None) -> None:
+        """Abort requests (freeing their blocks now); with a reason, tell their handlers they ended so."""
+        for request_id in request_ids:
+            sink = self._sinks.pop(request_id, None)
+            if self.llm.abort_request(request_id):
+                self.metrics.count("requests_aborted" if reason != "error" else "requests_failed")
+            if sink is not None and reason is not None:
+                sink.put(RequestUpdate(request_id, [], True, reason, f"request ended: {reason}", 0, 0))
+
+    def _deliver(self) -> None:
+        now = time.perf_counter()
+        for update in self.llm.pop_updates():
+            sink = self._sinks.get(update.request_id)
+            if sink is None:
+                continue
+            if update.new_token_ids and not sink.first_token:
+                sink.first_token = True
+                self.metrics.ttft.observe(now - sink.arrived)
+            if update.finished:
+                del self._sinks[update.request_id]
+                self.metrics.count("requests_failed" if update.finish_reason == "error" else "requests_finished")
+            sink.put(update)
+
+    def _publish(self) -> None:
+        llm = self.llm
+        stats = llm.stats
+        free = llm.cache.num_free_blocks
+        self.metrics.publish({
+            "kv_blocks_used": llm.cache.num_blocks - free,
+            "kv_blocks_free": free,
+            "kv_blocks_total": llm.cache.num_blocks,
+            "kv_bytes_per_token": llm.kv_bytes_per_token(),
+            # Prefix caching reports its hit rate in EngineStats once it is wired; 0 until then.
+            "prefix_cache_hit_rate": float(getattr(stats, "prefix_hit_rate", 0.0) or 0.0),
+            "requests_running": llm.num_running,
+            "requests_waiting": llm.num_waiting,
+            "preemptions": stats.preemptions,
+            "generated_tokens": stats.generated_tokens,
+            "prompt_tokens": stats.prefill_tokens,
+        })

@@ -1,0 +1,291 @@
+"""`int8kv serve` as a live process on a loopback port, driven by the real `openai` client.
+
+One server for the module (a tiny random Llama with a word-level tokenizer, built offline); its answers are
+checked against the offline engine (`LLM.generate`) on the same model, format and pool size.
+"""
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from server_helpers import ServerProcess, get, make_tiny_model, metric
+
+from int8kv.engine import LLM, SamplingParams
+from int8kv.models import load_model
+from int8kv.server.app import chat_prompt_ids
+
+MEMORY = "160KiB"  # 64 blocks of 16 tokens (2,560 INT8 bytes each): 1,024 tokens; the model's context is 4,096
+PROMPTS = ["the a of hot", "water is", "people who write", "make the good", "find any new work"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    model_dir = make_tiny_model(root / "tiny")
+    server = ServerProcess("--model", str(model_dir), "--memory", MEMORY, "--max-num-seqs", "8", "--max-queue",
+                           "64", "--max-tokens", "1000", log_path=root / "server.log")
+    try:
+        yield server, model_dir
+    finally:
+        assert server.stop() == 0, server.output()  # SIGTERM: graceful, exit status 0
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0].base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def offline(served):
+    model, tokenizer = load_model(str(served[1]), quiet=True)
+    return LLM(model, memory=MEMORY, tokenizer=tokenizer)
+
+
+def blocks_in_use(served) -> float:
+    return metric(served[0].base, "int8kv_kv_blocks_used")
+
+
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert get(served[0].base + "/health")[0] == 200
+
+
+def test_completions_match_the_offline_engine(client, offline):
+    expected = offline.generate(PROMPTS, SamplingParams(max_tokens=12))
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        (choice,) = r.choices
+        assert choice.text == want.text
+        assert choice.finish_reason == want.finish_reason
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+
+
+def test_chat_matches_the_offline_engine_on_the_chat_template(client, offline):
+    messages = [{"role": "system", "content": "you are good"}, {"role": "user", "content": "what is the water"}]
+    ids = chat_prompt_ids(offline.tokenizer, messages)
+    assert ids[-1] == offline.tokenizer.convert_tokens_to_ids("<|assistant|>")
+    (want,) = offline.generate([ids], SamplingParams(max_tokens=10))
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.token_ids)
+
+
+def _streamed(stream, chat: bool) -> tuple[dict[int, str], dict[int, str], object]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    use = None
+    for chunk in stream:
+        assert use is None, "usage comes in the last chunk"
+        use = chunk.usage
+        for c in chunk.choices:
+            piece = (c.delta.content or "") if chat else c.text
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, use
+
+
+def test_streaming_equals_non_streaming_under_greedy(client):
+    for prompt in PROMPTS[:3]:
+        plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=15, temperature=0)
+        texts, reasons, use = _streamed(
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=15, temperature=0, stream=True), False
+        )
+        assert texts == {0: plain.choices[0].text} and reasons == {0: plain.choices[0].finish_reason}
+        assert use.completion_tokens == plain.usage.completion_tokens
+    messages = [{"role": "user", "content": "tell me about the people"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0)
+    texts, reasons, use = _streamed(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True),
+        True,
+    )
+    assert texts == {0: plain.choices[0].message.content}
+    assert use.total_tokens == plain.usage.total_tokens
+
+
+def test_sse_wire_format_ends_with_done(served):
+    body = json.dumps({"model": "tiny", "prompt": "the a", "max_tokens": 3, "temperature": 0, "stream": True})
+    req = urllib.request.Request(served[0].base + "/v1/completions", body.encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 3
+
+
+def test_n_seeded_samples_are_the_offline_engine_with_seed_plus_index(client, offline):
+    prompt = "the people"
+    want = offline.generate([prompt] * 3, [SamplingParams(max_tokens=8, temperature=1.0, seed=7 + j)
+                                           for j in range(3)])
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in want]
+    assert r.usage.prompt_tokens == len(want[0].prompt_token_ids)  # the prompt counts once
+    assert r.usage.completion_tokens == sum(len(o.token_ids) for o in want)
+    texts, _, _ = _streamed(client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0,
+                                                      seed=7, n=3, stream=True), False)
+    assert [texts[i] for i in range(3)] == [o.text for o in want]
+
+
+def test_stop_string_cuts_the_text_streamed_or_not(client):
+    full = client.completions.create(model="tiny", prompt="water is", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    words = full.split()
+    stop = " " + words[4]  # a word the greedy text reaches, cut before its first occurrence
+    cut = full[: full.index(stop)]
+    r = client.completions.create(model="tiny", prompt="water is", max_tokens=20, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    texts, reasons, _ = _streamed(client.completions.create(
+        model="tiny", prompt="water is", max_tokens=20, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}), False)
+    assert (texts[0], reasons[0]) == (cut, "stop")
+
+
+def test_16_concurrent_streaming_clients_complete_and_free_every_block(served, client, offline):
+    prompts = [f"{PROMPTS[i % 5]} {'the ' * (i % 4)}people" for i in range(16)]
+    want = offline.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        stream = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        results[i] = _streamed(stream, False)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(results) == list(range(16))
+    for i in range(16):
+        texts, reasons, use = results[i]
+        assert texts == {0: want[i].text} and reasons == {0: "length"} and use.completion_tokens == 24
+    assert blocks_in_use(served) == 0
+    assert metric(served[0].base, "int8kv_requests_running") == 0
+    assert metric(served[0].base, "int8kv_kv_blocks_free") == 64
+
+
+def _raw_post(base: str, path: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+LONG_FOR_POOL = " ".join(["the"] * 1100)  # fits the 4,096-token context, not the 1,024-token pool
+LONG_FOR_CONTEXT = " ".join(["the"] * 5000)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "message"),
+    [
+        ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate: Extra inputs are not permitted"),
+        ({"temperature": -1}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"max_tokens": 1001}, 400, "max_tokens 1001 is more than this server allows (1000)"),
+        ({"prompt": LONG_FOR_CONTEXT}, 400, "exceed the model's 4096 positions"),
+        ({"prompt": LONG_FOR_POOL}, 400, "does not fit in the whole KV cache pool"),
+        ({"prompt": [3, 100000]}, 400, "token id 100000 is not an int in [0, "),
+        ({"prompt": []}, 400, "empty"),
+        ({"seed": 2**70}, 400, "seed"),
+        ({"n": 100}, 400, "n:"),
+        ({"model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, client, kwargs, status, message):
+    args = {"model": "tiny", "prompt": "the a", "max_tokens": 4, "temperature": 0, **kwargs}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(**args)
+    err = caught.value
+    assert err.status_code == status
+    assert message in err.body["message"], err.body
+    assert err.body["type"] in ("invalid_request_error", "not_found_error")
+    r = client.completions.create(model="tiny", prompt="the a", max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 4
+    assert blocks_in_use(served) == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [(b'{"model": "tiny", "prompt": ', "JSON decode error"), (b'{"model": "tiny"}', "prompt: Field required"),
+     (b"[1, 2]", "Input should be a valid dictionary")],
+)
+def test_malformed_json_gets_400_in_openai_shape(served, client, data, message):
+    status, body = _raw_post(served[0].base, "/v1/completions", data)
+    assert status == 400 and message in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0).usage.prompt_tokens == 1
+
+
+def test_chat_errors(served, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    assert "messages" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}], max_tokens=2)
+    assert "role" in caught.value.body["message"]
+    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the"}], max_tokens=2,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
+
+
+def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(served, client):
+    aborted = metric(served[0].base, "int8kv_requests_aborted_total")
+    generated = metric(served[0].base, "int8kv_generated_tokens_total")
+    stream = client.completions.create(model="tiny", prompt="the a of", max_tokens=1000, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].text
+    stream.close()
+    for _ in range(300):  # the abort lands between two engine steps; bounded wait, no timing asserted
+        if metric(served[0].base, "int8kv_requests_aborted_total") == aborted + 1:
+            break
+        threading.Event().wait(0.1)
+    assert metric(served[0].base, "int8kv_requests_aborted_total") == aborted + 1
+    assert blocks_in_use(served) == 0
+    assert metric(served[0].base, "int8kv_generated_tokens_total") - generated < 1000  # it did not run to the end
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0).usage.prompt_tokens == 1
+
+
+def _content_length(reply: bytes) -> int:
+    for line in reply.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def test_a_body_over_the_limit_gets_413_unread_and_the_server_goes_on(served, client):
+    import socket
+
+    port = served[0].port
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # headers only: the body never comes
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {12 << 20}\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _content_length(reply):
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed after {reply!r}"
+            reply += chunk
+        head, _, payload = reply.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 413")
+    assert "larger than this server reads (8,388,608 bytes)" in json.loads(payload)["error"]["message"]
+    assert client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0).usage.prompt_tokens == 1
+
+
+def test_more_completions_than_the_server_ever_holds_is_a_400_not_a_429(served, client):
+    with pytest.raises(openai.BadRequestError) as caught:  # 8 prompts x n=16 = 128 > 64 queued + 8 running
+        client.completions.create(model="tiny", prompt=["the a"] * 8, n=16, max_tokens=2)
+    assert "asks for 128 completions (prompts x n); the server holds at most 72 at once" in caught.value.body["message"]
+    r = client.completions.create(model="tiny", prompt=["the a", "water is"], n=2, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text != r.choices[2].text == r.choices[3].text  # greedy: n copies
+    assert r.usage.prompt_tokens == 2 + 2 and r.usage.completion_tokens == 12

@@ -1,0 +1,77 @@
+"""`int8kv serve` under its limits: a full queue answers 429 with Retry-After, and SIGTERM ends it with status 0
+while a request runs. One live server (one running slot, a queue of one) for the module."""
+
+import threading
+import time
+
+import openai
+import pytest
+from server_helpers import ServerProcess, make_tiny_model, metric
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server_limits")
+    model_dir = make_tiny_model(root / "tiny")
+    proc = ServerProcess("--model", str(model_dir), "--memory", "160KiB", "--max-num-seqs", "1", "--max-queue", "1",
+                         "--shutdown-timeout", "2", log_path=root / "server.log")
+    try:
+        yield proc
+    finally:
+        proc.kill()  # only if a test failed before its SIGTERM
+
+
+def wait_for(predicate, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def long_stream(client: openai.OpenAI):
+    return client.completions.create(model="tiny", prompt="the a of", max_tokens=1000, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+
+
+def test_a_full_queue_gets_429_with_retry_after_then_requests_succeed_again(server):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    running = long_stream(client)
+    assert next(iter(running)).choices[0].text  # holds the one running slot
+    waiting = long_stream(client)  # takes the one queue place
+    wait_for(lambda: metric(server.base, "int8kv_requests_waiting") == 1, "the second request to queue")
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.completions.create(model="tiny", prompt="the", max_tokens=2)
+    assert caught.value.status_code == 429
+    assert caught.value.response.headers["retry-after"] == "1"
+    assert "the queue holds 1" in caught.value.body["message"]
+    wait_for(lambda: metric(server.base, "int8kv_requests_rejected_total") == 1, "the refusal to be counted")
+    running.close()
+    waiting.close()
+    wait_for(lambda: metric(server.base, "int8kv_kv_blocks_used") == 0
+             and metric(server.base, "int8kv_requests_waiting") == 0, "the aborted requests to leave")
+    r = client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 2
+
+
+def test_sigterm_stops_accepting_ends_the_running_request_and_exits_0(server):
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    stream = long_stream(client)
+    assert next(iter(stream)).choices[0].text
+    ended = threading.Event()
+
+    def consume() -> None:
+        try:
+            for _ in stream:
+                pass
+        except (openai.APIError, OSError, Exception):  # noqa: BLE001 - cut off mid-stream is one allowed end
+            pass
+        ended.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert server.stop() == 0, server.output()
+    reader.join(60)
+    assert ended.is_set()  # the client was not left hanging
+    with pytest.raises(openai.APIConnectionError):  # nothing listens any more
+        client.completions.create(model="tiny", prompt="the", max_tokens=2)
