@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import valkey_servers
 from blockstore_helpers import F16, INT8, blocks, key_chain, reframe, small_spec
 from valkey_servers import ValkeyCluster, assert_gone, node
 
@@ -23,28 +24,12 @@ from int8kv.blockstore import BackgroundWriter, StoreUnavailable, open_block_sto
 from int8kv.blockstore.disk import DiskBlockStore
 from int8kv.blockstore.embedded import EmbeddedValkeyStore, ValkeyProcess
 
+valkey_node = valkey_servers.valkey_node  # the module's fixtures
+valkey_cluster = valkey_servers.valkey_cluster
+
 BACKENDS = ["disk", "valkey", "cluster", "embedded"]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TESTS = str(Path(__file__).resolve().parent)
-
-
-@pytest.fixture(scope="module")
-def valkey_node():
-    server = node()
-    pid = server.pid
-    yield server
-    server.stop()
-    assert_gone(pid)
-
-
-@pytest.fixture(scope="module")
-def valkey_cluster():
-    cluster = ValkeyCluster(3)
-    pids = cluster.pids
-    yield cluster
-    cluster.stop()
-    for pid in pids:
-        assert_gone(pid)
 
 
 def _namespace() -> str:

@@ -44,6 +44,7 @@ BAD_INPUT = [
     (["demo", "--memory", "lots"], "cannot read a memory size", True),
     (["demo", "--formats", "fp8"], "accepted: ", True),
     (["demo", "--max-tokens", "0"], "--max-tokens must be >= 1", True),
+    (["demo", "--kv-store", "ftp://host"], "unknown block store 'ftp://host'", True),
     (["eval", "--text", "/nonexistent.txt"], "cannot read text file", True),
     (["eval", "--windows", "0"], "--windows", True),
     (["demo", "--bogus"], "unrecognized arguments: --bogus", True),

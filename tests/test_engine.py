@@ -154,9 +154,18 @@ COUNTER_RUNS = {
                    decode_phase_steps=0, decode_phase_tokens=0, peak_blocks_used=5)),
     # A pool of 3 blocks: step 2 preempts B; A decodes alone (B waits) until done at step 8; step 9
     # recomputes B's 4 prompt + 1 generated tokens; B then decodes 6 times alone.
-    "preempted": (dict(blocks=3), [4, 4], 8,
+    # (Without prefix caching: B recomputes its blocks.)
+    "preempted": (dict(blocks=3, prefix_caching=False), [4, 4], 8,
                   dict(steps=15, prefill_tokens=13, decode_tokens=13, generated_tokens=16, preemptions=1,
                        decode_phase_steps=0, decode_phase_tokens=0, peak_blocks_used=3)),
+    # The same with prefix caching (A's and B's tokens are equal: same prompt, greedy): step 2 preempts B and
+    # readmits it at once on A's first block, so it recomputes only its generated token (a decode); A and B
+    # decode together through step 5; step 6 preempts B again; A finishes at step 8; step 9 readmits B on A's
+    # first two blocks, 1 token computed; B decodes alone to step 11.
+    "preempted, prefix cached": (dict(blocks=3), [4, 4], 8,
+                                 dict(steps=11, prefill_tokens=8, decode_tokens=14, generated_tokens=16,
+                                      preemptions=2, decode_phase_steps=4, decode_phase_tokens=8,
+                                      peak_blocks_used=3, prefix_hit_tokens=12)),
 }
 
 

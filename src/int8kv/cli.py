@@ -35,9 +35,14 @@ DEMO_PROMPTS = (
     "Write a haiku about the sea.",
     "Give me three tips for learning a new language.",
 )
-BENCHES = ("attention", "codec", "e2e", "prefix", "serve", "slope", "store_io")
+BENCHES = ("attention", "codec", "e2e", "prefix", "serve", "slope", "store", "store_io")
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
+KV_STORE_HELP = (
+    "share prefix KV blocks through a block store: embedded, disk:PATH, redis://host:6379/0, "
+    "redis+cluster://host:port,... (docs/block_store.md); the demo then reruns the prompts on a fresh engine "
+    "that loads them from it"
+)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -62,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--formats", default="f16,int8", help="comma-separated KV formats to compare")
     demo.add_argument("--json", metavar="PATH", help=JSON_HELP)
     demo.add_argument("--plot", metavar="PATH.png", help="KV memory versus context length per format")
+    demo.add_argument("--kv-store", metavar="URL", help=KV_STORE_HELP)
     _common(demo)
 
     ev = command(sub, "eval", "perplexity and greedy agreement per KV cache type")
@@ -128,12 +134,25 @@ def _chat(tokenizer, prompt: str) -> list[int]:
 
 
 def run_demo(args: argparse.Namespace) -> dict:
-    from .engine import LLM, SamplingParams
-    from .models import kv_dims, load_model
-
     check_minimums(args, {"max_tokens": 1})
     budget = memory_budget(args.memory)
     formats = _formats(args.formats)
+    store = None
+    if args.kv_store:
+        from .blockstore import open_block_store
+
+        store = open_block_store(args.kv_store, namespace="int8kv-demo")  # a bad URL fails before the model loads
+    try:
+        return _demo(args, store, budget, formats)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvStorageFormat]) -> dict:
+    from .engine import LLM, SamplingParams
+    from .models import kv_dims, load_model
+
     progress.note("loading model ...")
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
     dims = kv_dims(model.config)
@@ -145,7 +164,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens)
     runs = {}
     for fmt in formats:
-        llm = LLM(model, kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts))
+        engine = dict(kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts), kv_store=store)
+        llm = LLM(model, **engine)
         llm.generate([prompt_ids[0][:8]], SamplingParams(max_tokens=2))  # compile kernels before timing
         start = time.perf_counter()
         outs = llm.generate(prompt_ids, params)
@@ -159,9 +179,22 @@ def run_demo(args: argparse.Namespace) -> dict:
             "kv_bytes": tokens * llm.kv_bytes_per_token(),
             "kv_bytes_per_token": llm.kv_bytes_per_token(),
         }
+        if store is not None:
+            llm.flush_kv_store(timeout=30)
+            fresh = LLM(model, **engine)  # an empty pool: the prompts' full blocks can only come from the store
+            start = time.perf_counter()
+            again = fresh.generate(prompt_ids, params)
+            runs[fmt.as_str()]["store_rerun"] = {
+                "seconds": time.perf_counter() - start,
+                "prompt_tokens": sum(map(len, prompt_ids)),
+                "store_hit_tokens": fresh.stats.store_hit_tokens,
+                "pool_hit_tokens": fresh.stats.prefix_hit_tokens,
+                "prefill_tokens": fresh.stats.prefill_tokens,
+                "identical": [o.token_ids for o in again] == [o.token_ids for o in outs],
+            }
     capacity = {fmt.as_str(): PagedKvCache.tokens_for_memory(budget, *dims, fmt) for fmt in KvStorageFormat}
     name = os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
-    return {"model": name, "prompts": prompts, "runs": runs,
+    return {"model": name, "prompts": prompts, "runs": runs, "kv_store": args.kv_store,
             "memory_budget": budget, "dims": dims, "capacity_tokens": capacity}
 
 
@@ -184,6 +217,15 @@ def format_demo(result: dict) -> str:
         agree = [a == b for a, b in zip(runs[INT8.as_str()]["token_ids"], runs["f16"]["token_ids"], strict=True)]
         lines.append(f"INT8 / F16 KV bytes: {ratio:.3f}")
         lines.append(f"greedy outputs identical: {'yes' if same else 'no'} ({sum(agree)}/{len(agree)} prompts)")
+    for name in names:
+        rerun = runs[name].get("store_rerun")
+        if rerun:
+            lines.append(
+                f"{name.split('_')[0]}: a fresh engine on {result['kv_store']} loaded {rerun['store_hit_tokens']} of "
+                f"{rerun['prompt_tokens']} prompt tokens from the store, reused {rerun['pool_hit_tokens']} from its "
+                f"own pool, prefilled {rerun['prefill_tokens']}, "
+                f"{rerun['seconds']:.2f} s; outputs identical: {'yes' if rerun['identical'] else 'no'}"
+            )
     gib = result["memory_budget"] / (1 << 30)
     lines.append(f"\ncontext that fits in {gib:g} GiB of KV memory (all layers, K and V):")
     for name, tokens in result["capacity_tokens"].items():

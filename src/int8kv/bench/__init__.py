@@ -8,6 +8,7 @@ BENCHMARKS = {
     "codec": "int8kv.bench.codec",
     "e2e": "int8kv.bench.e2e",
     "prefix": "int8kv.bench.prefix",
+    "store": "int8kv.bench.store",
     "store_io": "int8kv.bench.store_io",
     "serve": "int8kv.bench.serve",
     "slope": "int8kv.bench.slope",

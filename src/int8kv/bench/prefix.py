@@ -27,7 +27,7 @@ from ..cli_common import bench_parser
 from ..formats import KvStorageFormat
 from ..progress import progress
 from ..store import load_kv, model_fingerprint, save_kv
-from .timing import emit
+from .timing import emit, set_threads
 
 FORMATS = (KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, KvStorageFormat.F16)
 
@@ -42,24 +42,12 @@ def _best(fn: Any, repeat: int) -> tuple[float, Any]:
     return best, result
 
 
-def _set_threads(threads: int) -> None:
-    import numba
-
-    from ..codec import quantize_int8
-
-    # The numba kernels run on the OpenMP runtime torch also uses, and their first launch resets its thread
-    # count to numba's: launch once, then set both, so the count holds for the whole run.
-    quantize_int8(torch.ones(2, 8))
-    numba.set_num_threads(threads)
-    torch.set_num_threads(threads)
-
-
 def run(tokens: int = 1024, repeat: int = 3, model_path: str | None = None, threads: int | None = None) -> dict:
     from ..hf import Int8KvCache
     from ..models import load_model
 
     if threads is not None:
-        _set_threads(threads)
+        set_threads(threads)
 
     start = time.perf_counter()
     model, _ = load_model(model_path, quiet=True)

@@ -35,3 +35,16 @@ def emit(result: dict, text: str, json_path: str | None) -> dict:
     print(text)
     write_json(json_path, result)
     return result
+
+
+def set_threads(threads: int) -> None:
+    """Run torch and the numba kernels on ``threads`` threads for the rest of the process."""
+    import numba
+
+    from ..codec import quantize_int8
+
+    # The numba kernels run on the OpenMP runtime torch also uses, and their first launch resets its thread
+    # count to numba's: launch once, then set both, so the count holds for the whole run.
+    quantize_int8(torch.ones(2, 8))
+    numba.set_num_threads(threads)
+    torch.set_num_threads(threads)

@@ -7,7 +7,8 @@ socket in a private directory, no persistence (``save ""``, no AOF), a memory bo
 bounded start-up wait, stopped by its own pid at :meth:`ValkeyProcess.stop`, at interpreter exit (atexit) and,
 on Linux when started from the main thread, when this process dies (``PR_SET_PDEATHSIG``: a killed Python
 leaves no server behind).
-The test fixtures start their single node and cluster nodes with the same class.
+:class:`ValkeyCluster` forms several such servers into a Valkey Cluster on loopback (the tests' fixture and
+``python -m int8kv.bench store`` use it).
 
 URL: ``embedded`` (unix socket) or ``embedded?tcp=1&maxmemory=2gb`` (options: ``tcp``, ``maxmemory``).
 """
@@ -34,11 +35,12 @@ from typing import Any
 from .errors import StoreUnavailable
 from .redis import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, RedisBlockStore
 
-__all__ = ["EmbeddedValkeyStore", "ValkeyProcess", "free_port", "valkey_binaries"]
+__all__ = ["EmbeddedValkeyStore", "ValkeyCluster", "ValkeyProcess", "free_port", "valkey_binaries"]
 
 DEFAULT_MAXMEMORY = "1gb"
 START_TIMEOUT = 10.0
 STOP_TIMEOUT = 5.0
+CLUSTER_READY_TIMEOUT = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -249,6 +251,56 @@ class ValkeyProcess:
     def __repr__(self) -> str:
         where = self.socket_path if self.unix_socket else f"{self.host}:{self.port}"
         return f"ValkeyProcess({where}, pid={self.pid})"
+
+
+class ValkeyCluster:
+    """``size`` Valkey nodes on loopback formed into one cluster with no replicas (``cluster-enabled yes``,
+    ``valkey-cli --cluster create ... --cluster-replicas 0 --cluster-yes``), ready once every node reports
+    ``cluster_state:ok``; each node is stopped by its own pid at :meth:`stop`."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.nodes: list[ValkeyProcess] = []
+        try:
+            for _ in range(size):
+                config = {
+                    "cluster-enabled": "yes",
+                    "cluster-config-file": "nodes.conf",
+                    "cluster-port": str(free_port()),
+                    "cluster-node-timeout": "2000",
+                }
+                self.nodes.append(ValkeyProcess(config=config).start())
+            addresses = [f"{n.host}:{n.port}" for n in self.nodes]
+            self.nodes[0].cli("--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes")
+            self._wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + CLUSTER_READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes):
+                return
+            time.sleep(0.1)
+        raise StoreUnavailable(f"the cluster did not reach cluster_state:ok in {CLUSTER_READY_TIMEOUT:.0f} s")
+
+    @property
+    def url(self) -> str:
+        return "valkey+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.pid for n in self.nodes if n.pid is not None]
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def __enter__(self) -> ValkeyCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class EmbeddedValkeyStore(RedisBlockStore):

@@ -117,6 +117,19 @@ class PagedKvCache:
         self.allocator.add_sequence(seq_id, num_tokens)
         return self.slots(seq_id, 0, num_tokens)
 
+    def add_sequence_with_prefix(
+        self, seq_id: SeqId, num_tokens: int, block_keys: Sequence[bytes]
+    ) -> tuple[int, torch.Tensor]:
+        """Register a sequence reusing the registered blocks of its key chain (BlockAllocator.add_sequence);
+        returns the hit in tokens and the int64 slots of the positions left to compute, ``[hit, num_tokens)``."""
+        hit = self.allocator.add_sequence(seq_id, num_tokens, block_keys)
+        return hit, self.slots(seq_id, hit, num_tokens)
+
+    def register_blocks(self, seq_id: SeqId, block_keys: Sequence[bytes]) -> int:
+        """Key the sequence's first ``len(block_keys)`` blocks, full and written, for reuse; returns how many
+        got a key now (BlockAllocator.register_blocks)."""
+        return self.allocator.register_blocks(seq_id, block_keys)
+
     def grow(self, seq_id: SeqId, num_tokens: int) -> torch.Tensor:
         """Reserve `num_tokens` more positions (copying a shared partial block first); returns their slots."""
         start = self.allocator.context_len(seq_id)
@@ -157,11 +170,12 @@ class PagedKvCache:
         return block_tables, torch.tensor(lens, dtype=torch.int32, device=self.device)
 
     # -- state (see cache/state.py) ---------------------------------------------------
-    def export_state(self, seq_id: SeqId) -> KvState:
-        """The stored tokens of one sequence, in position order, as a batch-1 :class:`KvState`."""
+    def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> KvState:
+        """The stored tokens ``[start, end)`` of one sequence (all by default), in position order, as a batch-1
+        :class:`KvState`."""
         # Gathering by slot follows the block table, so the state holds the rows in position order whatever
         # blocks (shared, copied-on-write, scattered) the sequence occupies.
-        slots = self.slots(seq_id, 0, self.context_len(seq_id))
+        slots = self.slots(seq_id, start, end)
         rows = [self.pool.export_rows(layer, slots) for layer in range(self.num_layers)]
 
         def group(kv: int, part: int) -> list[torch.Tensor] | None:
@@ -174,20 +188,36 @@ class PagedKvCache:
     def import_state(self, seq_id: SeqId, state: KvState) -> torch.Tensor:
         """Create sequence ``seq_id`` holding a batch-1 ``state``; returns its slots. Atomic: on any error
         (layout, existing id, too few free blocks) nothing is allocated or written."""
-        KvState.check_single(state, self.layout, "a paged sequence")
-        moved = [
-            None if g is None else [t[0].to(self.device) for t in g]
-            for g in (state.k_codes, state.v_codes, state.k_scales, state.v_scales)
-        ]
+        moved = self._state_rows(state)
         slots = self.add_sequence(seq_id, state.length)  # raises before allocating if it cannot
         try:
-            for layer in range(self.num_layers):
-                k, v, ks, vs = (None if g is None else g[layer] for g in moved)
-                self.pool.write_rows(layer, slots, (k, ks), (v, vs))
+            self._write_state_rows(slots, moved)
         except BaseException:
             self.free(seq_id)  # the rows written so far sit in blocks that go back to the pool
             raise
         return slots
+
+    def write_state(self, seq_id: SeqId, start: int, state: KvState) -> torch.Tensor:
+        """Write a batch-1 ``state`` at positions ``[start, start + state.length)`` of a sequence, which must
+        already hold them (e.g. blocks reserved by `add_sequence_with_prefix` for a prefix loaded from a block
+        store); returns their slots. Checks layout, batch and range before writing anything."""
+        moved = self._state_rows(state)
+        slots = self.slots(seq_id, start, start + state.length)
+        self._write_state_rows(slots, moved)
+        return slots
+
+    def _state_rows(self, state: KvState) -> list[list[torch.Tensor] | None]:
+        """The state's per-layer tensors (k_codes, v_codes, k_scales, v_scales), batch row 0, on this device."""
+        KvState.check_single(state, self.layout, "a paged sequence")
+        return [
+            None if g is None else [t[0].to(self.device) for t in g]
+            for g in (state.k_codes, state.v_codes, state.k_scales, state.v_scales)
+        ]
+
+    def _write_state_rows(self, slots: torch.Tensor, moved: list[list[torch.Tensor] | None]) -> None:
+        for layer in range(self.num_layers):
+            k, v, ks, vs = (None if g is None else g[layer] for g in moved)
+            self.pool.write_rows(layer, slots, (k, ks), (v, vs))
 
     # -- rows -------------------------------------------------------------------------------------------
     def check_layer(self, layer: int) -> int:

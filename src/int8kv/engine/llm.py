@@ -3,6 +3,10 @@
     llm = LLM(model, kv_format="int8", memory="512MiB")
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
+Prefix caching is on by default (full blocks keyed by a SHA-256 chain rooted in the model's fingerprint,
+cache/prefix.py); `kv_store="embedded" | "disk:/path" | "redis://host:6379/0" | ...` adds a block store shared
+with other processes (engine/store_tier.py). `close()` (or `with LLM(...) as llm:`) flushes and closes it.
+
 Error contract (docs/design.md, "Engine error contract"): everything a request can be refused for is checked
 before any request of the call is queued (typed `InvalidRequest` / `KvPoolExhausted`, nothing changed); an
 error that still happens inside a step fails only the request that causes it (`finish_reason == "error"`),
@@ -16,12 +20,16 @@ import numbers
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
+from ..blockstore import BlockSpec, BlockStore
+from ..blockstore.base import check_namespace
+from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from ..formats import KvStorageFormat
@@ -30,6 +38,7 @@ from .runner import ModelRunner
 from .sampler import make_generator, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
+from .store_tier import StoreTier
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -115,10 +124,22 @@ class EngineStats:
     decode_phase_steps: int = 0
     decode_phase_tokens: int = 0
     decode_phase_seconds: float = 0.0
+    # Prefix caching, counted at admission: tokens of full blocks offered as keys, of those found in the pool,
+    # and loaded from the block store (neither is in prefill_tokens); store fetches that fell short or failed.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    store_hit_tokens: int = 0
+    store_faults: int = 0
 
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_phase_tokens / self.decode_phase_seconds if self.decode_phase_seconds else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """(pool + store hit tokens) / queried tokens; 0.0 before any query."""
+        hits = self.prefix_hit_tokens + self.store_hit_tokens
+        return hits / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
 class LLM:
@@ -131,9 +152,29 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         tokenizer=None,
+        prefix_caching: bool = True,
+        kv_store: str | BlockStore | bool | None = None,
+        kv_namespace: str = "int8kv",
+        model_id: str | None = None,
     ) -> None:
+        """`kv_store`: a block store URL (`True` is "embedded") or an open BlockStore (left open); it needs
+        prefix caching. `model_id` replaces the weights' SHA-256 in the key root (the model fingerprint,
+        int8kv.store.model_fingerprint): equal ids must mean equal K/V."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
+        self._closer = None
         budget = parse_bytes(memory)
+        if not isinstance(prefix_caching, bool):
+            raise InvalidEngineConfig(f"prefix_caching must be a bool, got {prefix_caching!r}")
+        if kv_store is True:
+            kv_store = "embedded"
+        if kv_store is not None and kv_store is not False:
+            if not isinstance(kv_store, str | BlockStore):
+                raise InvalidEngineConfig(f"kv_store must be a URL, a BlockStore or None, got {kv_store!r}")
+            if not prefix_caching:
+                raise InvalidEngineConfig("kv_store needs prefix_caching=True (blocks are found by their keys)")
+            check_namespace(kv_namespace)  # InvalidBlockKey
+        if model_id is not None and (not isinstance(model_id, str) or not model_id):
+            raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
         positive_int(max_num_seqs, "max_num_seqs", InvalidEngineConfig)
         positive_int(max_num_batched_tokens, "max_num_batched_tokens", InvalidEngineConfig)
@@ -165,7 +206,18 @@ class LLM:
             self.cache = m.make_cache(num_blocks, block_size, self.format)
         except (RuntimeError, MemoryError) as e:  # the allocator refused (memory taken by other processes)
             raise InvalidEngineConfig(f"cannot allocate the pool for memory budget {memory!r}: {e}") from None
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        hasher, tier, self.fingerprint = None, None, None
+        if prefix_caching:
+            from ..store import model_fingerprint
+
+            self.fingerprint = model_fingerprint(hf_model, model_id).digest
+            hasher = PrefixHasher(self.cache.layout, self.fingerprint, block_size)
+            if kv_store:
+                spec = BlockSpec(self.cache.layout, block_size, self.fingerprint)
+                tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace)
+                self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
+        self.kv_store = tier.store if tier is not None else None
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier)
         self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).
@@ -250,6 +302,25 @@ class LLM:
                 return torch.cat(out)
             finally:
                 self.cache.free(seq.seq_id)
+
+    def flush_kv_store(self, timeout: float | None = None) -> bool:
+        """Wait until the blocks queued for the KV store are written; False if `timeout` passed first."""
+        tier = self.scheduler.tier
+        return True if tier is None else tier.flush(timeout)
+
+    def close(self) -> None:
+        """Flush (at most 5 s) and close the KV store this engine opened, and its embedded server; idempotent.
+        The engine keeps working without a store."""
+        with self._lock:
+            self.scheduler.tier = None
+            if self._closer is not None:
+                self._closer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def kv_bytes_per_token(self) -> int:
         m = self.model
@@ -412,6 +483,11 @@ class LLM:
         s.failed_requests += sum(e is not None for e in errors)
         s.preemptions += self.scheduler.num_preemptions - preempted
         s.seconds += elapsed
+        for item in batch:
+            s.prefix_queried_tokens += item.queried_tokens
+            s.prefix_hit_tokens += item.hit_tokens
+            s.store_hit_tokens += item.store_tokens
+            s.store_faults += item.store_faults
         if decode_phase:
             s.decode_phase_steps += 1
             s.decode_phase_tokens += generated

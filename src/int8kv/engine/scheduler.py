@@ -5,6 +5,12 @@ an unfinished prefill continues in chunks); waiting ones join while budget, sequ
 last. When the pool cannot hold a running sequence's next tokens, the most recently admitted one is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
 A sequence leaves by `finish` (complete) or `fail` (an error isolated to it); both free its blocks.
+
+Prefix caching (with a `PrefixHasher`): a waiting sequence is admitted with the longest run of its full
+blocks already registered in the pool, then (with a `StoreTier`) the next run found in the block store,
+loaded into newly reserved blocks; only the rest is computed and counts against the token budget. Blocks are
+registered (and pushed to the store) in `advance`, as soon as a step has filled them, before the sequence
+can finish or be preempted, so a preempted sequence hits its own blocks when it comes back.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..cache.paged import PagedKvCache
+from ..cache.prefix import PrefixHasher
 from ..errors import InvalidEngineConfig, KvPoolExhausted
 from .sequence import Sequence, Status, positive_int
+from .store_tier import StoreTier
 
 
 @dataclass
@@ -25,14 +33,28 @@ class Scheduled:
     # One generated token fed back (not a prompt token, not a recomputation after preemption); fixed when
     # scheduled, since the sequence's state moves on during the step.
     is_decode: bool = field(init=False)
+    # Admission only: prefix tokens offered as keys, found in the pool, loaded from the store, and store faults.
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    store_tokens: int = 0
+    store_faults: int = 0
 
     def __post_init__(self) -> None:
         self.is_decode = self.num_tokens == 1 and self.seq.is_decoding
 
 
 class Scheduler:
-    def __init__(self, cache: PagedKvCache, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: PagedKvCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        hasher: PrefixHasher | None = None,
+        tier: StoreTier | None = None,
+    ) -> None:
         self.cache = cache
+        self.hasher = hasher  # None: no prefix caching
+        self.tier = tier  # None: no block store (needs a hasher)
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs", InvalidEngineConfig)
         self.max_num_batched_tokens = positive_int(
             max_num_batched_tokens, "max_num_batched_tokens", InvalidEngineConfig
@@ -79,17 +101,63 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncached, budget)
-            if self.cache.allocator.blocks_for_tokens(n) > self.cache.num_free_blocks:
+            item = self._admit(seq, budget) if self.hasher is not None else self._admit_plain(seq, budget)
+            if item is None:
                 break
             self.waiting.popleft()
-            self.cache.add_sequence(seq.seq_id, 0)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._grow(seq, n)
-            batch.append(Scheduled(seq, n))
-            budget -= n
+            batch.append(item)
+            budget -= item.num_tokens
         return batch
+
+    def _admit_plain(self, seq: Sequence, budget: int) -> Scheduled | None:
+        n = min(seq.num_uncached, budget)
+        if self.cache.allocator.blocks_for_tokens(n) > self.cache.num_free_blocks:
+            return None
+        self.cache.add_sequence(seq.seq_id, 0)
+        self._grow(seq, n)
+        return Scheduled(seq, n)
+
+    def _admit(self, seq: Sequence, budget: int) -> Scheduled | None:
+        """Register `seq` with its prefix hit (pool, then store) and the slots of its first chunk; None (and
+        nothing changed) when the pool cannot hold it now."""
+        alloc, bs, length = self.cache.allocator, self.cache.block_size, len(seq)
+        keys = self.keys(seq, length // bs)
+        hit = alloc.match_prefix(keys, length)
+        if not alloc.can_add(hit + min(length - hit, budget), keys):
+            return None
+        stored, state, faults = 0, None, 0
+        if self.tier is not None and hit // bs < (length - 1) // bs:
+            before = self.tier.faults
+            state = self.tier.fetch(keys[hit // bs : (length - 1) // bs])  # never all: a token is left to compute
+            faults = self.tier.faults - before
+            stored = 0 if state is None else state.length
+            # Keep only what fits next to the first chunk (the check above guarantees that zero blocks fit).
+            while stored and not alloc.can_add(hit + stored + min(length - hit - stored, budget), keys):
+                stored -= bs
+        n = min(length - hit - stored, budget)
+        got, slots = self.cache.add_sequence_with_prefix(seq.seq_id, hit + stored + n, keys)
+        assert got == hit, "the allocator changed between match_prefix and add_sequence"
+        if stored:
+            try:
+                self.cache.write_state(seq.seq_id, hit, state if stored == state.length else state.slice(0, stored))
+                self.cache.register_blocks(seq.seq_id, keys[: (hit + stored) // bs])
+            except BaseException:
+                self.cache.free(seq.seq_id)  # not admitted: no block stays reserved
+                raise
+        seq.num_cached = hit + stored
+        seq.num_registered = seq.num_cached // bs
+        seq.slots = slots[stored:]
+        return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_tokens=stored,
+                         store_faults=faults)  # fmt: skip
+
+    def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix keys of `seq`'s first `num_blocks` full blocks, hashing only those not known yet."""
+        if len(seq.block_keys) < num_blocks:
+            bs = self.cache.block_size
+            seq.block_keys = self.hasher.block_keys(seq.token_slice(0, num_blocks * bs), seq.block_keys)
+        return seq.block_keys
 
     def in_decode_phase(self, batch: list[Scheduled]) -> bool:
         """True when this step decodes the whole batch: every request queued since the scheduler was last idle
@@ -114,6 +182,11 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, n: int) -> None:
+        alloc, length = self.cache.allocator, self.cache.context_len(seq.seq_id)
+        new_blocks = alloc.blocks_for_tokens(length + n) - alloc.blocks_for_tokens(length)
+        if alloc.blocks_needed(seq.seq_id, n) > new_blocks:
+            # Copy-on-write will replace the shared partial last block: the runner re-reads that entry.
+            seq.num_table_blocks = min(seq.num_table_blocks, length // self.cache.block_size)
         seq.slots = self.cache.grow(seq.seq_id, n)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -128,8 +201,16 @@ class Scheduler:
 
     def advance(self, item: Scheduled) -> bool:
         """The step computed `item`'s tokens; True when the sequence is now fully cached (a token is due)."""
-        item.seq.num_cached += item.num_tokens
-        return item.seq.num_uncached == 0
+        seq = item.seq
+        seq.num_cached += item.num_tokens
+        full = seq.num_cached // self.cache.block_size
+        if self.hasher is not None and full > seq.num_registered:
+            keys = self.keys(seq, full)
+            self.cache.register_blocks(seq.seq_id, keys[:full])
+            if self.tier is not None:
+                self.tier.push(seq.seq_id, keys, seq.num_registered, full)
+            seq.num_registered = full
+        return seq.num_uncached == 0
 
     def finish(self, seq: Sequence) -> None:
         self._remove(seq)

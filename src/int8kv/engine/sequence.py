@@ -88,6 +88,11 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None  # this request's sampling randomness (None when greedy)
+    # Prefix-cache keys of the full blocks of `tokens` computed so far (cache/prefix.py); they depend on the
+    # tokens only, so they are kept across preemption. The first `num_registered` blocks of the current
+    # admission are keyed in the allocator (hit, loaded from a store, or computed and registered since).
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
 
     @property
     def tokens(self) -> list[int]:

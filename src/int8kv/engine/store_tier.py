@@ -1,0 +1,101 @@
+"""The engine's shared tier: full prefix blocks loaded from, and pushed to, a KV block store.
+
+    tier = StoreTier.open("embedded" | "disk:/path" | "redis://host:6379/0" | store, spec, cache)
+    state = tier.fetch(keys)               # the longest verified run of `keys` the store holds, or None
+    tier.push(seq_id, keys, first, last)   # blocks [first, last) of a sequence, queued for the store
+
+The scheduler asks `fetch` for the full blocks of a prompt that the local pool does not hold (one pipelined
+lookup, then one get of those values, verified by the codec before anything is allocated) and writes the
+result into the sequence's newly reserved blocks; `push` exports a sequence's newly computed full blocks
+through the cache's public `export_state`, encodes them and hands them to the bounded background writer, so
+the network write is off the step's path. A store fault of any kind (refused connection, timeout, eviction
+between lookup and get, damaged or foreign value, even an unexpected exception) is a miss: `fetch` returns
+what it could verify (or None), the rest is recomputed, the fault is counted, and a request never sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from ..blockstore import BackgroundWriter, BlockSpec, BlockStore, encode_block, open_block_store
+from ..cache.paged import PagedKvCache
+from ..cache.state import KvState
+
+logger = logging.getLogger("int8kv.engine")
+
+#: Seconds between two engine log lines about store faults (the store logs its own, rate-limited too).
+LOG_INTERVAL = 10.0
+
+
+class StoreTier:
+    """A block store seen by one engine: `fetch` for admission, `push` for filled blocks, `close` at the end."""
+
+    def __init__(self, store: BlockStore, spec: BlockSpec, cache: PagedKvCache, owned: bool = True) -> None:
+        self.store = store
+        self.spec = spec
+        self.cache = cache
+        self.owned = owned  # opened from a URL by the engine, so closed with it
+        self.writer = BackgroundWriter(store)
+        self.faults = 0  # fetches that delivered fewer blocks than the lookup promised, or raised
+        self.pushed_blocks = 0
+        self._last_log = float("-inf")
+
+    @classmethod
+    def open(cls, store: str | BlockStore, spec: BlockSpec, cache: PagedKvCache, namespace: str) -> StoreTier:
+        """A tier over a store URL (opened here, closed with the tier) or an open store (left open)."""
+        if isinstance(store, BlockStore):
+            return cls(store, spec, cache, owned=False)
+        opened = open_block_store(store, namespace=namespace)  # InvalidStoreUrl / StoreUnavailable
+        try:
+            return cls(opened, spec, cache)
+        except BaseException:
+            opened.close()
+            raise
+
+    def fetch(self, keys: Sequence[bytes]) -> KvState | None:
+        """The batch-1 state of the longest run of ``keys`` (a chain continuing the local hit) that the store
+        holds and that passes every check, ``n * block_size`` tokens, or None. Never raises."""
+        if not keys:
+            return None
+        try:
+            found = self.store.lookup(keys)
+            state = self.store.get_prefix(keys[:found], self.spec) if found else None
+        except Exception as exc:  # noqa: BLE001 - a store must never fail a request
+            self._fault(f"fetch raised {type(exc).__name__}: {exc}")
+            return None
+        got = 0 if state is None else state.length // self.spec.block_size
+        if got < found:  # evicted since the lookup, damaged, another version or model, or the call failed
+            self._fault(f"the store listed {found} block(s) and delivered {got}; recomputing the rest")
+        return state
+
+    def push(self, seq_id: object, keys: Sequence[bytes], first: int, last: int) -> None:
+        """Queue blocks ``[first, last)`` of a sequence (full and written) for the store. Never raises."""
+        if last <= first:
+            return
+        bs = self.spec.block_size
+        try:
+            state = self.cache.export_state(seq_id, first * bs, last * bs)
+            for i in range(last - first):
+                self.writer.submit(keys[first + i], encode_block(self.spec, state.slice(i * bs, (i + 1) * bs)))
+            self.pushed_blocks += last - first
+        except Exception as exc:  # noqa: BLE001
+            self._fault(f"push raised {type(exc).__name__}: {exc}")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the queued pushes are written; False if ``timeout`` seconds passed first."""
+        return self.writer.flush(timeout)
+
+    def close(self) -> None:
+        """Flush the writer (at most 5 s) and close the store if the engine opened it. Idempotent."""
+        self.writer.close()
+        if self.owned:
+            self.store.close()
+
+    def _fault(self, message: str) -> None:
+        self.faults += 1
+        now = time.monotonic()
+        if now - self._last_log >= LOG_INTERVAL:
+            self._last_log = now
+            logger.warning("int8kv engine: KV store miss (%s): %.300s", self.store, message)
