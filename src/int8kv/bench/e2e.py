@@ -113,8 +113,10 @@ def _peers(model, tokenizer, ids: list[int], batch: int, new_tokens: int) -> dic
         context = len(ids)
         per_token = KvLayout.from_config(model.config, fmt).bytes_per_token
         memory = int(1.1 * batch * (context + new_tokens) * per_token) + (16 << 20)
+        # No prefix caching: the batch is copies of one prompt and runs repeat it, so cached blocks would let
+        # the engine's sequences share K/V pages (and skip prefill) that transformers' copies each hold apart.
         llm = LLM(model, kv_format=fmt, memory=memory, max_num_seqs=batch,
-                  max_num_batched_tokens=batch * context, tokenizer=tokenizer)
+                  max_num_batched_tokens=batch * context, tokenizer=tokenizer, prefix_caching=False)
         engine_decode(llm, ids[:64], batch, 3)  # compile (or load) the kernels outside the timings
         return lambda: engine_decode(llm, ids, batch, new_tokens)
 
