@@ -160,10 +160,6 @@ class KvState:
             raise ShapeMismatch(f"{owner} holds one sequence; the state holds {state.batch}")
         return state
 
-    def nbytes(self) -> int:
-        """Bytes of codes and scales held (batch x length x bytes per token)."""
-        return self.batch * self.length * self.layout.bytes_per_token
-
     def slice(self, start: int, end: int) -> KvState:
         """Positions ``[start, end)`` of every sequence (views, no copy)."""
         if not 0 <= start <= end <= self.length:

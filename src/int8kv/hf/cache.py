@@ -144,12 +144,6 @@ class Int8KvLayer(CacheLayerMixin):
         self.seq_len = length
         self.is_initialized = True
 
-    def set_storage(
-        self, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor | None, vs: torch.Tensor | None, length: int
-    ) -> None:
-        """:meth:`storage_from` then :meth:`adopt`."""
-        self.adopt(self.storage_from(k, v, ks, vs), length)
-
     # -- writing ---------------------------------------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
