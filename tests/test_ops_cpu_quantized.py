@@ -201,6 +201,22 @@ def test_thread_choice_follows_the_measured_costs():
     assert choice.parallel(big, 1) is False and choice.parallel(0, 2) is False
 
 
+def test_thread_choice_ignores_calls_that_compiled():
+    """A call that compiled a kernel (seconds=None) teaches nothing: one 0.2 s compile taken as a measurement
+    once made every later call parallel."""
+    choice = cpu.ThreadChoice()
+    choice.wait = {True: math.inf, False: math.inf}
+    assert choice.parallel(10**6, 2) is False
+    choice.record(False, 10**6, 2, None)
+    assert choice.per_unit is None and choice.parallel(10**6, 2) is False
+    choice.record(False, 10**6, 2, 1e-3)
+    assert choice.parallel(10**6, 2) is True
+    choice.record(True, 10**6, 2, None)
+    assert choice.wake == 0.0
+    choice.record(True, 10**6, 2, 5e-3)  # measured: the second thread costs more than it saves
+    assert choice.parallel(10**6, 2) is False
+
+
 def test_thread_choice_explores_both_modes_and_backs_off():
     choice = cpu.ThreadChoice()
     choice.EXPLORE = 4

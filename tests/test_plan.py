@@ -135,9 +135,9 @@ def test_cpu_work_items_are_built_once_per_plan(monkeypatch):
     built = []
     real = cpu_backend._work
 
-    def counted(plan, group):
+    def counted(plan, group, threads):
         built.append(group)
-        return real(plan, group)
+        return real(plan, group, threads)
 
     monkeypatch.setattr(cpu_backend, "_work", counted)
     plan = plan_attention(c.pool, tables, context)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import numba
 import numpy as np
@@ -26,6 +27,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
+from . import cpu_simd
 from .plan import AttentionPlan
 
 __all__ = ["attend", "quantize_query"]
@@ -34,6 +36,8 @@ TILE = 64  # key positions per online-softmax step: long enough for vector loops
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 _NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
+_NO_PARTS = np.empty((0, 0, 0), np.float32)  # split states of a call without splits
+_NO_PARTS_ACC = np.empty((0, 0, 0, 0), np.float32)
 # A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
 # (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
 # 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
@@ -297,24 +301,25 @@ def _key_tile_impl(q, tile):
 
 
 @njit(fastmath=True, cache=True)
-def _attend_item(q, q_scale, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+def _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
     """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, limit) of one
     sequence. State per (KV head, row of its group): running max m, sum denom, unnormalised output acc.
     q is float32 (exact path; q_scale is empty) or int16 holding int8 codes with one float32 scale per
-    (row, head) in q_scale (quantized-query path, INT8 caches only: q . k runs in int32)."""
+    (row, head) in q_scale (quantized-query path, INT8 caches only: q . k runs in int32). sm: the softmax
+    scale, applied with the key scales to each tile's raw scores (never to a copy of q)."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
     rows = nrows * g
     qr = np.empty((hkv, rows, d), q.dtype)
-    qs = np.ones((hkv, rows), np.float32)
+    qs = np.full((hkv, rows), sm, np.float32)
     limit = np.empty(rows, np.int64)
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
                 qr[h, i * g + j] = q[row0 + i, h * g + j]
                 if q_scale.shape[0]:
-                    qs[h, i * g + j] = q_scale[row0 + i, h * g + j]
+                    qs[h, i * g + j] = q_scale[row0 + i, h * g + j] * sm
     for i in range(nrows):
         for j in range(g):
             limit[i * g + j] = min(row_limits[row0 + i], hi)
@@ -373,22 +378,143 @@ def _attend_item(q, q_scale, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_lim
         p0 += nt
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, q_scale, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
-    """items[i] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to `out`;
-    several: the unnormalised state (m, l, acc) of each split goes to part_* for `_merge_kernel`."""
+@njit(fastmath=True, inline="always")
+def _dot_codes(qv, krow):
+    """q . k for one key row of codes (int8, or F16 bits as int16), in float32."""
+    total = np.float32(0.0)
+    for i in range(qv.shape[0]):
+        total += qv[i] * _code_to_f32(krow[i])
+    return total
+
+
+@njit(fastmath=True, inline="always")
+def _scale_of(scales, block_id, offset, h):
+    if scales is None:
+        return np.float32(1.0)
+    return scales[block_id, offset, h]
+
+
+@njit(fastmath=True, cache=True)
+def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
+    """Attention of one query row (all heads; float32 q; sm the softmax scale) over keys [lo, hi) of one
+    sequence, the decode fast path. Keys go TILE at a time: runs of 16 keys inside one block through the vector
+    kernels of `cpu_simd` (scores, then p . v), the rest (a run cut short by a block's end or the range's) one
+    key at a time. State as in `_attend_item` with nrows = 1: m, denom [hkv, g], acc [hkv, g, d]."""
+    hkv = kc.shape[2]
+    d = kc.shape[3]
+    bs = kc.shape[1]
+    g = q.shape[1] // hkv
+    kflat = kc.reshape(-1)
+    vflat = vc.reshape(-1)
+    qrow = q[row]
+    qflat = qrow.reshape(-1)
+    accflat = acc.reshape(-1)
+    s = np.empty((hkv, g, TILE), np.float32)
+    sflat = s.reshape(-1)
+    k_scale = np.empty((hkv, TILE), np.float32)
+    v_scale = np.empty((hkv, TILE), np.float32)
+    kbuf = np.empty(cpu_simd.LANES * d, np.float32)
+    m[:] = NEG
+    denom[:] = 0.0
+    acc[:] = 0.0
+    row_stride = hkv * d
+    lanes = cpu_simd.LANES
+    p0 = lo
+    while p0 < hi:
+        nt = min(TILE, hi - p0)
+        t = 0
+        while t < nt:  # scores of the tile, and both scales
+            index = (p0 + t) // bs
+            offset = p0 + t - index * bs
+            block_id = table[index]
+            run = min(bs - offset, nt - t)
+            for j in range(run):
+                for h in range(hkv):
+                    k_scale[h, t + j] = _scale_of(ks, block_id, offset + j, h)
+                    v_scale[h, t + j] = _scale_of(vs, block_id, offset + j, h)
+            if run >= lanes:
+                run = lanes
+                base = (block_id * bs + offset) * row_stride
+                for h in range(hkv):
+                    cpu_simd.qk16(qflat, h * g * d, kflat, base + h * d, row_stride, sflat, h * g * TILE + t,
+                                  TILE, g, d, kbuf)
+            else:
+                for j in range(run):
+                    for h in range(hkv):
+                        krow = kc[block_id, offset + j, h]
+                        for r in range(g):
+                            s[h, r, t + j] = _dot_codes(qrow[h * g + r], krow)
+            t += run
+        for h in range(hkv):
+            for r in range(g):
+                _softmax_step(s[h, r], k_scale[h], sm, nt, r, m[h], denom[h], acc[h])
+                w = s[h, r]
+                vsc = v_scale[h]
+                for j in range(nt):  # p_t * s_v,t: the value scales folded into the weights
+                    w[j] *= vsc[j]
+        t = 0
+        while t < nt:  # p . v
+            index = (p0 + t) // bs
+            offset = p0 + t - index * bs
+            block_id = table[index]
+            run = min(bs - offset, nt - t)
+            if run >= lanes:
+                run = lanes
+                base = (block_id * bs + offset) * row_stride
+                for h in range(hkv):
+                    cpu_simd.pv16(sflat, h * g * TILE + t, TILE, vflat, base + h * d, row_stride, accflat,
+                                  h * g * d, g, d)
+            else:
+                for j in range(run):
+                    for h in range(hkv):
+                        vrow = vc[block_id, offset + j, h]
+                        for r in range(g):
+                            weight = s[h, r, t + j]
+                            a = acc[h, r]
+                            for i in range(d):
+                                a[i] += weight * _code_to_f32(vrow[i])
+            t += run
+        p0 += nt
+
+
+def _attend_one(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+    """One work item: `_attend_row` for a single float32 query row whose head_dim the vector kernels take,
+    `_attend_item` otherwise (typed by the overload below)."""
+    raise NotImplementedError
+
+
+@overload(_attend_one, inline="always")
+def _attend_one_impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+    if q.dtype != types.float32:  # the quantized-query path has its own integer loops
+        return lambda q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc: (
+            _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc))
+
+    def impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+        if nrows == 1 and kc.shape[3] % cpu_simd.LANES == 0:
+            _attend_row(q, sm, kc, ks, vc, vs, table, row0, lo, min(hi, row_limits[row0]), m, denom, acc)
+        else:
+            _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc)
+
+    return impl
+
+
+@njit(fastmath=True, inline="always")
+def _run_worker(w, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l, part_acc):
+    """Worker w's items: items[i] = (sequence, row0, nrows, key lo, key hi, split) for i in lists[w]..lists[w + 1]
+    (a precomputed balanced assignment, so the schedule needs no shared counter). One split: normalised rows go
+    to `out`; several: the unnormalised state (m, l, acc) of each split goes to part_* for `_merge_kernel`."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
     direct = part_m.shape[0] == 0
-    for it in prange(items.shape[0]):
+    for it in range(lists[w], lists[w + 1]):
         seq, row0, nrows = items[it, 0], items[it, 1], items[it, 2]
         lo, hi, split = items[it, 3], items[it, 4], items[it, 5]
         rows = nrows * g
         m = np.empty((hkv, rows), np.float32)
         denom = np.empty((hkv, rows), np.float32)
         acc = np.empty((hkv, rows, d), np.float32)
-        _attend_item(q, q_scale, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
+        _attend_one(q, q_scale, sm, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
         for h in range(hkv):
             for i in range(nrows):
                 for j in range(g):
@@ -406,10 +532,29 @@ def _attention_kernel(q, q_scale, kc, ks, vc, vs, tables, items, row_limits, out
 
 
 @njit(parallel=True, fastmath=True, cache=True)
+def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
+                      part_acc):
+    """All workers' items, one thread each (see `_run_worker`)."""
+    for w in prange(lists.shape[0] - 1):
+        _run_worker(w, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
+                    part_acc)
+
+
+@njit(fastmath=True, cache=True)
+def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
+                      part_acc):
+    """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
+    for w in range(lists.shape[0] - 1):
+        _run_worker(w, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
+                    part_acc)
+
+
+@njit(fastmath=True, cache=True)
 def _merge_kernel(part_m, part_l, part_acc, out):
-    """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s."""
+    """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. A few microseconds
+    of work: never worth waking the thread pool."""
     nsplit, n, hq, d = part_acc.shape
-    for w in prange(n * hq):
+    for w in range(n * hq):
         row = w // hq
         head = w % hq
         mx = NEG
@@ -432,35 +577,59 @@ def _merge_kernel(part_m, part_l, part_acc, out):
 
 
 # -- host side ----------------------------------------------------------------------------------------------
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> {layer: numpy views}
+
+
 def _layer_arrays(pool: KvPool, layer: int) -> tuple:
-    """Zero-copy numpy views of one layer; F16 codes are viewed as int16 bits."""
-    kc, vc, ks, vs = pool.layer_tensors(layer)
-    if not pool.format.is_quantized:
-        kc, vc = kc.view(torch.int16), vc.view(torch.int16)
-    return (kc.numpy(), None if ks is None else ks.numpy(), vc.numpy(), None if vs is None else vs.numpy())
+    """Zero-copy numpy views of one layer; F16 codes are viewed as int16 bits. Kept per pool (a pool's tensors
+    live as long as it does): building them cost 2.3 us per layer call, a tenth of a 512-token decode."""
+    views = _VIEWS.get(pool)
+    if views is None:
+        views = _VIEWS[pool] = {}
+    arrays = views.get(layer)
+    if arrays is None:
+        kc, vc, ks, vs = pool.layer_tensors(layer)
+        if not pool.format.is_quantized:
+            kc, vc = kc.view(torch.int16), vc.view(torch.int16)
+        arrays = views[layer] = (kc.numpy(), None if ks is None else ks.numpy(), vc.numpy(),
+                                 None if vs is None else vs.numpy())
+    return arrays
 
 
-def _num_splits(sequences: int, longest: int) -> int:
-    """Key ranges per sequence so that about four work items exist per thread (the cores stay busy even when
-    a few long sequences dominate), but none shorter than MIN_SPLIT_KEYS."""
-    want = math.ceil(4 * numba.get_num_threads() / max(sequences, 1))
+def _num_splits(sequences: int, longest: int, threads: int) -> int:
+    """Key ranges per sequence so that about two work items exist per thread (the fixed assignment can then
+    even out a few long sequences), but none shorter than MIN_SPLIT_KEYS."""
+    want = math.ceil(2 * threads / max(sequences, 1))
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
 
-def _sort_items(items: np.ndarray, row_limits: np.ndarray) -> tuple[np.ndarray, int]:
-    """Longest first, so the dynamic schedule finishes with short items (less tail imbalance); also returns the
-    total (query row, key) pairs, an upper bound of the work."""
+def _assign_items(items: np.ndarray, row_limits: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Items regrouped by worker, longest first to the least loaded (greedy LPT: within 4/3 of the best split),
+    ``(items, lists, pairs)``: worker w runs items lists[w]..lists[w + 1]; pairs is the total (query row, key)
+    pairs, an upper bound of the work. A fixed assignment replaces numba's dynamic schedule, whose
+    `parallel_chunksize` context cost 2.5 us per call."""
     last_row = items[:, 1] + np.maximum(items[:, 2], 1) - 1
     ends = np.minimum(row_limits[np.minimum(last_row, len(row_limits) - 1)], items[:, 4])
     cost = np.maximum(ends - items[:, 3], 0) * items[:, 2]
-    return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")]), int(cost.sum())
+    order = np.argsort(-cost, kind="stable")
+    load = [0] * workers
+    owner = np.empty(len(items), np.int64)
+    for i in order:
+        w = min(range(workers), key=load.__getitem__)
+        owner[i] = w
+        load[w] += int(cost[i]) + 1
+    grouped = np.lexsort((np.argsort(order, kind="stable"), owner))  # by worker, longest first within one
+    lists = np.zeros(workers + 1, np.int64)
+    np.cumsum(np.bincount(owner, minlength=workers), out=lists[1:])
+    return np.ascontiguousarray(items[grouped]), lists, int(cost.sum())
 
 
-def _decode_items(lens: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, int]:
+def _decode_items(lens: np.ndarray, starts: np.ndarray, threads: int) -> tuple[np.ndarray, int]:
     batch = len(lens)
     span = np.maximum(lens - starts, 0)
-    splits = _num_splits(batch, int(span.max(initial=0)))
+    splits = _num_splits(batch, int(span.max(initial=0)), threads)
     chunk = -(-span // splits)
+    chunk = -(-chunk // cpu_simd.LANES) * cpu_simd.LANES  # whole 16-key runs, so blocks of 16 stay aligned
     seq = np.repeat(np.arange(batch), splits)
     split = np.tile(np.arange(splits), batch)
     lo = starts[seq] + split * chunk[seq]
@@ -538,7 +707,12 @@ class ThreadChoice:
             return other
         return best
 
-    def record(self, parallel: bool, work: int, threads: int, seconds: float) -> None:
+    def record(self, parallel: bool, work: int, threads: int, seconds: float | None) -> None:
+        """What a call in mode `parallel` took; None: it compiled a kernel, so it says nothing of either mode
+        (tried again at the next call)."""
+        if seconds is None:
+            self.exploring = None
+            return
         self.last[parallel] = self.calls
         if work <= 0:
             return
@@ -558,39 +732,42 @@ _THREADS = ThreadChoice()
 
 
 def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple) -> torch.Tensor:
-    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs)`` of the plan."""
-    items, row_limits, splits, pairs = work
-    out = torch.zeros(q.shape, dtype=torch.float32)
+    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs, lists)`` of the plan."""
+    items, row_limits, splits, pairs, lists = work
     if q.numel() == 0 or items.shape[0] == 0:
-        return out
-    q_scaled = q * plan.softmax_scale
+        return torch.zeros(q.shape, dtype=torch.float32)
+    # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
+    # to zeros (queries before a window's start).
+    out = torch.empty(q.shape, dtype=torch.float32) if plan.is_decode else torch.zeros(q.shape, dtype=torch.float32)
     if plan.precision == "int8" and pool.format.is_quantized:
-        codes, scales = quantize_query(q_scaled)
+        codes, scales = quantize_query(q)
         q_arg, q_scale = codes.numpy(), scales.numpy()
     else:
-        q_arg, q_scale = q_scaled.numpy(), _NO_SCALE
+        q_arg, q_scale = q.numpy(), _NO_SCALE
     kc, ks, vc, vs = _layer_arrays(pool, layer)
     tables = plan.block_tables.numpy()
-    parts = (splits, *q.shape[:2]) if splits > 1 else (0, 0, 0)
-    part_m = np.empty(parts, np.float32)
-    part_l = np.empty(parts, np.float32)
-    part_acc = np.empty((*parts, q.shape[2] if splits > 1 else 0), np.float32)
+    if splits > 1:
+        part_m = np.empty((splits, *q.shape[:2]), np.float32)
+        part_l = np.empty((splits, *q.shape[:2]), np.float32)
+        part_acc = np.empty((splits, *q.shape), np.float32)
+    else:
+        part_m = part_l = _NO_PARTS
+        part_acc = _NO_PARTS_ACC
     o = out.numpy()
-    threads = numba.get_num_threads()
+    workers = lists.shape[0] - 1
     units = pairs * q.shape[1]
-    parallel = _THREADS.parallel(units, min(threads, items.shape[0]))
-    if not parallel:
-        numba.set_num_threads(1)  # thread-local in numba, restored below
-    try:
-        start = time.perf_counter()
-        # Items are sorted longest first and vary in cost: hand them out one at a time, not in equal slices.
-        with numba.parallel_chunksize(1):
-            _attention_kernel(q_arg, q_scale, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l, part_acc)
-        if splits > 1:
-            _merge_kernel(part_m, part_l, part_acc, o)
-        _THREADS.record(parallel, units, min(threads, items.shape[0]), time.perf_counter() - start)
-    finally:
-        numba.set_num_threads(threads)
+    parallel = _THREADS.parallel(units, workers)
+    kernel = _attention_kernel if parallel else _attention_serial
+    compiled = len(kernel.overloads)
+    start = time.perf_counter()
+    kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, part_m,
+           part_l, part_acc)
+    if splits > 1:
+        _merge_kernel(part_m, part_l, part_acc, o)
+    seconds = time.perf_counter() - start
+    # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the kernel:
+    # one such 0.23 s sample once made the serial estimate 5,000x too high and every later call parallel.
+    _THREADS.record(parallel, units, workers, seconds if len(kernel.overloads) == compiled else None)
     return out
 
 
@@ -677,14 +854,14 @@ def _flash_prefill(pool: KvPool, layer: int, q_all: torch.Tensor, plan: Attentio
         out[lo + skip : hi] = o.transpose(0, 1).reshape(hi - lo - skip, hkv * group, d)
 
 
-def _work(plan: AttentionPlan, group: int) -> tuple:
+def _work(plan: AttentionPlan, group: int, threads: int) -> tuple:
     """The plan's work items, sorted, and which sequences take the flash path: the same for every layer, so
     built by the first layer and kept in the plan (``plan.derived``)."""
     host = plan.host
     assert host is not None, "the cpu backend needs a plan built for a CPU pool"
     lens, starts, cu = host.context_lens, host.kv_starts, host.cu_seqlens_q
     if plan.is_decode:
-        items, splits = _decode_items(lens, starts)
+        items, splits = _decode_items(lens, starts, threads)
         row_limits, long = lens, np.zeros(len(lens), bool)
     else:
         items, row_limits = _prefill_items(cu, lens, starts, group)
@@ -695,17 +872,19 @@ def _work(plan: AttentionPlan, group: int) -> tuple:
         if _sdpa_tile is None:
             long[:] = False
         items = items[~long[items[:, 0]]]
+    workers = max(1, min(threads, items.shape[0]))
     if items.shape[0]:
-        items, pairs_total = _sort_items(items, row_limits)
+        items, lists, pairs_total = _assign_items(items, row_limits, workers)
     else:
-        pairs_total = 0
-    return (items, row_limits, splits, pairs_total), np.flatnonzero(long)
+        lists, pairs_total = np.zeros(2, np.int64), 0
+    return (items, row_limits, splits, pairs_total, lists), np.flatnonzero(long)
 
 
 def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape."""
     group = q.shape[1] // pool.num_kv_heads
-    work, long = plan.derived(f"cpu-work-{group}-{numba.get_num_threads()}", lambda: _work(plan, group))
+    threads = numba.get_num_threads()
+    work, long = plan.derived(("cpu-work", group, threads), lambda: _work(plan, group, threads))
     out = _run(pool, layer, q, plan, work)
     if long.size:
         _flash_prefill(pool, layer, q, plan, out, long)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,7 @@ class AttentionPlan:
     def batch(self) -> int:
         return int(self.block_tables.shape[0])
 
-    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """``build()`` once per plan under ``key``; later layers get the stored result."""
         memo = self._memo
         if key not in memo:
