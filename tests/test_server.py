@@ -165,6 +165,13 @@ def test_n_choices_are_forks_of_one_prefill_streamed_or_not(served, client, offl
             assert use.prompt_tokens == n_prompt  # counted once, as OpenAI does
             assert use.completion_tokens == sum(len(o.token_ids) for o in want)
             assert metric(base, "int8kv_prompt_tokens_total") - before == n_prompt
+    # n=10 on a server running at most 8 sequences: two forked groups (8 + 2), so two prefills.
+    before = metric(base, "int8kv_prompt_tokens_total")
+    r = client.completions.create(model="tiny", prompt="the a of", n=10, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(10)) and len({c.text for c in r.choices}) == 1
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 30)
+    assert metric(base, "int8kv_prompt_tokens_total") - before == 2 * 3
     assert blocks_in_use(served) == 0
 
 

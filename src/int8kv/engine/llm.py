@@ -3,6 +3,9 @@
     llm = LLM(model, kv_format="int8", memory="512MiB")
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
+`add_forked_request(prompt, params, n=4)` queues n choices of one prompt that share one prefill (the other
+choices are copy-on-write forks of its blocks; docs/design.md, "Forked groups").
+
 Prefix caching is on by default (full blocks keyed by a SHA-256 chain rooted in the model's fingerprint,
 cache/prefix.py); `kv_store="embedded" | "disk:/path" | "redis://host:6379/0" | ...` adds a block store shared
 with other processes (engine/store_tier.py). `close()` (or `with LLM(...) as llm:`) flushes and closes it.
@@ -101,9 +104,11 @@ class EngineStats:
     """What the engine ran since it was built (assign a fresh EngineStats() to start counting anew).
 
     Token counters count tokens of requests whose step succeeded:
-      prefill_tokens    prompt tokens run through the model, plus tokens recomputed after a preemption
+      prefill_tokens    prompt tokens run through the model, plus tokens recomputed after a preemption (a
+                        forked group's prompt counts once: its n choices share one prefill)
       decode_tokens     generated tokens fed back through the model (one per decoding sequence per step)
-      generated_tokens  tokens sampled and handed to requests (each request's first comes from its prefill)
+      generated_tokens  tokens sampled and handed to requests (each request's first comes from its prefill;
+                        a forked group's n first tokens all come from its one prefill)
     The decode phase is the steps that decode the whole batch: every request queued since the engine was last
     idle is running and feeds back one generated token (none waits, prefills, or has finished; see
     `Scheduler.in_decode_phase`). `decode_tokens_per_s` is the tokens generated in those steps over their wall

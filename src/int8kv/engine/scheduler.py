@@ -4,7 +4,11 @@ Each step gets a token budget. Running sequences go first, in arrival order (a d
 an unfinished prefill continues in chunks); waiting ones join while budget, sequence slots and blocks
 last. When the pool cannot hold a running sequence's next tokens, the most recently admitted one is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
-A sequence leaves by `finish` (complete) or `fail` (an error isolated to it); both free its blocks.
+A sequence leaves by `finish` (complete), `fail` (an error isolated to it) or `abort`; all free its blocks.
+
+Forked groups (n choices of one prompt): the first choice's sequence carries the others in `forks` and is
+admitted with seats for all; when its prefill ends, `fork` shares its blocks with each of them (copy-on-write
+of the partial last block on first write, in `_grow`) and they run on as ordinary sequences.
 
 Prefix caching (with a `PrefixHasher`): a waiting sequence is admitted with the longest run of its full
 blocks already registered in the pool, then (with a `StoreTier`) the next run found in the block store,
