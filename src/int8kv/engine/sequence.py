@@ -97,7 +97,7 @@ class Sequence:
     # n - 1 wait in its `forks` (each with `fork_of` pointing back) until that prefill ends, then are forked off
     # its blocks copy-on-write (Scheduler.fork) and run as ordinary sequences. Both are empty/None otherwise.
     forks: list[Sequence] = field(default_factory=list)
-    fork_of: Sequence | None = None
+    fork_of: Sequence | None = field(default=None, repr=False)
 
     @property
     def group_size(self) -> int:
