@@ -132,6 +132,49 @@ def test_n_seeded_samples_are_the_offline_engine_with_seed_plus_index(client, of
     assert [texts[i] for i in range(3)] == [o.text for o in want]
 
 
+def test_n_choices_are_forks_of_one_prefill_streamed_or_not(served, client, offline):
+    """n=3 is one forked group (LLM.add_forked_request): the prompt runs through the model once (the server's
+    prompt-token counter moves by its length, not 3x), and choice j equals the offline engine's independent
+    request with seed + j; completions and chat, streamed and not."""
+    base = served[0].base
+    messages = [{"role": "user", "content": "tell me about the water"}]
+    # Both prompts are shorter than a block (16 tokens), so no prefix-cache hit can shorten their prefill.
+    for chat, prompt in ((False, "make the good water"), (True, chat_prompt_ids(offline.tokenizer, messages))):
+        want = offline.generate([prompt] * 3, [SamplingParams(max_tokens=7, temperature=1.0, seed=31 + j)
+                                               for j in range(3)])
+        assert len({o.text for o in want}) == 3  # the choices diverge: each must read its own blocks
+        n_prompt = len(want[0].prompt_token_ids)
+        assert n_prompt < 16
+        kwargs = dict(model="tiny", max_tokens=7, temperature=1.0, seed=31, n=3)
+        create = client.chat.completions.create if chat else client.completions.create
+        if chat:
+            kwargs["messages"] = messages
+        else:
+            kwargs["prompt"] = prompt
+        for stream in (False, True):
+            before = metric(base, "int8kv_prompt_tokens_total")
+            if stream:
+                texts, reasons, use = _streamed(create(**kwargs, stream=True), chat)
+            else:
+                r = create(**kwargs)
+                assert [c.index for c in r.choices] == [0, 1, 2]
+                texts = {c.index: c.message.content if chat else c.text for c in r.choices}
+                reasons, use = {c.index: c.finish_reason for c in r.choices}, r.usage
+            assert texts == {j: o.text for j, o in enumerate(want)}
+            assert reasons == {j: o.finish_reason for j, o in enumerate(want)}
+            assert use.prompt_tokens == n_prompt  # counted once, as OpenAI does
+            assert use.completion_tokens == sum(len(o.token_ids) for o in want)
+            assert metric(base, "int8kv_prompt_tokens_total") - before == n_prompt
+    # n=10 on a server running at most 8 sequences: two forked groups (8 + 2), so two prefills.
+    before = metric(base, "int8kv_prompt_tokens_total")
+    r = client.completions.create(model="tiny", prompt="the a of", n=10, max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(10)) and len({c.text for c in r.choices}) == 1
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 30)
+    assert metric(base, "int8kv_prompt_tokens_total") - before == 2 * 3
+    assert blocks_in_use(served) == 0
+
+
 def test_stop_string_cuts_the_text_streamed_or_not(client):
     full = client.completions.create(model="tiny", prompt="water is", max_tokens=20, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

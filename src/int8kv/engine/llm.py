@@ -3,6 +3,9 @@
     llm = LLM(model, kv_format="int8", memory="512MiB")
     outs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
+`add_forked_request(prompt, params, n=4)` queues n choices of one prompt that share one prefill (the other
+choices are copy-on-write forks of its blocks; docs/design.md, "Forked groups").
+
 Prefix caching is on by default (full blocks keyed by a SHA-256 chain rooted in the model's fingerprint,
 cache/prefix.py); `kv_store="embedded" | "disk:/path" | "redis://host:6379/0" | ...` adds a block store shared
 with other processes (engine/store_tier.py). `close()` (or `with LLM(...) as llm:`) flushes and closes it.
@@ -23,7 +26,7 @@ import time
 import weakref
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -101,9 +104,11 @@ class EngineStats:
     """What the engine ran since it was built (assign a fresh EngineStats() to start counting anew).
 
     Token counters count tokens of requests whose step succeeded:
-      prefill_tokens    prompt tokens run through the model, plus tokens recomputed after a preemption
+      prefill_tokens    prompt tokens run through the model, plus tokens recomputed after a preemption (a
+                        forked group's prompt counts once: its n choices share one prefill)
       decode_tokens     generated tokens fed back through the model (one per decoding sequence per step)
-      generated_tokens  tokens sampled and handed to requests (each request's first comes from its prefill)
+      generated_tokens  tokens sampled and handed to requests (each request's first comes from its prefill;
+                        a forked group's n first tokens all come from its one prefill)
     The decode phase is the steps that decode the whole batch: every request queued since the engine was last
     idle is running and feeds back one generated token (none waits, prefills, or has finished; see
     `Scheduler.in_decode_phase`). `decode_tokens_per_s` is the tokens generated in those steps over their wall
@@ -338,16 +343,53 @@ class LLM:
             self._live[seq.seq_id] = _Live(seq)
             return seq.seq_id
 
+    def add_forked_request(
+        self, prompt: str | Seq[int] | torch.Tensor, params: SamplingParams | Seq[SamplingParams] | None = None,
+        n: int | None = None,
+    ) -> list[int]:
+        """Queue n choices of one prompt whose prefill runs once, and return their n request ids (choice order).
+
+        `params`: one SamplingParams per choice (n = their number), or one for all with `n` (choice j then has
+        seed + j when seeded, so each choice equals an independent `add_request` with that seed). The first
+        choice's sequence prefills the prompt; when its first token is due, the other n - 1 are forked off its
+        blocks copy-on-write (`Scheduler.fork`), each choice samples its first token from the same prompt
+        logits with its own generator, and all decode as ordinary sequences. The group is refused up front,
+        nothing queued, for what `add_request` refuses and when it cannot run whole: more than `max_num_seqs`
+        choices (InvalidRequest) or more blocks than the pool (the prompt's full blocks once plus each choice's
+        own, KvPoolExhausted). Each id streams, finishes and aborts on its own (`abort_request`)."""
+        with self._lock:
+            if n is not None:
+                n = positive_int(n, "n")
+                if not isinstance(params, SamplingParams | None):
+                    raise InvalidRequest("with n, params is one SamplingParams for all choices")
+                one = params or SamplingParams()
+                params = [one if one.seed is None else replace(one, seed=one.seed + j) for j in range(n)]
+            elif params is None or isinstance(params, SamplingParams):
+                params = [params or SamplingParams()]
+            elif not isinstance(params, Seq) or not params:
+                raise InvalidRequest("params must be a SamplingParams (with n) or a non-empty list, one per choice")
+            ids = self._encode(prompt)
+            seqs = self._requests([ids] * len(params), list(params))
+            first, forks = seqs[0], seqs[1:]
+            for seq in forks:
+                seq.prompt = first.prompt  # one list: the choices share the prompt
+                seq.fork_of = first
+            first.forks = forks
+            self.scheduler.add([first])  # check_fits sees the whole group
+            for seq in seqs:
+                self._live[seq.seq_id] = _Live(seq)
+            return [seq.seq_id for seq in seqs]
+
     def abort_request(self, request_id: int) -> bool:
         """Take a request out (running or waiting) and free its blocks now; False if it is not live (unknown,
-        or finished and already popped). Its pending update, if any, is dropped."""
+        or finished and already popped). Its pending update, if any, is dropped. For a choice of a forked
+        group only that choice ends; the blocks it shares stay with the others (Scheduler.abort)."""
         with self._lock:
             live = self._live.pop(request_id, None)
             if live is None:
                 return False
             if live.seq.finish_reason is None:
-                self.scheduler.fail(live.seq, "aborted")
-                live.seq.finish_reason = "abort"
+                self.scheduler.abort(live.seq)
             return True
 
     def pop_updates(self) -> list[RequestUpdate]:
@@ -373,11 +415,13 @@ class LLM:
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        """Requests holding a seat in the running batch (a forked group's choices all hold one from its start)."""
+        return self.scheduler.num_choices(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests waiting for a seat (a queued forked group counts its n choices)."""
+        return self.scheduler.num_choices(self.scheduler.waiting)
 
     # -- requests -----------------------------------------------------------------
     def _requests(
@@ -444,13 +488,22 @@ class LLM:
         due: list[int] = []
         for row, (item, error) in enumerate(zip(batch, errors, strict=True)):
             if error is not None:
+                self.stats.failed_requests += len(item.seq.forks)  # forks waiting on it fail with it
                 self.scheduler.fail(item.seq, error)
             elif self.scheduler.advance(item):
                 due.append(row)
         if not due:
             return 0
-        rows = logits if len(due) == len(batch) else logits[due]
-        seqs = [batch[row].seq for row in due]
+        # A sequence whose prefill just ended with forks waiting on it is forked here, and every choice of the
+        # group samples its first token from the same row of logits (with its own params and generator).
+        picked: list[int] = []
+        seqs: list[Sequence] = []
+        for row in due:
+            seq = batch[row].seq
+            group = [seq, *self.scheduler.fork(seq)] if seq.forks else [seq]
+            seqs.extend(group)
+            picked.extend([row] * len(group))
+        rows = logits if picked == list(range(len(batch))) else logits[picked]
         tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
         generated = 0
         for seq, token in zip(seqs, tokens, strict=True):

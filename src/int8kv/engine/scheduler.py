@@ -4,7 +4,11 @@ Each step gets a token budget. Running sequences go first, in arrival order (a d
 an unfinished prefill continues in chunks); waiting ones join while budget, sequence slots and blocks
 last. When the pool cannot hold a running sequence's next tokens, the most recently admitted one is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed later.
-A sequence leaves by `finish` (complete) or `fail` (an error isolated to it); both free its blocks.
+A sequence leaves by `finish` (complete), `fail` (an error isolated to it) or `abort`; all free its blocks.
+
+Forked groups (n choices of one prompt): the first choice's sequence carries the others in `forks` and is
+admitted with seats for all; when its prefill ends, `fork` shares its blocks with each of them (copy-on-write
+of the partial last block on first write, in `_grow`) and they run on as ordinary sequences.
 
 Prefix caching (with a `PrefixHasher`): a waiting sequence is admitted with the longest run of its full
 blocks already registered in the pool, then (with a `StoreTier`) the next run found in the block store,
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..cache.paged import PagedKvCache
 from ..cache.prefix import PrefixHasher
-from ..errors import InvalidEngineConfig, KvPoolExhausted
+from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from .sequence import Sequence, Status, positive_int
 from .store_tier import StoreTier
 
@@ -66,23 +70,41 @@ class Scheduler:
         self.batch_size = 0
 
     def check_fits(self, seq: Sequence) -> None:
-        """A request that could not fit even in an empty pool would wait forever: refuse it up front."""
-        need = self.cache.allocator.blocks_for_tokens(len(seq.prompt) + seq.params.max_tokens)
+        """A request that could not fit even in an empty pool would wait forever: refuse it up front.
+
+        A forked group (`seq.forks`, LLM.add_forked_request) runs all its choices at once, so it must fit whole:
+        at most `max_num_seqs` choices (InvalidRequest), and the prompt's full blocks once plus, per choice, its
+        private blocks (the copy of the shared partial last block and its growth to prompt + max_tokens) within
+        the pool (KvPoolExhausted)."""
+        group = [seq, *seq.forks]
+        if len(group) > self.max_num_seqs:
+            raise InvalidRequest(f"n={len(group)} choices of one prompt run together; this engine runs at most "
+                                 f"max_num_seqs={self.max_num_seqs} sequences")
+        alloc = self.cache.allocator
+        shared = len(seq.prompt) // self.cache.block_size  # full prompt blocks: held once by the whole group
+        need = shared + sum(alloc.blocks_for_tokens(len(s.prompt) + s.params.max_tokens) - shared for s in group)
         if need > self.cache.num_blocks:
+            what = f"{len(group)} choices of " if len(group) > 1 else ""
             raise KvPoolExhausted(
-                f"a request of {len(seq.prompt)} prompt + {seq.params.max_tokens} new tokens needs {need} blocks; "
-                f"the whole pool has {self.cache.num_blocks}"
+                f"a request of {what}{len(seq.prompt)} prompt + {seq.params.max_tokens} new tokens needs {need} "
+                f"blocks; the whole pool has {self.cache.num_blocks}"
             )
 
     def add(self, seqs: Iterable[Sequence]) -> None:
-        """Queue requests, all or none: each is checked (`check_fits`, once) before any is queued."""
+        """Queue requests, all or none: each is checked (`check_fits`, once) before any is queued. A sequence
+        with `forks` brings its whole forked group (the forks stay on it until its prefill ends)."""
         seqs = list(seqs)
         for seq in seqs:
             self.check_fits(seq)
         if not self.has_work():
             self.batch_size = 0
-        self.batch_size += len(seqs)
+        self.batch_size += self.num_choices(seqs)
         self.waiting.extend(seqs)
+
+    @staticmethod
+    def num_choices(seqs: Iterable[Sequence]) -> int:
+        """Requests these sequences stand for: each one, plus the forks still waiting on it."""
+        return sum(seq.group_size for seq in seqs)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,7 +121,10 @@ class Scheduler:
             batch.append(Scheduled(seq, n))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A forked group's seats are taken when its first sequence is admitted: its forks join right after
+        # its prefill (check_fits keeps every group within max_num_seqs, so the queue cannot stall on one).
+        seats = self.num_choices(self.running)
+        while self.waiting and budget > 0 and seats + self.waiting[0].group_size <= self.max_num_seqs:
             seq = self.waiting[0]
             item = self._admit(seq, budget) if self.hasher is not None else self._admit_plain(seq, budget)
             if item is None:
@@ -109,6 +134,7 @@ class Scheduler:
             self.running.append(seq)
             batch.append(item)
             budget -= item.num_tokens
+            seats += seq.group_size
         return batch
 
     def _admit_plain(self, seq: Sequence, budget: int) -> Scheduled | None:
@@ -212,18 +238,75 @@ class Scheduler:
             seq.num_registered = full
         return seq.num_uncached == 0
 
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Start the forks waiting on `parent`, whose prompt is now cached (its first token is due): each
+        shares all of `parent`'s blocks (`PagedKvCache.fork`, refcounts only, nothing allocated) and runs from
+        here, right after `parent`, as an ordinary sequence. The shared partial last block is copied when a
+        sequence first writes into it (`_grow`: `blocks_needed` counts the copy, `_reserve` preempts for it);
+        a fork preempted later recomputes its prompt + its own tokens like any preempted sequence."""
+        forks, parent.forks = parent.forks, []
+        for seq in forks:
+            self.cache.fork(parent.seq_id, seq.seq_id)
+            self._inherit(seq, parent)
+        at = self.running.index(parent) + 1
+        self.running[at:at] = forks
+        return forks
+
+    def _inherit(self, seq: Sequence, parent: Sequence) -> None:
+        """`seq` (a fork of `parent`) takes over parent's cache state; its runner table is read afresh."""
+        seq.fork_of = None
+        seq.status = parent.status
+        seq.num_cached = parent.num_cached
+        seq.num_registered = parent.num_registered
+        seq.block_keys = list(parent.block_keys)  # keys of the shared prompt blocks; it extends its own copy
+        seq.block_table, seq.num_table_blocks = None, 0
+
     def finish(self, seq: Sequence) -> None:
         self._remove(seq)
         seq.status = Status.FINISHED
 
     def fail(self, seq: Sequence, error: BaseException | str) -> None:
-        """Take `seq` out wherever it is (running or waiting), free its blocks and record why."""
+        """Take `seq` out wherever it is (running or waiting), free its blocks and record why. Forks still
+        waiting on it fail with it: they share the prompt whose prefill failed."""
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        forks, seq.forks = seq.forks, []
+        for s in [seq, *forks]:
+            if s is not seq:
+                s.fork_of = None
+            self._remove(s)
+            s.status = Status.FAILED
+            s.finish_reason = "error"
+            s.error = message
+
+    def abort(self, seq: Sequence) -> None:
+        """Take one request out (finish_reason "abort"), freeing only its own block references. A fork still
+        waiting for its group's prefill just leaves the group; the sequence prefilling for a group hands its
+        place, its blocks so far and the other forks to the next fork, so the group's other choices go on."""
+        if seq.forks:
+            self._hand_over(seq)
         self._remove(seq)
         seq.status = Status.FAILED
-        seq.finish_reason = "error"
-        seq.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        seq.finish_reason = "abort"
+        seq.error = "aborted"
+
+    def _hand_over(self, seq: Sequence) -> None:
+        heir, *rest = seq.forks
+        seq.forks = []
+        heir.forks = rest
+        for s in rest:
+            s.fork_of = heir
+        if seq.seq_id in self.cache.allocator:
+            self.cache.fork(seq.seq_id, heir.seq_id)  # the prefill done so far stays (seq's references go next)
+        self._inherit(heir, seq)
+        heir.slots = None
+        queue = self.running if seq.status is Status.RUNNING else self.waiting
+        queue.insert(queue.index(seq), heir)
 
     def _remove(self, seq: Sequence) -> None:
+        if seq.fork_of is not None:  # a fork not started yet: it holds no block and no place in a queue
+            seq.fork_of.forks.remove(seq)
+            seq.fork_of = None
+            return
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:

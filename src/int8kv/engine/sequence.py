@@ -93,6 +93,16 @@ class Sequence:
     # admission are keyed in the allocator (hit, loaded from a store, or computed and registered since).
     block_keys: list[bytes] = field(default_factory=list)
     num_registered: int = 0
+    # A forked group (LLM.add_forked_request): one sequence prefills the prompt for all n choices; the other
+    # n - 1 wait in its `forks` (each with `fork_of` pointing back) until that prefill ends, then are forked off
+    # its blocks copy-on-write (Scheduler.fork) and run as ordinary sequences. Both are empty/None otherwise.
+    forks: list[Sequence] = field(default_factory=list)
+    fork_of: Sequence | None = field(default=None, repr=False)
+
+    @property
+    def group_size(self) -> int:
+        """Seats this sequence takes in the running batch once its forks have joined it: 1 + pending forks."""
+        return 1 + len(self.forks)
 
     @property
     def tokens(self) -> list[int]:

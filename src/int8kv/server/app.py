@@ -137,15 +137,21 @@ class Service:
             raise ApiError(400, str(e)) from None
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], sink: Sink) -> list[int]:
+        """Queue every prompt's n choices (`params`); returns their request ids, prompt-major. Each prompt's
+        choices are one forked group (its prompt prefilled once, the choices copy-on-write forks of its blocks),
+        split into groups of at most max_num_seqs choices, the most the engine runs at once (a later group of
+        the same prompt still reuses its full blocks through the prefix cache)."""
         if self.stopping:
             raise ApiError(503, "the server is shutting down", "server_error")
-        group = [(ids, p, sink) for ids in prompts for p in params]
+        total = len(prompts) * len(params)
         most = self.limits.max_queue + self.llm.scheduler.max_num_seqs
-        if len(group) > most:  # could never be queued: not a "retry later"
-            raise ApiError(400, f"this request asks for {len(group)} completions (prompts x n); the server holds "
+        if total > most:  # could never be queued: not a "retry later"
+            raise ApiError(400, f"this request asks for {total} completions (prompts x n); the server holds "
                                 f"at most {most} at once", param="n")
+        seats = self.llm.scheduler.max_num_seqs
+        groups = [(ids, params[j : j + seats], sink) for ids in prompts for j in range(0, len(params), seats)]
         try:
-            return await asyncio.wrap_future(self.engine.add(group))
+            return await asyncio.wrap_future(self.engine.add(groups))
         except InvalidRequest as e:
             raise ApiError(400, f"invalid request: {e}") from None
         except KvPoolExhausted as e:

@@ -51,7 +51,7 @@ class Sink:
 
 @dataclass
 class _Add:
-    requests: list[tuple[list[int], SamplingParams, Sink]]
+    groups: list[tuple[list[int], list[SamplingParams], Sink]]  # (prompt, its choices' params, sink) per group
     done: concurrent.futures.Future
 
 
@@ -71,11 +71,13 @@ class EngineLoop:
         self._publish()
         self._thread.start()
 
-    def add(self, requests: list[tuple[list[int], SamplingParams, Sink]]) -> concurrent.futures.Future:
-        """Queue a group (the n choices of one HTTP request) all or none; the future gives their ids or raises
-        InvalidRequest / KvPoolExhausted (400), QueueFull (429) or ServerStopping (503)."""
+    def add(self, groups: list[tuple[list[int], list[SamplingParams], Sink]]) -> concurrent.futures.Future:
+        """Queue one HTTP request's choices, all or none: per (prompt, params, sink) one forked group whose
+        prompt is prefilled once (`LLM.add_forked_request`, one choice per SamplingParams). The future gives
+        every choice's id in order or raises InvalidRequest / KvPoolExhausted (400), QueueFull (429) or
+        ServerStopping (503)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(_Add(requests, done))
+        self._send(_Add(groups, done))
         return done
 
     def abort(self, request_ids: list[int]) -> None:
@@ -133,17 +135,17 @@ class EngineLoop:
             if self._stopping:
                 raise ServerStopping("the server is shutting down")
             free_slots = self.llm.scheduler.max_num_seqs - self.llm.num_running
-            queued = self.llm.num_waiting + len(message.requests) - free_slots
+            queued = self.llm.num_waiting + sum(len(params) for _, params, _ in message.groups) - free_slots
             if queued > self.max_queue:
                 self.metrics.count("requests_rejected")
                 raise QueueFull(f"{self.llm.num_waiting} requests already wait for a slot; the queue holds "
                                 f"{self.max_queue}. Retry later.")
             ids: list[int] = []
             try:
-                for prompt, params, sink in message.requests:
-                    request_id = self.llm.add_request(prompt, params)
-                    ids.append(request_id)
-                    self._sinks[request_id] = sink
+                for prompt, params, sink in message.groups:
+                    for request_id in self.llm.add_forked_request(prompt, params):
+                        ids.append(request_id)
+                        self._sinks[request_id] = sink
             except BaseException:
                 for request_id in ids:  # all or none: the group's earlier members leave again
                     self.llm.abort_request(request_id)
