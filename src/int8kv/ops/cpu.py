@@ -499,54 +499,51 @@ def _attend_one_impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi,
 
 
 @njit(fastmath=True, inline="always")
-def _run_worker(w, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l, part_acc):
-    """Worker w's items: items[i] = (sequence, row0, nrows, key lo, key hi, split) for i in lists[w]..lists[w + 1]
-    (a precomputed balanced assignment, so the schedule needs no shared counter). One split: normalised rows go
-    to `out`; several: the unnormalised state (m, l, acc) of each split goes to part_* for `_merge_kernel`."""
+def _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
+    """Work item `it`: items[it] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to
+    `out`; several: the unnormalised state (m, l, acc) of each split goes to part_* for `_merge_kernel`."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
     direct = part_m.shape[0] == 0
-    for it in range(lists[w], lists[w + 1]):
-        seq, row0, nrows = items[it, 0], items[it, 1], items[it, 2]
-        lo, hi, split = items[it, 3], items[it, 4], items[it, 5]
-        rows = nrows * g
-        m = np.empty((hkv, rows), np.float32)
-        denom = np.empty((hkv, rows), np.float32)
-        acc = np.empty((hkv, rows, d), np.float32)
-        _attend_one(q, q_scale, sm, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
-        for h in range(hkv):
-            for i in range(nrows):
-                for j in range(g):
-                    r = i * g + j
-                    head = h * g + j
-                    if direct:
-                        inv = np.float32(1.0) / denom[h, r] if denom[h, r] > 0 else np.float32(0.0)
-                        for c in range(d):
-                            out[row0 + i, head, c] = acc[h, r, c] * inv
-                    else:
-                        part_m[split, row0 + i, head] = m[h, r]
-                        part_l[split, row0 + i, head] = denom[h, r]
-                        for c in range(d):
-                            part_acc[split, row0 + i, head, c] = acc[h, r, c]
+    seq, row0, nrows = items[it, 0], items[it, 1], items[it, 2]
+    lo, hi, split = items[it, 3], items[it, 4], items[it, 5]
+    rows = nrows * g
+    m = np.empty((hkv, rows), np.float32)
+    denom = np.empty((hkv, rows), np.float32)
+    acc = np.empty((hkv, rows, d), np.float32)
+    _attend_one(q, q_scale, sm, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
+    for h in range(hkv):
+        for i in range(nrows):
+            for j in range(g):
+                r = i * g + j
+                head = h * g + j
+                if direct:
+                    inv = np.float32(1.0) / denom[h, r] if denom[h, r] > 0 else np.float32(0.0)
+                    for c in range(d):
+                        out[row0 + i, head, c] = acc[h, r, c] * inv
+                else:
+                    part_m[split, row0 + i, head] = m[h, r]
+                    part_l[split, row0 + i, head] = denom[h, r]
+                    for c in range(d):
+                        part_acc[split, row0 + i, head, c] = acc[h, r, c]
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
-                      part_acc):
-    """All workers' items, one thread each (see `_run_worker`)."""
-    for w in prange(lists.shape[0] - 1):
-        _run_worker(w, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
-                    part_acc)
+def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
+    """All items on numba's threads, handed out one at a time (the caller sets a chunk size of 1), longest
+    first: a thread that starts late (its core busy with torch's spinning OpenMP threads, say) takes fewer. A
+    fixed balanced split of the items per thread measured 1.6x slower at batch 1 x 32,768 keys in a process that
+    also runs torch."""
+    for it in prange(items.shape[0]):
+        _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc)
 
 
 @njit(fastmath=True, cache=True)
-def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
-                      part_acc):
+def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
     """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
-    for w in range(lists.shape[0] - 1):
-        _run_worker(w, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
-                    part_acc)
+    for it in range(items.shape[0]):
+        _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc)
 
 
 @njit(fastmath=True, cache=True)
@@ -597,31 +594,19 @@ def _layer_arrays(pool: KvPool, layer: int) -> tuple:
 
 
 def _num_splits(sequences: int, longest: int, threads: int) -> int:
-    """Key ranges per sequence so that about two work items exist per thread (the fixed assignment can then
-    even out a few long sequences), but none shorter than MIN_SPLIT_KEYS."""
-    want = math.ceil(2 * threads / max(sequences, 1))
+    """Key ranges per sequence so that about four work items exist per thread (the cores stay busy even when
+    a few long sequences dominate), but none shorter than MIN_SPLIT_KEYS."""
+    want = math.ceil(4 * threads / max(sequences, 1))
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
 
-def _assign_items(items: np.ndarray, row_limits: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Items regrouped by worker, longest first to the least loaded (greedy LPT: within 4/3 of the best split),
-    ``(items, lists, pairs)``: worker w runs items lists[w]..lists[w + 1]; pairs is the total (query row, key)
-    pairs, an upper bound of the work. A fixed assignment replaces numba's dynamic schedule, whose
-    `parallel_chunksize` context cost 2.5 us per call."""
+def _sort_items(items: np.ndarray, row_limits: np.ndarray) -> tuple[np.ndarray, int]:
+    """Longest first, so the dynamic schedule finishes with short items (less tail imbalance); also returns the
+    total (query row, key) pairs, an upper bound of the work."""
     last_row = items[:, 1] + np.maximum(items[:, 2], 1) - 1
     ends = np.minimum(row_limits[np.minimum(last_row, len(row_limits) - 1)], items[:, 4])
     cost = np.maximum(ends - items[:, 3], 0) * items[:, 2]
-    order = np.argsort(-cost, kind="stable")
-    load = [0] * workers
-    owner = np.empty(len(items), np.int64)
-    for i in order:
-        w = min(range(workers), key=load.__getitem__)
-        owner[i] = w
-        load[w] += int(cost[i]) + 1
-    grouped = np.lexsort((np.argsort(order, kind="stable"), owner))  # by worker, longest first within one
-    lists = np.zeros(workers + 1, np.int64)
-    np.cumsum(np.bincount(owner, minlength=workers), out=lists[1:])
-    return np.ascontiguousarray(items[grouped]), lists, int(cost.sum())
+    return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")]), int(cost.sum())
 
 
 def _decode_items(lens: np.ndarray, starts: np.ndarray, threads: int) -> tuple[np.ndarray, int]:
@@ -731,9 +716,9 @@ class ThreadChoice:
 _THREADS = ThreadChoice()
 
 
-def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple) -> torch.Tensor:
-    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs, lists)`` of the plan."""
-    items, row_limits, splits, pairs, lists = work
+def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, threads: int) -> torch.Tensor:
+    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs)`` of the plan."""
+    items, row_limits, splits, pairs = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
@@ -754,14 +739,21 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     else:
         part_m = part_l = _NO_PARTS
         part_acc = _NO_PARTS_ACC
-    workers = lists.shape[0] - 1
+    workers = min(threads, items.shape[0])
     units = pairs * q.shape[1]
     parallel = _THREADS.parallel(units, workers)
     kernel = _attention_kernel if parallel else _attention_serial
     compiled = len(kernel.overloads)
     start = time.perf_counter()
-    kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, part_m,
-           part_l, part_acc)
+    # Chunk size 1 for this call only (set and restored: 1 us each; numba's `parallel_chunksize` context manager
+    # cost 2.5 us; setting it inside the kernel makes numba refuse to cache the kernel).
+    previous = numba.set_parallel_chunksize(1) if parallel else 0
+    try:
+        kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l,
+               part_acc)
+    finally:
+        if parallel:
+            numba.set_parallel_chunksize(previous)
     if splits > 1:
         _merge_kernel(part_m, part_l, part_acc, o)
     seconds = time.perf_counter() - start
@@ -872,12 +864,11 @@ def _work(plan: AttentionPlan, group: int, threads: int) -> tuple:
         if _sdpa_tile is None:
             long[:] = False
         items = items[~long[items[:, 0]]]
-    workers = max(1, min(threads, items.shape[0]))
     if items.shape[0]:
-        items, lists, pairs_total = _assign_items(items, row_limits, workers)
+        items, pairs_total = _sort_items(items, row_limits)
     else:
-        lists, pairs_total = np.zeros(2, np.int64), 0
-    return (items, row_limits, splits, pairs_total, lists), np.flatnonzero(long)
+        pairs_total = 0
+    return (items, row_limits, splits, pairs_total), np.flatnonzero(long)
 
 
 def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -885,7 +876,7 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> to
     group = q.shape[1] // pool.num_kv_heads
     threads = numba.get_num_threads()
     work, long = plan.derived(("cpu-work", group, threads), lambda: _work(plan, group, threads))
-    out = _run(pool, layer, q, plan, work)
+    out = _run(pool, layer, q, plan, work, threads)
     if long.size:
         _flash_prefill(pool, layer, q, plan, out, long)
     return out
