@@ -96,3 +96,20 @@ def test_kernels_refuse_float_codes():
     with pytest.raises(TypingError, match="int8 or int16"):
         _scores(np.zeros(16, np.float32), 0, np.zeros(256, np.float32), 0, 16, np.zeros(16, np.float32), 0, 16, 1,
                 16, np.zeros(256, np.float32))
+
+
+def test_prefetch_reads_nothing_it_changes():
+    """A hint only: the array is unchanged and no element outside it is touched (a range past the end is not
+    allowed by the callers, so only in-range ranges are tried, from one element to a few lines)."""
+
+    @njit
+    def hint(a, offset, count):
+        cpu_simd.prefetch(a, offset, count)
+        return a.sum()
+
+    rng = np.random.default_rng(3)
+    a = rng.integers(-127, 128, 4096, dtype=np.int8)
+    before = a.copy()
+    for offset, count in ((0, 1), (5, 64), (100, 1000), (4000, 96), (0, 4096)):
+        assert hint(a, offset, count) == before.astype(np.int64).sum()
+    assert np.array_equal(a, before)

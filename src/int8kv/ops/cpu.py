@@ -418,6 +418,8 @@ def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
     denom[:] = 0.0
     acc[:] = 0.0
     row_stride = hkv * d
+    block_elems = bs * row_stride
+    blocks = min(table.shape[0], (hi + bs - 1) // bs)  # table entries this range may read
     lanes = cpu_simd.LANES
     p0 = lo
     while p0 < hi:
@@ -428,6 +430,12 @@ def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
             offset = p0 + t - index * bs
             block_id = table[index]
             run = min(bs - offset, nt - t)
+            if (offset == 0 or t == 0) and index + 1 < blocks:
+                # The next block's K whole (and its V in the second pass), while this one is computed. One
+                # thread, per (key, KV head): 68 -> 54 ns at 8 KV heads x 128 over 32,768 keys from DRAM (a
+                # head's rows are 1 KB apart), 48 -> 40 ns over 4,096; 22 -> 19 ns at SmolLM2's 3 x 64 over
+                # 7,000. Two blocks ahead: no better.
+                cpu_simd.prefetch(kflat, table[index + 1] * block_elems, block_elems)
             for j in range(run):
                 for h in range(hkv):
                     k_scale[h, t + j] = _scale_of(ks, block_id, offset + j, h)
@@ -458,6 +466,8 @@ def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
             offset = p0 + t - index * bs
             block_id = table[index]
             run = min(bs - offset, nt - t)
+            if (offset == 0 or t == 0) and index + 1 < blocks:
+                cpu_simd.prefetch(vflat, table[index + 1] * block_elems, block_elems)
             if run >= lanes:
                 run = lanes
                 base = (block_id * bs + offset) * row_stride

@@ -31,7 +31,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-__all__ = ["LANES", "fits", "pv16", "qk16"]
+__all__ = ["LANES", "fits", "prefetch", "pv16", "qk16"]
 
 LANES = 16  # keys per call and float32 lanes per vector
 _F32 = ir.FloatType()
@@ -193,6 +193,38 @@ def pv16(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
                 left = builder.fadd(chains[0], chains[1], flags=_FAST)
                 right = builder.fadd(chains[2], chains[3], flags=_FAST)
                 _store_f32(builder, builder.fadd(left, right, flags=_FAST), ap, where)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_LINE = 64  # bytes per cache line on the CPUs this targets (x86-64, most arm64)
+
+
+@intrinsic
+def prefetch(typingctx, array, offset, count):
+    """Ask the CPU to start loading elements [offset, offset + count) of a flat array into cache, one request per
+    64-byte line; returns at once. The kernels read a block head by head, rows a KV-head apart, an access the
+    hardware prefetchers follow poorly when the blocks are scattered: they prefetch the next block whole."""
+    if not isinstance(array, types.Array):
+        raise TypingError("prefetch takes an array")
+    sig = types.void(array, offset, count)
+
+    def codegen(context, builder, signature, args):
+        arr, start, n = args
+        base = _data(context, builder, signature.args[0], arr)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        first = builder.bitcast(builder.gep(base, [start]), i8p)
+        size = ir.Constant(start.type, context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype)))
+        lines = builder.udiv(builder.add(builder.mul(n, size), ir.Constant(start.type, _LINE - 1)),
+                             ir.Constant(start.type, _LINE))
+        with cgutils.for_range(builder, lines) as line:
+            where = builder.gep(first, [builder.mul(line.index, ir.Constant(start.type, _LINE))])
+            # read, keep in all cache levels, data cache
+            builder.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
