@@ -181,11 +181,30 @@ def test_one_thread_or_all_give_the_same_bits(fmt, monkeypatch):
     q = torch.randn(2, 9, 64)
     outs = []
     for parallel in (False, True):
-        monkeypatch.setattr(cpu._THREADS, "parallel", lambda work, threads, p=parallel: p)
+        monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads, p=parallel: p)
         for precision in ("exact", "int8"):
             plan = plan_attention(cache.pool, tables, context, precision=precision)
             outs.append(attention(cache, 1, q, plan, backend="cpu"))
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
+def test_each_kind_of_call_has_its_own_thread_choice(monkeypatch):
+    """Decode and prefill, INT8 and F16, exact and int8 query cost different amounts per unit of work: each kind
+    gets its own cost model (F16 runs the exact path whatever the precision asked)."""
+    seen = []
+    real = cpu.thread_choice
+    monkeypatch.setattr(cpu, "thread_choice", lambda key: seen.append(key) or real(key))
+    for fmt in FORMATS:
+        cache, tables, context = build(fmt, 16, 64, 3, [300, 40], seed=47)
+        for precision in ("exact", "int8"):
+            plan = plan_attention(cache.pool, tables, context, precision=precision)
+            attention(cache, 1, torch.randn(2, 9, 64), plan, backend="cpu")
+    assert len(seen) == 4 and len(set(seen)) == 3
+    cache, tables, context = build(INT8, 16, 64, 3, [300, 40], seed=48)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    plan = plan_attention(cache.pool, tables, context, cu_seqlens_q=cu)
+    attention(cache, 1, torch.randn(5, 9, 64), plan, backend="cpu")
+    assert len(set(seen)) == 4 and seen[-1] not in seen[:-1]  # prefill: a model of its own
 
 
 def test_thread_choice_follows_the_measured_costs():

@@ -723,7 +723,19 @@ class ThreadChoice:
             self.exploring = None
 
 
-_THREADS = ThreadChoice()
+# One ThreadChoice per kind of call: decode and prefill, INT8 and F16, the two precisions and each head shape
+# cost different amounts per unit of work. A single shared model once learned its seconds per unit on INT8 decode
+# calls, took the F16 calls' larger cost for a wake-up cost, and kept batch 1 x 32,768 keys at 32 / 8 heads on
+# one thread (15.4 ms where two threads take 9.9).
+_THREADS: dict[tuple, ThreadChoice] = {}
+
+
+def thread_choice(key: tuple) -> ThreadChoice:
+    """The ThreadChoice of calls of kind `key` (created on first use)."""
+    choice = _THREADS.get(key)
+    if choice is None:
+        choice = _THREADS[key] = ThreadChoice()
+    return choice
 
 
 def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, threads: int) -> torch.Tensor:
@@ -751,7 +763,8 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
         part_acc = _NO_PARTS_ACC
     workers = min(threads, items.shape[0])
     units = pairs * q.shape[1]
-    parallel = _THREADS.parallel(units, workers)
+    choice = thread_choice((pool.format, q_arg.dtype.char, plan.is_decode, q.shape[1], pool.head_dim))
+    parallel = choice.parallel(units, workers)
     kernel = _attention_kernel if parallel else _attention_serial
     compiled = len(kernel.overloads)
     start = time.perf_counter()
@@ -769,7 +782,7 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     seconds = time.perf_counter() - start
     # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the kernel:
     # one such 0.23 s sample once made the serial estimate 5,000x too high and every later call parallel.
-    _THREADS.record(parallel, units, workers, seconds if len(kernel.overloads) == compiled else None)
+    choice.record(parallel, units, workers, seconds if len(kernel.overloads) == compiled else None)
     return out
 
 
