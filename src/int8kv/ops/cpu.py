@@ -661,43 +661,47 @@ def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ThreadChoice:
-    """Runs a call on one thread or on all of numba's, whichever the calls so far measured cheaper for its work.
+    """Runs a call on one thread or on all of numba's, whichever measured cheaper for calls of that size.
 
-    The items (and so the numerics) never depend on this: only how many threads share them. Cost model, per
-    mode, fitted on the calls themselves: serial = work x c, parallel = work x c / threads + wake, where c is
-    seconds per unit of work (query head x key) and `wake` what waking and joining the pool adds. On an idle
-    machine `wake` is ~2 us (an empty parallel region, back to back); with 7 busy processes on 2 cores it was
-    26-80 ms (median, after a 0.1-10 ms pause: the second thread waits for the scheduler), so a fixed threshold
-    tuned on one machine state is wrong on the other. A mode not chosen is re-measured after `EXPLORE` calls, so
-    a change in load is noticed; each time it still loses, the wait doubles (up to `MAX_EXPLORE`): on a loaded
-    machine a 30-layer model would otherwise pay a parallel call's tens of ms every two steps."""
+    The items (and so the numerics) never depend on this: only how many threads share them. Calls are grouped
+    by the size of their work (query head x key units, in powers of two); in each group every mode keeps a
+    running estimate of its seconds per unit, and the cheaper one runs. A mode never measured in a group is
+    tried first; a mode not chosen is re-measured after `EXPLORE` calls of its group, and each time it still
+    loses the wait doubles (up to `MAX_EXPLORE`), so a change in load is noticed without paying a losing mode
+    often (with 7 busy processes on 2 cores, waking the second thread took 26-80 ms; idle, ~2 us).
+    Why by size, measured: one model for all sizes (seconds per unit on one thread, plus a fixed cost of
+    waking the pool fitted on the parallel calls) took the higher per-unit cost of keys read from DRAM, as the
+    context grew, for a wake-up cost of milliseconds, and kept batch 1 x 7,000 keys at 32 / 8 heads on one
+    thread: 3.3 ms where two threads take 1.6."""
 
     EXPLORE = 64
     MAX_EXPLORE = 4096
     DECAY = 0.25  # weight of the newest measurement in the running estimates
 
     def __init__(self) -> None:
-        self.per_unit: float | None = None  # seconds per unit of work, one thread
-        self.wake = 0.0  # seconds a parallel call adds beyond its share of the work
-        self.calls = 0
-        self.last = {True: -1, False: -1}  # call index each mode last ran
-        self.wait = {True: self.EXPLORE, False: self.EXPLORE}  # calls before a mode not chosen is tried again
-        self.exploring: bool | None = None  # the mode of a call made only to re-measure it
+        self.rate: dict[tuple[bool, int], float] = {}  # (parallel, size group) -> seconds per unit
+        self.calls: dict[int, int] = {}  # size group -> calls so far
+        self.last: dict[tuple[bool, int], int] = {}  # (parallel, group) -> call index the mode last ran
+        self.wait: dict[tuple[bool, int], int] = {}  # (parallel, group) -> calls before it is tried again
+        self.exploring: bool | None = None  # the mode of a call made only to measure it
 
-    def _prefers_parallel(self, work: int, threads: int) -> bool:
-        if self.per_unit is None:
-            return False
-        share = work * self.per_unit
-        return share / threads + self.wake < share
+    @staticmethod
+    def group(work: int) -> int:
+        return int(work).bit_length()
 
     def parallel(self, work: int, threads: int) -> bool:
         self.exploring = None
         if threads <= 1 or work <= 0:
             return False
-        self.calls += 1
-        best = self._prefers_parallel(work, threads)
+        g = self.group(work)
+        n = self.calls[g] = self.calls.get(g, 0) + 1
+        for mode in (False, True):
+            if (mode, g) not in self.rate:
+                self.exploring = mode
+                return mode
+        best = self.rate[(True, g)] < self.rate[(False, g)]
         other = not best
-        if self.calls - self.last[other] > self.wait[other]:
+        if n - self.last.get((other, g), 0) > self.wait.get((other, g), self.EXPLORE):
             self.exploring = other
             return other
         return best
@@ -705,22 +709,19 @@ class ThreadChoice:
     def record(self, parallel: bool, work: int, threads: int, seconds: float | None) -> None:
         """What a call in mode `parallel` took; None: it compiled a kernel, so it says nothing of either mode
         (tried again at the next call)."""
-        if seconds is None:
-            self.exploring = None
+        exploring, self.exploring = self.exploring, None
+        if seconds is None or work <= 0 or (parallel and threads <= 1):
             return
-        self.last[parallel] = self.calls
-        if work <= 0:
-            return
-        if not parallel:
-            unit = seconds / work
-            self.per_unit = unit if self.per_unit is None else self.per_unit + self.DECAY * (unit - self.per_unit)
-        elif self.per_unit is not None:
-            extra = max(0.0, seconds - work * self.per_unit / threads)
-            self.wake += self.DECAY * (extra - self.wake)
-        if self.exploring is not None:  # a re-measured mode: wait longer next time if it still loses
-            lost = self._prefers_parallel(work, threads) != parallel
-            self.wait[parallel] = min(2 * self.wait[parallel], self.MAX_EXPLORE) if lost else self.EXPLORE
-            self.exploring = None
+        g = self.group(work)
+        key = (parallel, g)
+        self.last[key] = self.calls.get(g, 0)
+        unit = seconds / work
+        old = self.rate.get(key)
+        self.rate[key] = unit if old is None else old + self.DECAY * (unit - old)
+        other = (not parallel, g)
+        if exploring is not None and other in self.rate:  # a re-measured mode: wait longer if it still loses
+            lost = self.rate[key] > self.rate[other]
+            self.wait[key] = min(2 * self.wait.get(key, self.EXPLORE), self.MAX_EXPLORE) if lost else self.EXPLORE
 
 
 # One ThreadChoice per kind of call: decode and prefill, INT8 and F16, the two precisions and each head shape
