@@ -209,15 +209,18 @@ def test_thread_choice_follows_the_measured_costs():
     choice = cpu.ThreadChoice()
     choice.EXPLORE = 10**9  # no re-measuring: only the estimates decide
     big, small = 10**7, 10**3
-    assert choice.parallel(big, 2) is False  # nothing measured yet: one thread first
-    choice.record(False, big, 2, 10e-3)  # 1 ns per unit on one thread
-    assert choice.parallel(big, 2) is True  # then the other mode, once
-    choice.record(True, big, 2, 6e-3)  # 0.6 ns per unit on two
+    assert choice.parallel(big, 2) is False  # nothing measured yet: one thread first, twice
+    choice.record(False, big, 2, 12e-3)
+    assert choice.parallel(big, 2) is False
+    choice.record(False, big, 2, 10e-3)  # the faster of the two first samples: 1 ns per unit on one thread
+    assert choice.rate[(False, choice.group(big))] == pytest.approx(1e-9)
+    for seconds in (9e-3, 6e-3):  # then the other mode, twice
+        assert choice.parallel(big, 2) is True
+        choice.record(True, big, 2, seconds)  # 0.6 ns per unit on two
     assert choice.parallel(big, 2) is True and choice.parallel(big + 1, 2) is True  # the same size group
-    choice.parallel(small, 2)
-    choice.record(False, small, 2, 1e-6)  # small calls: one thread 1 us ...
-    choice.parallel(small, 2)
-    choice.record(True, small, 2, 20e-6)  # ... two threads 20 us (waking the pool)
+    for mode, seconds in ((False, 1e-6), (False, 1e-6), (True, 20e-6), (True, 20e-6)):
+        assert choice.parallel(small, 2) is mode
+        choice.record(mode, small, 2, seconds)  # small calls: one thread 1 us, two threads 20 us (waking the pool)
     assert choice.parallel(small, 2) is False and choice.parallel(big, 2) is True  # each size its own answer
     assert choice.parallel(big, 1) is False and choice.parallel(0, 2) is False
 
@@ -252,10 +255,14 @@ def test_thread_choice_ignores_calls_that_compiled():
     choice.record(False, work, 2, None)
     assert choice.rate == {} and choice.parallel(work, 2) is False  # still to be measured
     choice.record(False, work, 2, 1e-3)
+    choice.parallel(work, 2)
+    choice.record(False, work, 2, 1e-3)
     assert choice.parallel(work, 2) is True
     choice.record(True, work, 2, None)
     assert choice.parallel(work, 2) is True  # still to be measured
     choice.record(True, work, 2, 5e-3)  # measured: the second thread costs more than it saves
+    choice.parallel(work, 2)
+    choice.record(True, work, 2, 5e-3)
     assert choice.parallel(work, 2) is False
 
 

@@ -511,7 +511,7 @@ def _attend_one_impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi,
 @njit(fastmath=True, inline="always")
 def _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
     """Work item `it`: items[it] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to
-    `out`; several: the unnormalised state (m, l, acc) of each split goes to part_* for `_merge_kernel`."""
+    `out`; several: the unnormalised state (m, l, acc) of each split goes to part_* for the merge (`_merge_states`)."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
@@ -540,24 +540,31 @@ def _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
-    """All items on numba's threads, handed out one at a time (the caller sets a chunk size of 1), longest
-    first: a thread that starts late (its core busy with torch's spinning OpenMP threads, say) takes fewer. A
-    fixed balanced split of the items per thread measured 1.6x slower at batch 1 x 32,768 keys in a process that
-    also runs torch."""
-    for it in prange(items.shape[0]):
-        _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc)
+def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
+                      part_acc):
+    """Worker w runs items lists[w]..lists[w + 1] (`_assign_items`), one worker per thread. numba's dynamic
+    schedule (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at
+    2,048 keys in 134 us on two threads, as slow as one (133 us); this fixed split takes 86."""
+    for w in prange(lists.shape[0] - 1):
+        for it in range(lists[w], lists[w + 1]):
+            _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l,
+                      part_acc)
+    if part_m.shape[0]:  # after the parallel loop's barrier, on the calling thread (a dispatch saved: ~1.5 us)
+        _merge_states(part_m, part_l, part_acc, out)
 
 
 @njit(fastmath=True, cache=True)
-def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
+def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
+                      part_acc):
     """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
     for it in range(items.shape[0]):
         _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc)
+    if part_m.shape[0]:
+        _merge_states(part_m, part_l, part_acc, out)
 
 
-@njit(fastmath=True, cache=True)
-def _merge_kernel(part_m, part_l, part_acc, out):
+@njit(fastmath=True, inline="always")
+def _merge_states(part_m, part_l, part_acc, out):
     """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. A few microseconds
     of work: never worth waking the thread pool."""
     nsplit, n, hq, d = part_acc.shape
@@ -569,7 +576,8 @@ def _merge_kernel(part_m, part_l, part_acc, out):
             mx = max(mx, part_m[sp, row, head])
         total = np.float32(0.0)
         o = out[row, head]
-        o[:] = 0.0
+        for c in range(d):  # a loop, not `o[:] = 0`: inlined in the parallel kernel, an array expression
+            o[c] = 0.0  # becomes a parallel region of its own, one launch per (row, head): 20 -> 35 us at 512 keys
         for sp in range(nsplit):
             if part_l[sp, row, head] > 0:
                 wgt = _exp_nonpos(part_m[sp, row, head] - mx)
@@ -604,19 +612,31 @@ def _layer_arrays(pool: KvPool, layer: int) -> tuple:
 
 
 def _num_splits(sequences: int, longest: int, threads: int) -> int:
-    """Key ranges per sequence so that about four work items exist per thread (the cores stay busy even when
-    a few long sequences dominate), but none shorter than MIN_SPLIT_KEYS."""
-    want = math.ceil(4 * threads / max(sequences, 1))
+    """Key ranges per sequence so that about two work items exist per thread (the fixed assignment can then
+    even out a few long sequences), but none shorter than MIN_SPLIT_KEYS."""
+    want = math.ceil(2 * threads / max(sequences, 1))
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
 
-def _sort_items(items: np.ndarray, row_limits: np.ndarray) -> tuple[np.ndarray, int]:
-    """Longest first, so the dynamic schedule finishes with short items (less tail imbalance); also returns the
-    total (query row, key) pairs, an upper bound of the work."""
+def _assign_items(items: np.ndarray, row_limits: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Items regrouped by worker, longest first to the least loaded (greedy LPT: within 4/3 of the best split),
+    ``(items, lists, pairs)``: worker w runs items lists[w]..lists[w + 1]; pairs is the total (query row, key)
+    pairs, an upper bound of the work. A fixed assignment replaces numba's dynamic schedule, whose
+    `parallel_chunksize` context cost 2.5 us per call."""
     last_row = items[:, 1] + np.maximum(items[:, 2], 1) - 1
     ends = np.minimum(row_limits[np.minimum(last_row, len(row_limits) - 1)], items[:, 4])
     cost = np.maximum(ends - items[:, 3], 0) * items[:, 2]
-    return np.ascontiguousarray(items[np.argsort(-cost, kind="stable")]), int(cost.sum())
+    order = np.argsort(-cost, kind="stable")
+    load = [0] * workers
+    owner = np.empty(len(items), np.int64)
+    for i in order:
+        w = min(range(workers), key=load.__getitem__)
+        owner[i] = w
+        load[w] += int(cost[i]) + 1
+    grouped = np.lexsort((np.argsort(order, kind="stable"), owner))  # by worker, longest first within one
+    lists = np.zeros(workers + 1, np.int64)
+    np.cumsum(np.bincount(owner, minlength=workers), out=lists[1:])
+    return np.ascontiguousarray(items[grouped]), lists, int(cost.sum())
 
 
 def _decode_items(lens: np.ndarray, starts: np.ndarray, threads: int) -> tuple[np.ndarray, int]:
@@ -665,8 +685,9 @@ class ThreadChoice:
 
     The items (and so the numerics) never depend on this: only how many threads share them. Calls are grouped
     by the size of their work (query head x key units, in powers of two); in each group every mode keeps a
-    running estimate of its seconds per unit, and the cheaper one runs. A mode never measured in a group is
-    tried first; a mode not chosen is re-measured after `EXPLORE` calls of its group, and each time it still
+    running estimate of its seconds per unit, and the cheaper one runs. Each mode is first measured twice in a
+    group and the faster of the two kept (a process's first parallel call also starts numba's threads: 117 us
+    where the next took 78); a mode not chosen is re-measured after `EXPLORE` calls of its group, and each time it still
     loses the wait doubles (up to `MAX_EXPLORE`), so a change in load is noticed without paying a losing mode
     often (with 7 busy processes on 2 cores, waking the second thread took 26-80 ms; idle, ~2 us).
     Why by size, measured: one model for all sizes (seconds per unit on one thread, plus a fixed cost of
@@ -676,10 +697,12 @@ class ThreadChoice:
 
     EXPLORE = 64
     MAX_EXPLORE = 4096
+    FIRST = 2  # measurements of each mode before the estimates decide
     DECAY = 0.25  # weight of the newest measurement in the running estimates
 
     def __init__(self) -> None:
         self.rate: dict[tuple[bool, int], float] = {}  # (parallel, size group) -> seconds per unit
+        self.samples: dict[tuple[bool, int], int] = {}  # (parallel, size group) -> calls measured
         self.calls: dict[int, int] = {}  # size group -> calls so far
         self.last: dict[tuple[bool, int], int] = {}  # (parallel, group) -> call index the mode last ran
         self.wait: dict[tuple[bool, int], int] = {}  # (parallel, group) -> calls before it is tried again
@@ -696,7 +719,7 @@ class ThreadChoice:
         g = self.group(work)
         n = self.calls[g] = self.calls.get(g, 0) + 1
         for mode in (False, True):
-            if (mode, g) not in self.rate:
+            if self.samples.get((mode, g), 0) < self.FIRST:
                 self.exploring = mode
                 return mode
         best = self.rate[(True, g)] < self.rate[(False, g)]
@@ -717,7 +740,11 @@ class ThreadChoice:
         self.last[key] = self.calls.get(g, 0)
         unit = seconds / work
         old = self.rate.get(key)
-        self.rate[key] = unit if old is None else old + self.DECAY * (unit - old)
+        count = self.samples[key] = self.samples.get(key, 0) + 1
+        if old is None or count <= self.FIRST:
+            self.rate[key] = unit if old is None else min(old, unit)
+        else:
+            self.rate[key] = old + self.DECAY * (unit - old)
         other = (not parallel, g)
         if exploring is not None and other in self.rate:  # a re-measured mode: wait longer if it still loses
             lost = self.rate[key] > self.rate[other]
@@ -740,8 +767,8 @@ def thread_choice(key: tuple) -> ThreadChoice:
 
 
 def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, threads: int) -> torch.Tensor:
-    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs)`` of the plan."""
-    items, row_limits, splits, pairs = work
+    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs, lists)`` of the plan."""
+    items, row_limits, splits, pairs, lists = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
@@ -762,24 +789,15 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     else:
         part_m = part_l = _NO_PARTS
         part_acc = _NO_PARTS_ACC
-    workers = min(threads, items.shape[0])
+    workers = lists.shape[0] - 1
     units = pairs * q.shape[1]
     choice = thread_choice((pool.format, q_arg.dtype.char, plan.is_decode, q.shape[1], pool.head_dim))
     parallel = choice.parallel(units, workers)
     kernel = _attention_kernel if parallel else _attention_serial
     compiled = len(kernel.overloads)
     start = time.perf_counter()
-    # Chunk size 1 for this call only (set and restored: 1 us each; numba's `parallel_chunksize` context manager
-    # cost 2.5 us; setting it inside the kernel makes numba refuse to cache the kernel).
-    previous = numba.set_parallel_chunksize(1) if parallel else 0
-    try:
-        kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, o, part_m, part_l,
-               part_acc)
-    finally:
-        if parallel:
-            numba.set_parallel_chunksize(previous)
-    if splits > 1:
-        _merge_kernel(part_m, part_l, part_acc, o)
+    kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, part_m,
+           part_l, part_acc)
     seconds = time.perf_counter() - start
     # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the kernel:
     # one such 0.23 s sample once made the serial estimate 5,000x too high and every later call parallel.
@@ -888,11 +906,12 @@ def _work(plan: AttentionPlan, group: int, threads: int) -> tuple:
         if _sdpa_tile is None:
             long[:] = False
         items = items[~long[items[:, 0]]]
+    workers = max(1, min(threads, items.shape[0]))
     if items.shape[0]:
-        items, pairs_total = _sort_items(items, row_limits)
+        items, lists, pairs_total = _assign_items(items, row_limits, workers)
     else:
-        pairs_total = 0
-    return (items, row_limits, splits, pairs_total), np.flatnonzero(long)
+        lists, pairs_total = np.zeros(2, np.int64), 0
+    return (items, row_limits, splits, pairs_total, lists), np.flatnonzero(long)
 
 
 def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
