@@ -135,15 +135,15 @@ def test_cpu_work_items_are_built_once_per_plan(monkeypatch):
     built = []
     real = cpu_backend._work
 
-    def counted(plan, group, threads):
-        built.append(group)
-        return real(plan, group, threads)
+    def counted(plan, pool, num_q_heads, threads):
+        built.append(num_q_heads)
+        return real(plan, pool, num_q_heads, threads)
 
     monkeypatch.setattr(cpu_backend, "_work", counted)
     plan = plan_attention(c.pool, tables, context)
     for layer in (0, 1, 0, 1):
         attention(c, layer, torch.randn(2, 4, 8), plan, backend="cpu")
-    assert built == [2]
+    assert built == [4]
 
 
 # -- once per step, whatever the number of layers ---------------------------------------------------------

@@ -767,8 +767,8 @@ def thread_choice(key: tuple) -> ThreadChoice:
 
 
 def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, threads: int) -> torch.Tensor:
-    """Run the numba kernel over the work items ``work = (items, row_limits, splits, pairs, lists)`` of the plan."""
-    items, row_limits, splits, pairs, lists = work
+    """Run the numba kernel over the plan's work ``(items, row_limits, splits, pairs, lists, tables, choice)``."""
+    items, row_limits, splits, pairs, lists, tables, choice = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
@@ -781,7 +781,6 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     else:
         q_arg, q_scale = q.numpy(), _NO_SCALE
     kc, ks, vc, vs = _layer_arrays(pool, layer)
-    tables = plan.block_tables.numpy()
     if splits > 1:
         part_m = np.empty((splits, *q.shape[:2]), np.float32)
         part_l = np.empty((splits, *q.shape[:2]), np.float32)
@@ -791,7 +790,6 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
         part_acc = _NO_PARTS_ACC
     workers = lists.shape[0] - 1
     units = pairs * q.shape[1]
-    choice = thread_choice((pool.format, q_arg.dtype.char, plan.is_decode, q.shape[1], pool.head_dim))
     parallel = choice.parallel(units, workers)
     kernel = _attention_kernel if parallel else _attention_serial
     compiled = len(kernel.overloads)
@@ -888,11 +886,13 @@ def _flash_prefill(pool: KvPool, layer: int, q_all: torch.Tensor, plan: Attentio
         out[lo + skip : hi] = o.transpose(0, 1).reshape(hi - lo - skip, hkv * group, d)
 
 
-def _work(plan: AttentionPlan, group: int, threads: int) -> tuple:
-    """The plan's work items, sorted, and which sequences take the flash path: the same for every layer, so
-    built by the first layer and kept in the plan (``plan.derived``)."""
+def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int) -> tuple:
+    """The plan's work items, assigned to workers, its block tables as numpy and the ThreadChoice of this kind of
+    call, and which sequences take the flash path: the same for every layer, so built by the first layer and kept
+    in the plan (``plan.derived``)."""
     host = plan.host
     assert host is not None, "the cpu backend needs a plan built for a CPU pool"
+    group = num_q_heads // pool.num_kv_heads
     lens, starts, cu = host.context_lens, host.kv_starts, host.cu_seqlens_q
     if plan.is_decode:
         items, splits = _decode_items(lens, starts, threads)
@@ -911,14 +911,16 @@ def _work(plan: AttentionPlan, group: int, threads: int) -> tuple:
         items, lists, pairs_total = _assign_items(items, row_limits, workers)
     else:
         lists, pairs_total = np.zeros(2, np.int64), 0
-    return (items, row_limits, splits, pairs_total, lists), np.flatnonzero(long)
+    integer_q = plan.precision == "int8" and pool.format.is_quantized
+    choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim))
+    work = (items, row_limits, splits, pairs_total, lists, plan.block_tables.numpy(), choice)
+    return work, np.flatnonzero(long)
 
 
 def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape."""
-    group = q.shape[1] // pool.num_kv_heads
     threads = numba.get_num_threads()
-    work, long = plan.derived(("cpu-work", group, threads), lambda: _work(plan, group, threads))
+    work, long = plan.derived(("cpu-work", q.shape[1], threads), lambda: _work(plan, pool, q.shape[1], threads))
     out = _run(pool, layer, q, plan, work, threads)
     if long.size:
         _flash_prefill(pool, layer, q, plan, out, long)
