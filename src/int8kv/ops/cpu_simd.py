@@ -4,10 +4,11 @@ The numba loops of `cpu.py` compute one dot product per key: LLVM vectorises it 
 16-lane horizontal sum per (key, query row), and the INT8 codes go through a float32 tile in memory first.
 Measured single-threaded at SmolLM2's shape (9 q / 3 kv heads, head_dim 64, 7,000 keys): 30.5 ns per
 (key, KV head), of which converting K and V into the tiles took 10 ns, the dot products 6 ns and the p . v
-updates 6 ns. These kernels work on 16 keys at once, straight from the pool's blocks:
+updates 6 ns. These kernels work on 16 keys at once, straight from the pool's blocks (22 ns; 19 with the next
+block prefetched; of the 22, scores 12, values 8, softmax 5 by ablation):
 
   `qk16`  scores of g query rows against 16 keys: 16 vector accumulators (one per key, 16 lanes of head_dim
-          each), codes converted in registers, then one transpose-and-add tree turns the 16 accumulators into
+          each), codes converted once into a scratch, then one transpose-and-add tree turns the 16 accumulators into
           the 16 scores (15 adds and 30 shuffles per row instead of 16 horizontal sums of 8 operations each).
   `pv16`  acc[r, :] += sum_t w[r, t] v_t for g rows and 16 values: each value row converted once in registers
           and used by every row; an accumulator chunk stays in a register across the 16 keys.
@@ -109,8 +110,8 @@ def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, bu
     q: float32 flat array (the rows' values, contiguous by row); k: int8 codes or int16 F16 bits, flat;
     out: float32 flat; offsets, strides, rows and dim: int64 element counts (dim a multiple of 16); buf: float32
     scratch of at least 16 * dim values. The 16 keys are converted into buf once and read by every row (an FMA
-    with a memory operand): converting them per row cost 2 of the 3 vector operations of each multiply-add,
-    measured 12 -> 7.6 ns per (key, KV head) at 3 rows of 64."""
+    with a memory operand) rather than converted again for each row: fewer vector operations, though the
+    whole kernel measured the same either way (22.0 vs 22.1 ns per (key, KV head), 3 rows of 64)."""
     elem = _check(k)
     sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
 
