@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -92,6 +93,24 @@ BACKENDS = ["reference", "cpu", "triton"]
 def _skip_without_triton(backend: str) -> None:
     if backend == "triton":
         pytest.importorskip("triton")
+
+
+def test_finite_query_whose_sum_overflows_is_accepted():
+    """The CPU check first sums q (fast): huge finite values (their float32 sum would overflow) are accepted,
+    a single NaN or inf among them is still refused."""
+    from int8kv.ops import check_query
+
+    c, tables, context = filled_cache()
+    plan = plan_attention(c.pool, tables, context)
+    q = torch.full((2, 4, 8), 3e38)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning either
+        assert torch.equal(check_query(c.pool, q, plan), q)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        q_bad = q.clone()
+        q_bad[0, 1, 2] = bad
+        with pytest.raises(NonFiniteError):
+            check_query(c.pool, q_bad, plan)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -36,8 +36,6 @@ TILE = 64  # key positions per online-softmax step: long enough for vector loops
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 _NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
-_NO_PARTS = np.empty((0, 0, 0), np.float32)  # split states of a call without splits
-_NO_PARTS_ACC = np.empty((0, 0, 0, 0), np.float32)
 # A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
 # (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
 # 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
@@ -540,11 +538,12 @@ def _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
-                      part_acc):
+def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, splits):
     """Worker w runs items lists[w]..lists[w + 1] (`_assign_items`), one worker per thread. numba's dynamic
     schedule (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at
-    2,048 keys in 134 us on two threads, as slow as one (133 us); this fixed split takes 86."""
+    2,048 keys in 134 us on two threads, as slow as one (133 us); this fixed split takes 86. With splits > 1
+    the split states are merged at the end (allocated here: three numpy allocations cost ~1 us in Python)."""
+    part_m, part_l, part_acc = _split_states(splits, out)
     for w in prange(lists.shape[0] - 1):
         for it in range(lists[w], lists[w + 1]):
             _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l,
@@ -554,13 +553,21 @@ def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits,
 
 
 @njit(fastmath=True, cache=True)
-def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, part_m, part_l,
-                      part_acc):
+def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, splits):
     """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
+    part_m, part_l, part_acc = _split_states(splits, out)
     for it in range(items.shape[0]):
         _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc)
     if part_m.shape[0]:
         _merge_states(part_m, part_l, part_acc, out)
+
+
+@njit(fastmath=True, inline="always")
+def _split_states(splits, out):
+    """(m, l, acc) buffers of `splits` key ranges for every (row, head) of `out [n, Hq, D]`; empty for one."""
+    n = splits if splits > 1 else 0
+    return (np.empty((n, out.shape[0], out.shape[1]), np.float32), np.empty((n, out.shape[0], out.shape[1]),
+            np.float32), np.empty((n, out.shape[0], out.shape[1], out.shape[2]), np.float32))
 
 
 @njit(fastmath=True, inline="always")
@@ -781,21 +788,13 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     else:
         q_arg, q_scale = q.numpy(), _NO_SCALE
     kc, ks, vc, vs = _layer_arrays(pool, layer)
-    if splits > 1:
-        part_m = np.empty((splits, *q.shape[:2]), np.float32)
-        part_l = np.empty((splits, *q.shape[:2]), np.float32)
-        part_acc = np.empty((splits, *q.shape), np.float32)
-    else:
-        part_m = part_l = _NO_PARTS
-        part_acc = _NO_PARTS_ACC
     workers = lists.shape[0] - 1
     units = pairs * q.shape[1]
     parallel = choice.parallel(units, workers)
     kernel = _attention_kernel if parallel else _attention_serial
     compiled = len(kernel.overloads)
     start = time.perf_counter()
-    kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, part_m,
-           part_l, part_acc)
+    kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, splits)
     seconds = time.perf_counter() - start
     # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the kernel:
     # one such 0.23 s sample once made the serial estimate 5,000x too high and every later call parallel.
