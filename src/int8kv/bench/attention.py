@@ -86,18 +86,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _interleaved_samples(
-    fns: dict[str, Callable[[], object]], repeat: int, budget_s: float = 6.0, burst: int = 3
+    fns: dict[str, Callable[[], object]], repeat: int, budget_s: float = 6.0, burst: int = 3, warmup: int = 8
 ) -> dict[str, list[float]]:
     """Seconds of every timed call per method. Methods take turns, `burst` back-to-back calls each per round: the
     load of a shared machine drifts, and turns give every method the same chances; the bursts keep a call from
-    paying for the previous method's cache footprint and still-spinning thread pool."""
+    paying for the previous method's cache footprint and still-spinning thread pool. Each method first runs
+    `warmup` untimed calls (compiling, starting thread pools, and the CPU backend's thread choice measuring one
+    thread and two, which it does in a model's first steps), then the steady state is timed."""
     first = {}
     for name, fn in fns.items():
         start = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - start
+        if first[name] * warmup < budget_s / 4:
+            for _ in range(warmup):
+                fn()
     rounds = max(2, min(repeat // burst, int(budget_s / max(burst * sum(first.values()), 1e-6))))
-    samples: dict[str, list[float]] = {name: [t] for name, t in first.items()}
+    samples: dict[str, list[float]] = {name: [] for name in first}
     for _ in range(rounds):
         for name, fn in fns.items():
             for _ in range(burst):
