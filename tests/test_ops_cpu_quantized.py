@@ -280,3 +280,20 @@ def test_thread_choice_explores_both_modes_and_backs_off():
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # and less and less often, as it keeps losing
     group = cpu.ThreadChoice.group(10**6)
     assert choice.wait[(True, group)] > 4 and choice.wait.get((False, group), 4) == 4
+
+
+def test_thread_choice_times_exploring_calls_and_one_in_eight_others():
+    choice = cpu.ThreadChoice()
+    work = 10**6
+    timed = []
+    for _ in range(40):
+        mode = choice.parallel(work, 2)
+        timed.append((choice.timed, choice.exploring is not None))
+        if choice.timed:
+            choice.record(mode, work, 2, 1e-3 if not mode else 2e-3)
+    assert all(t for t, exploring in timed if exploring)  # every measuring call is timed
+    assert timed[:4] == [(True, True)] * 4  # both modes, twice each, first
+    steady = [t for t, exploring in timed[4:] if not exploring]
+    assert 0 < sum(steady) <= len(steady) // cpu.ThreadChoice.MEASURE_EVERY + 1
+    choice.parallel(work, 1)
+    assert choice.timed is False  # one thread only: nothing to choose, nothing to time

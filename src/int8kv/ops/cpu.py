@@ -705,6 +705,7 @@ class ThreadChoice:
     EXPLORE = 64
     MAX_EXPLORE = 4096
     FIRST = 2  # measurements of each mode before the estimates decide
+    MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (timing one costs ~1 us)
     DECAY = 0.25  # weight of the newest measurement in the running estimates
 
     def __init__(self) -> None:
@@ -714,6 +715,7 @@ class ThreadChoice:
         self.last: dict[tuple[bool, int], int] = {}  # (parallel, group) -> call index the mode last ran
         self.wait: dict[tuple[bool, int], int] = {}  # (parallel, group) -> calls before it is tried again
         self.exploring: bool | None = None  # the mode of a call made only to measure it
+        self.timed = False  # whether the caller should time this call and `record` it
 
     @staticmethod
     def group(work: int) -> int:
@@ -721,10 +723,12 @@ class ThreadChoice:
 
     def parallel(self, work: int, threads: int) -> bool:
         self.exploring = None
+        self.timed = False
         if threads <= 1 or work <= 0:
             return False
         g = self.group(work)
         n = self.calls[g] = self.calls.get(g, 0) + 1
+        self.timed = True
         for mode in (False, True):
             if self.samples.get((mode, g), 0) < self.FIRST:
                 self.exploring = mode
@@ -734,6 +738,7 @@ class ThreadChoice:
         if n - self.last.get((other, g), 0) > self.wait.get((other, g), self.EXPLORE):
             self.exploring = other
             return other
+        self.timed = n % self.MEASURE_EVERY == 0
         return best
 
     def record(self, parallel: bool, work: int, threads: int, seconds: float | None) -> None:
@@ -792,6 +797,9 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     units = pairs * q.shape[1]
     parallel = choice.parallel(units, workers)
     kernel = _attention_kernel if parallel else _attention_serial
+    if not choice.timed:
+        kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, splits)
+        return out
     compiled = len(kernel.overloads)
     start = time.perf_counter()
     kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, splits)
