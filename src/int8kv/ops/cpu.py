@@ -121,6 +121,14 @@ def _tile_value_impl(x, like):
 
 
 @njit(fastmath=True, inline="always")
+def _scale_of(scales, block_id, offset, h):
+    """The float32 scale of a stored row: INT8's own, or 1 for F16 (no scales)."""
+    if scales is None:
+        return np.float32(1.0)
+    return scales[block_id, offset, h]
+
+
+@njit(fastmath=True, inline="always")
 def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
     """Positions [p0, p0 + nt) of every head -> dst[h, t] (float32, or the raw int8 codes for an int8 `dst`) and
     dst_scale[h, t] (1 for F16), reading each block in memory order."""
@@ -140,10 +148,7 @@ def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
                 row = dst[h, t + j]
                 for i in range(d):
                     row[i] = _tile_value(src[i], row[0])
-                if scales is None:
-                    dst_scale[h, t + j] = np.float32(1.0)
-                else:
-                    dst_scale[h, t + j] = scales[block_id, offset + j, h]
+                dst_scale[h, t + j] = _scale_of(scales, block_id, offset + j, h)
         t += run
         index += 1
         offset = 0
@@ -386,10 +391,17 @@ def _dot_codes(qv, krow):
 
 
 @njit(fastmath=True, inline="always")
-def _scale_of(scales, block_id, offset, h):
-    if scales is None:
-        return np.float32(1.0)
-    return scales[block_id, offset, h]
+def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems):
+    """The run of keys from position `pos` to the end of its block (at most `left`): ``(block_id, offset, run)``.
+    A run that starts a block or a tile prefetches the next block of `flat` (K in the score pass, V in the value
+    pass), whole, while this one is computed. One thread, per (key, KV head): 68 -> 54 ns at 8 KV heads x 128
+    over 32,768 keys from DRAM (a head's rows are 1 KB apart), 48 -> 40 ns over 4,096; 22 -> 19 ns at SmolLM2's
+    3 x 64 over 7,000. Two blocks ahead: no better."""
+    index = pos // bs
+    offset = pos - index * bs
+    if (offset == 0 or tile_start) and index + 1 < blocks:
+        cpu_simd.prefetch(flat, table[index + 1] * block_elems, block_elems)
+    return table[index], offset, min(bs - offset, left)
 
 
 @njit(fastmath=True, cache=True)
@@ -424,16 +436,7 @@ def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
         nt = min(TILE, hi - p0)
         t = 0
         while t < nt:  # scores of the tile, and both scales
-            index = (p0 + t) // bs
-            offset = p0 + t - index * bs
-            block_id = table[index]
-            run = min(bs - offset, nt - t)
-            if (offset == 0 or t == 0) and index + 1 < blocks:
-                # The next block's K whole (and its V in the second pass), while this one is computed. One
-                # thread, per (key, KV head): 68 -> 54 ns at 8 KV heads x 128 over 32,768 keys from DRAM (a
-                # head's rows are 1 KB apart), 48 -> 40 ns over 4,096; 22 -> 19 ns at SmolLM2's 3 x 64 over
-                # 7,000. Two blocks ahead: no better.
-                cpu_simd.prefetch(kflat, table[index + 1] * block_elems, block_elems)
+            block_id, offset, run = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, kflat, block_elems)
             for j in range(run):
                 for h in range(hkv):
                     k_scale[h, t + j] = _scale_of(ks, block_id, offset + j, h)
@@ -460,12 +463,7 @@ def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
                     w[j] *= vsc[j]
         t = 0
         while t < nt:  # p . v
-            index = (p0 + t) // bs
-            offset = p0 + t - index * bs
-            block_id = table[index]
-            run = min(bs - offset, nt - t)
-            if (offset == 0 or t == 0) and index + 1 < blocks:
-                cpu_simd.prefetch(vflat, table[index + 1] * block_elems, block_elems)
+            block_id, offset, run = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, vflat, block_elems)
             if run >= lanes:
                 run = lanes
                 base = (block_id * bs + offset) * row_stride
@@ -498,7 +496,7 @@ def _attend_one_impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi,
             _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc))
 
     def impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
-        if nrows == 1 and kc.shape[3] % cpu_simd.LANES == 0:
+        if nrows == 1 and cpu_simd.fits(kc.shape[3]):
             _attend_row(q, sm, kc, ks, vc, vs, table, row0, lo, min(hi, row_limits[row0]), m, denom, acc)
         else:
             _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc)
@@ -705,7 +703,7 @@ class ThreadChoice:
     EXPLORE = 64
     MAX_EXPLORE = 4096
     FIRST = 2  # measurements of each mode before the estimates decide
-    MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (timing one costs ~1 us)
+    MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (recording one costs ~1 us)
     DECAY = 0.25  # weight of the newest measurement in the running estimates
 
     def __init__(self) -> None:
@@ -778,7 +776,7 @@ def thread_choice(key: tuple) -> ThreadChoice:
     return choice
 
 
-def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, threads: int) -> torch.Tensor:
+def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple) -> torch.Tensor:
     """Run the numba kernel over the plan's work ``(items, row_limits, splits, pairs, lists, tables, choice)``."""
     items, row_limits, splits, pairs, lists, tables, choice = work
     if q.numel() == 0 or items.shape[0] == 0:
@@ -797,16 +795,14 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     units = pairs * q.shape[1]
     parallel = choice.parallel(units, workers)
     kernel = _attention_kernel if parallel else _attention_serial
-    if not choice.timed:
-        kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, splits)
-        return out
     compiled = len(kernel.overloads)
     start = time.perf_counter()
     kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, splits)
-    seconds = time.perf_counter() - start
-    # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the kernel:
-    # one such 0.23 s sample once made the serial estimate 5,000x too high and every later call parallel.
-    choice.record(parallel, units, workers, seconds if len(kernel.overloads) == compiled else None)
+    if choice.timed:
+        seconds = time.perf_counter() - start
+        # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
+        # kernel: one such 0.23 s sample once made the serial estimate 5,000x too high and every call parallel.
+        choice.record(parallel, units, workers, seconds if len(kernel.overloads) == compiled else None)
     return out
 
 
@@ -928,7 +924,7 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> to
     """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape."""
     threads = numba.get_num_threads()
     work, long = plan.derived(("cpu-work", q.shape[1], threads), lambda: _work(plan, pool, q.shape[1], threads))
-    out = _run(pool, layer, q, plan, work, threads)
+    out = _run(pool, layer, q, plan, work)
     if long.size:
         _flash_prefill(pool, layer, q, plan, out, long)
     return out

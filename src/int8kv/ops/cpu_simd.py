@@ -27,7 +27,7 @@ the float64-oracle tests bound it.
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
@@ -41,8 +41,9 @@ _VEC = ir.VectorType(_F32, LANES)
 _FAST = ("fast",)
 
 
+@njit(inline="always")
 def fits(head_dim: int) -> bool:
-    """Whether these kernels handle rows of ``head_dim`` values."""
+    """Whether these kernels handle rows of ``head_dim`` values (callable from Python and from numba code)."""
     return head_dim > 0 and head_dim % LANES == 0
 
 
