@@ -19,9 +19,12 @@ def seq(prompt_len, max_tokens=4):
     return Sequence(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def step(sched):
-    """What the engine does around a forward: advance each item, sample (token 7) when due, retire."""
+def step(sched, phases=None):
+    """What the engine does around a forward: advance each item, sample (token 7) when due, retire. `phases`,
+    if given, gets `in_decode_phase` of the batch (read before the batch advances)."""
     batch = sched.schedule()
+    if phases is not None:
+        phases.append(sched.in_decode_phase(batch))
     for item in batch:
         if sched.advance(item) and item.seq.append(7, ()):
             sched.finish(item.seq)
@@ -120,11 +123,7 @@ def phases_until_idle(sched):
     """Run to the end as `step` does, recording `in_decode_phase` of each step."""
     phases = []
     while sched.has_work():
-        batch = sched.schedule()
-        phases.append(sched.in_decode_phase(batch))
-        for item in batch:
-            if sched.advance(item) and item.seq.append(7, ()):
-                sched.finish(item.seq)
+        step(sched, phases)
     return phases
 
 
