@@ -21,8 +21,9 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import DeepseekV3Config, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.cache_utils import DynamicLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import int8kv.codec
 import int8kv.hf
@@ -248,7 +249,8 @@ def test_kernels_serve_every_step_without_dequantizing(monkeypatch):
 
     monkeypatch.setattr(int8kv.codec, "decode", forbidden)
     monkeypatch.setattr(int8kv.codec, "dequantize_int8", forbidden)
-    monkeypatch.setattr(int8kv.hf.attention, "sdpa_attention_forward", forbidden)
+    for name in ("sdpa", "eager"):  # the fallbacks for other caches
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, forbidden)
     ids, mask = left_padded([7, 4])
     cache = Int8KvCache(model.config)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache)
@@ -446,9 +448,11 @@ def test_unsupported_patterns_raise_and_roll_back():
     with torch.no_grad():
         model(ids, cache=detached, use_cache=True)
     assert detached.get_seq_length() == 6
-    sliding = Qwen3Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    with pytest.raises(UnsupportedAttention):
-        Int8KvCache(sliding)
+    mla = DeepseekV3Config(num_hidden_layers=2)
+    before = mla._attn_implementation
+    with pytest.raises(UnsupportedAttention, match="MLA"):
+        Int8KvCache(mla)
+    assert mla._attn_implementation == before  # refused before anything changed
 
 
 def test_memory_accounting():
