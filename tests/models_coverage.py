@@ -80,30 +80,36 @@ def _alarm(*_):
     raise _Timeout("too slow to build")
 
 
+def _attempts(model_type: str) -> Iterator[dict]:
+    """Tiny settings to try, in order: as is; without ``head_dim`` (configs that derive it); with MLA's
+    dimensions (DeepSeek-like configs); more layers (hybrids whose first layers hold no attention)."""
+    yield dict(TINY)
+    no_head_dim = {k: v for k, v in TINY.items() if k != "head_dim"}
+    yield no_head_dim
+    if hasattr(CONFIG_MAPPING[model_type], "kv_lora_rank"):
+        yield {**TINY, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+               "v_head_dim": 16, "head_dim": 8}  # fmt: skip
+    for layers in (4, 8):
+        yield {**TINY, "num_hidden_layers": layers}
+
+
 def build(model_type: str) -> torch.nn.Module | None:
     """The tiny model of ``model_type`` (None where transformers cannot build or run one this small)."""
-    base = dict(TINY)
-    for layers in (2, 4, 8):
-        for drop_head_dim in (False, True):
-            kwargs = {**base, "num_hidden_layers": layers}
-            if drop_head_dim:
-                kwargs.pop("head_dim")
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    config = CONFIG_MAPPING[model_type](**kwargs)
-                if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", True):
-                    return None
-                torch.manual_seed(0)
-                model = AutoModelForCausalLM.from_config(config).eval()
-                _rescale(model)
-                with torch.no_grad():
-                    reference(model)
-                return model
-            except _Timeout:
-                raise
-            except Exception:
-                continue
+    for kwargs in _attempts(model_type):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = CONFIG_MAPPING[model_type](**kwargs)
+            if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", True):
+                return None
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).eval()
+            _rescale(model)
+            with torch.no_grad():
+                reference(model)
+            return model
+        except Exception:  # noqa: BLE001 - this size does not build or run: try the next
+            continue
     return None
 
 

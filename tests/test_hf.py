@@ -626,3 +626,27 @@ def test_hybrid_keeps_transformers_state_layers():
     _assert_same_greedy(ref, got, ids.shape[1])
     assert [type(la) for la in cache.layers[:3]] == [LinearAttentionLayer] * 3
     assert len(cache.kv_layers()) == 1 and cache.attention_calls == 8
+
+
+@pytest.mark.parametrize("model_type", ["diffllama", "xglm", "bloom"])
+def test_refusal_leaves_the_model_as_it_was(model_type):
+    """diffllama reshapes V after cache.update and xglm runs its own attention on the returned tensors: both
+    refused at the first forward (AttentionBypassed); bloom (ALiBi) at construction. Either way the model's
+    implementation is put back and its output with the default cache is unchanged."""
+    from models_coverage import build, inputs
+
+    from int8kv.errors import AttentionBypassed
+
+    model = build(model_type)
+    ids, mask = inputs()
+    impl = model.config._attn_implementation
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+        error = AttentionBypassed if model_type != "bloom" else UnsupportedAttention
+        with pytest.raises(error, match="ALiBi" if model_type == "bloom" else "K/V handle"):
+            cache = Int8KvCache(model.config)
+            model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        assert model.config._attn_implementation == impl
+        assert torch.equal(model(ids, attention_mask=mask).logits, before)
+    if model_type != "bloom":
+        assert all(la.get_seq_length() == 0 for la in cache.kv_layers())  # the step was rolled back
