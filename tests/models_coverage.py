@@ -61,15 +61,22 @@ class Outcome:
     detail: str = ""
 
 
+# Variants of one model type whose attention differs (name -> (model type, config overrides)), and settings a
+# model type needs to be built this small.
+VARIANTS = {"falcon (alibi)": ("falcon", {"alibi": True})}
+NEEDS = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8}}
+
+
 def candidate_types() -> list[str]:
-    """Model types of the causal-LM mapping, minus composite (multimodal) configs and encoder-decoders."""
+    """Model types of the causal-LM mapping, minus composite (multimodal) configs and encoder-decoders, plus
+    :data:`VARIANTS`."""
     out = []
     for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         cls = CONFIG_MAPPING[mt] if mt in CONFIG_MAPPING else None
         if cls is None or cls.sub_configs:
             continue  # multimodal families: their text configs are mapping entries of their own where they exist
         out.append(mt)
-    return out
+    return sorted(out + list(VARIANTS))
 
 
 class _Timeout(BaseException):  # not an Exception: classify() must not take it for the model's error
@@ -83,33 +90,42 @@ def _alarm(*_):
 def _attempts(model_type: str) -> Iterator[dict]:
     """Tiny settings to try, in order: as is; without ``head_dim`` (configs that derive it); with MLA's
     dimensions (DeepSeek-like configs); more layers (hybrids whose first layers hold no attention)."""
-    yield dict(TINY)
-    no_head_dim = {k: v for k, v in TINY.items() if k != "head_dim"}
-    yield no_head_dim
-    if hasattr(CONFIG_MAPPING[model_type], "kv_lora_rank"):
-        yield {**TINY, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    base = {**TINY, **VARIANTS.get(model_type, ("", {}))[1], **NEEDS.get(model_type, {})}
+    yield base
+    yield {k: v for k, v in base.items() if k != "head_dim"}
+    if hasattr(CONFIG_MAPPING[VARIANTS.get(model_type, (model_type,))[0]], "kv_lora_rank"):
+        yield {**base, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                "v_head_dim": 16, "head_dim": 8}  # fmt: skip
     for layers in (4, 8):
-        yield {**TINY, "num_hidden_layers": layers}
+        yield {**base, "num_hidden_layers": layers}
 
 
-def build(model_type: str) -> torch.nn.Module | None:
-    """The tiny model of ``model_type`` (None where transformers cannot build or run one this small)."""
-    for kwargs in _attempts(model_type):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                config = CONFIG_MAPPING[model_type](**kwargs)
-            if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", True):
-                return None
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config).eval()
-            _rescale(model)
-            with torch.no_grad():
-                reference(model)
-            return model
-        except Exception:  # noqa: BLE001 - this size does not build or run: try the next
+def _build_one(model_type: str, kwargs: dict) -> torch.nn.Module | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = CONFIG_MAPPING[model_type](**kwargs)
+    if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", True):
+        return None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    _rescale(model)
+    with torch.no_grad():
+        reference(model)
+    return model
+
+
+def build(name: str) -> torch.nn.Module | None:
+    """The tiny model of model type (or variant) ``name`` (None where transformers cannot build or run one
+    this small)."""
+    model_type = VARIANTS.get(name, (name,))[0]
+    hybrid = False  # two layers held no attention layer: only the larger sizes can work
+    for kwargs in _attempts(name):
+        if hybrid and kwargs["num_hidden_layers"] == 2:
             continue
+        try:
+            return _build_one(model_type, kwargs)
+        except Exception as e:  # noqa: BLE001 - this size does not build or run: try the next
+            hybrid = hybrid or "only contain LinearAttention layers" in str(e)
     return None
 
 
@@ -221,8 +237,32 @@ def classify(model_type: str, model: torch.nn.Module) -> Outcome:
     return Outcome(model_type, "works", ", ".join(kinds))
 
 
+def refused_by_config(name: str) -> Outcome | None:
+    """The refusal ``Int8KvCache(config)`` gives before any model exists (MLA, ALiBi, ... named from the
+    config alone, without building the model), or None; the config must be left as it was."""
+    model_type = VARIANTS.get(name, (name,))[0]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = CONFIG_MAPPING[model_type](**next(_attempts(name)))
+    except Exception:  # noqa: BLE001 - no config at this size: build() decides
+        return None
+    impl = config._attn_implementation
+    try:
+        Int8KvCache(config)
+    except UnsupportedAttention as e:
+        if config._attn_implementation != impl:
+            return Outcome(name, "wrong", f"refused ({e}) but the config's attention implementation changed")
+        return Outcome(name, "refused", str(e).split("\n")[0])
+    except Exception:  # noqa: BLE001 - classify() reports it on the built model
+        return None
+    return None
+
+
 def run_all(seconds_per_model: int = 30) -> Iterator[Outcome]:
     transformers.logging.set_verbosity_error()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: waking a second thread costs more than the work (2-4x measured)
     warm = build("llama")  # compiles the kernels (or loads them from numba's cache) outside any model's time
     if warm is not None:
         classify("llama", warm)
@@ -231,6 +271,10 @@ def run_all(seconds_per_model: int = 30) -> Iterator[Outcome]:
         for mt in candidate_types():
             signal.alarm(seconds_per_model)
             try:
+                early = refused_by_config(mt)
+                if early is not None:
+                    yield early
+                    continue
                 model = build(mt)
                 if model is None:
                     continue
@@ -241,6 +285,7 @@ def run_all(seconds_per_model: int = 30) -> Iterator[Outcome]:
                 signal.alarm(0)
     finally:
         signal.signal(signal.SIGALRM, previous)
+        torch.set_num_threads(threads)
 
 
 def render(outcomes: list[Outcome]) -> str:

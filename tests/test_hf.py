@@ -566,7 +566,7 @@ def _fake_quant_update(update, fmt):
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("context", [8192, 32768])
 def test_gemma3_like_memory_is_bounded_by_the_window(head_dim, context):
-    """Five sliding layers (window 1,024) to one full, filled by 1,024-token prefill chunks then 3 decode
+    """Five sliding layers (window 1,024) to one full, filled by 4,096-token prefill chunks then 3 decode
     steps, directly through the layers: INT8 memory_bytes() <= 0.54x what DynamicCache holds in float16."""
     from transformers import Gemma3TextConfig
 
@@ -574,7 +574,7 @@ def test_gemma3_like_memory_is_bounded_by_the_window(head_dim, context):
                               num_key_value_heads=1, head_dim=head_dim)  # fmt: skip
     ours = Int8KvCache(config, attach=False)
     theirs = DynamicCache(config=config)
-    steps = [1024] * (context // 1024) + [1, 1, 1]
+    steps = [4096] * (context // 4096) + [1, 1, 1]
     for n in steps:
         k = torch.randn(1, 1, n, head_dim, dtype=torch.float16)
         v = torch.randn(1, 1, n, head_dim, dtype=torch.float16)
