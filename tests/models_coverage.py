@@ -51,6 +51,10 @@ TINY = dict(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
     eos_token_id=None, initializer_range=0.02,
 )  # fmt: skip
+# Mixture-of-experts sizes, for the configs that have these fields (defaults of up to 512 experts make a tiny
+# model slow to build).
+MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=32, n_shared_experts=1)  # fmt: skip
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
@@ -90,10 +94,12 @@ def _alarm(*_):
 def _attempts(model_type: str) -> Iterator[dict]:
     """Tiny settings to try, in order: as is; without ``head_dim`` (configs that derive it); with MLA's
     dimensions (DeepSeek-like configs); more layers (hybrids whose first layers hold no attention)."""
-    base = {**TINY, **VARIANTS.get(model_type, ("", {}))[1], **NEEDS.get(model_type, {})}
+    cls = CONFIG_MAPPING[VARIANTS.get(model_type, (model_type,))[0]]
+    moe = {k: v for k, v in MOE.items() if hasattr(cls, k)}
+    base = {**TINY, **moe, **VARIANTS.get(model_type, ("", {}))[1], **NEEDS.get(model_type, {})}
     yield base
     yield {k: v for k, v in base.items() if k != "head_dim"}
-    if hasattr(CONFIG_MAPPING[VARIANTS.get(model_type, (model_type,))[0]], "kv_lora_rank"):
+    if hasattr(cls, "kv_lora_rank"):
         yield {**base, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                "v_head_dim": 16, "head_dim": 8}  # fmt: skip
     for layers in (4, 8):
@@ -232,6 +238,8 @@ def classify(model_type: str, model: torch.nn.Module) -> Outcome:
         if diff:
             return Outcome(model_type, "wrong", f"{fmt.value}: {diff}")
         layers = cache.kv_layers()
+        if layers and all(la.get_seq_length() == 0 for la in layers):
+            return Outcome(model_type, "no attention", "the model keeps a recurrent state of its own, no KV cache")
         if not layers:
             return Outcome(model_type, "no attention", "only " + ", ".join(sorted({s.layer_type for s in cache.specs})))
         if any(la.attention_calls != NEW for la in layers):

@@ -538,7 +538,7 @@ def test_sliding_window_generation_matches_and_storage_stays_bounded(fmt):
 
     model = _tiny(MistralConfig, num_hidden_layers=2, sliding_window=6)
     ids, mask = left_padded([10, 7])
-    cache = Int8KvCache(model.config, format=fmt, backend="reference")
+    cache = Int8KvCache(model.config, format=fmt)
     held = []
     hook = model.model.layers[1].register_forward_hook(lambda *a: held.append(cache.layers[1].held))
     got = _generate(model, cache, ids, mask, max_new_tokens=30)
@@ -591,7 +591,7 @@ def test_gemma3_like_memory_is_bounded_by_the_window(head_dim, context):
 
 def test_softcap_and_sinks_reach_the_kernels():
     """Gemma 2 (softcap 5, sliding and full layers) and gpt-oss (sinks, sliding layers): greedy tokens and
-    logits equal to DynamicCache with F16 storage, through the float64 reference backend."""
+    logits equal to DynamicCache with F16 storage, through the default (CPU) kernels."""
     from transformers import Gemma2Config, GptOssConfig
 
     gemma = _tiny(Gemma2Config, num_hidden_layers=2, sliding_window=4, attn_logit_softcapping=5.0,
@@ -603,7 +603,7 @@ def test_softcap_and_sinks_reach_the_kernels():
     for model in (gemma, oss):
         ids, mask = left_padded([9, 6])
         ref = _generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=8)
-        cache = Int8KvCache(model.config, format=F16, backend="reference")
+        cache = Int8KvCache(model.config, format=F16)
         got = _generate(model, cache, ids, mask, max_new_tokens=8)
         _assert_same_greedy(ref, got, ids.shape[1])
         assert (ref.logits[0] - got.logits[0]).abs().max() <= 1e-2 * ref.logits[0].abs().max()
