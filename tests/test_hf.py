@@ -650,3 +650,25 @@ def test_refusal_leaves_the_model_as_it_was(model_type):
         assert torch.equal(model(ids, attention_mask=mask).logits, before)
     if model_type != "bloom":
         assert all(la.get_seq_length() == 0 for la in cache.kv_layers())  # the step was rolled back
+
+
+def test_written_but_not_read_and_handle_misuse_are_refused():
+    """A layer written without the int8kv attention reading it (the next layer written, or the next forward
+    starting) and any computation on the returned handles raise AttentionBypassed and roll the forward back."""
+    from int8kv.errors import AttentionBypassed
+
+    model = tiny_model("llama")
+    impl = model.config._attn_implementation
+    cache = Int8KvCache(model.config)
+    k = torch.randn(1, 2, 3, 16)
+    hk, hv = cache.update(k, k, 0)
+    assert hk.shape == (1, 2, 0, 16) and hk.dtype == k.dtype  # metadata is allowed
+    with pytest.raises(AttentionBypassed, match="layer 0's K/V were written"):
+        cache.update(k, k, 1)
+    assert [la.get_seq_length() for la in cache.layers] == [0, 0]
+    assert model.config._attn_implementation == impl  # a refusal puts the model's implementation back
+    cache = Int8KvCache(model.config)
+    hk, hv = cache.update(k, k, 0)
+    with pytest.raises(AttentionBypassed, match="'matmul'"):
+        torch.matmul(k, hk)
+    assert cache.layers[0].get_seq_length() == 0 and model.config._attn_implementation == impl
