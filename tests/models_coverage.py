@@ -68,7 +68,17 @@ class Outcome:
 # Variants of one model type whose attention differs (name -> (model type, config overrides)), and settings a
 # model type needs to be built this small.
 VARIANTS = {"falcon (alibi)": ("falcon", {"alibi": True})}
-NEEDS = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8}}
+NEEDS = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "zaya": {"num_experts_per_tok": 1},
+    "bamba": {"num_hidden_layers": 4, "attn_layer_indices": [1, 3]},
+    "granitemoehybrid": {"num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"]},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+}
 
 
 def candidate_types() -> list[str]:
@@ -262,6 +272,10 @@ def refused_by_config(name: str) -> Outcome | None:
         return None
     if getattr(config, "is_encoder_decoder", False):
         return Outcome(name, "skipped", "encoder-decoder")
+    try:
+        DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - transformers itself cannot build a cache for this config
+        return None
     impl = config._attn_implementation
     try:
         Int8KvCache(config)

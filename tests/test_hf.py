@@ -529,6 +529,22 @@ def test_layer_specs_follow_the_config():
         layer_specs(DeepseekV3Config(num_hidden_layers=2))
 
 
+def test_attention_options_from_the_kwargs():
+    from int8kv.hf.layers import LayerSpec, attention_options
+
+    spec = LayerSpec("sliding_attention", "sliding", window=8)
+    sinks = torch.randn(4)
+    opts = attention_options({"softcap": 30, "s_aux": sinks, "position_ids": torch.arange(3)}, spec)
+    assert (opts.window, opts.chunk, opts.softcap, opts.sinks) == (8, None, 30.0, sinks)
+    assert attention_options({"sliding_window": 5}, spec).window == 5  # the call's kwarg wins over the config
+    assert attention_options({}, LayerSpec("chunked_attention", "chunked", chunk=16)).as_kwargs() == dict(
+        window=None, chunk=16, softcap=None, sinks=None
+    )
+    for bad in ({"position_bias": torch.zeros(1)}, {"softcap": -1.0}, {"sliding_window": 0}, {"s_aux": 1.0}):
+        with pytest.raises(UnsupportedAttention):
+            attention_options(bad, spec)
+
+
 @pytest.mark.parametrize("fmt", [F16, INT8])
 def test_sliding_window_generation_matches_and_storage_stays_bounded(fmt):
     """Mistral with a 6-token window over 10 + 30 tokens, left-padded batch: the same greedy tokens and logits
