@@ -288,7 +288,7 @@ def refused_by_config(name: str) -> Outcome | None:
     return None
 
 
-def run_all(seconds_per_model: int = 30, start: str = "") -> Iterator[Outcome]:
+def run_all(seconds_per_model: int = 120, start: str = "") -> Iterator[Outcome]:
     transformers.logging.set_verbosity_error()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: waking a second thread costs more than the work (2-4x measured)
@@ -336,7 +336,17 @@ def render(outcomes: list[Outcome]) -> str:
         "|---|---|",
     ]
     lines += [f"| {k} | {len(v)} |" for k, v in by.items() if v]
-    lines += ["", "## Works", "", "| model type | layer kinds |", "|---|---|"]
+    lines += [
+        "",
+        "## Works",
+        "",
+        "Layer kinds: `full`, `sliding` (window), `chunked` attention layers hold their K/V in int8kv; `state`: "
+        "linear-attention, Mamba or conv layers kept as transformers' own layer classes; `shared`: layers without "
+        "K/V of their own.",
+        "",
+        "| model type | layer kinds |",
+        "|---|---|",
+    ]
     lines += [f"| `{o.model_type}` | {o.detail} |" for o in by["works"]]
     titles = (
         ("refused", "Refused"), ("no attention", "No attention layers at this size (nothing for int8kv to store)"),

@@ -223,8 +223,9 @@ class Book:
             fw = self.forward = Forward()
         for idx, (other, _) in fw.starts.items():
             if self.strict and not other.read_complete():
-                self.abort(AttentionBypassed(_unread(idx)))
-                raise AttentionBypassed(_unread(idx))
+                error = AttentionBypassed(_unread(idx))
+                self.abort(error)
+                raise error
         fw.starts[layer.layer_idx] = (layer, start)
         return fw
 

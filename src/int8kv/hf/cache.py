@@ -145,8 +145,8 @@ class Int8KvLayer(CacheLayerMixin):
         if key_states.dim() == 4 and value_states.dim() == 4 and key_states.shape[:3] == value_states.shape[:3]:
             if key_states.shape[3] != value_states.shape[3]:
                 raise UnsupportedAttention(
-                    f"keys of head_dim {key_states.shape[3]} and values of head_dim {value_states.shape[3]}: the "
-                    "int8kv layout stores one head_dim for both"
+                    f"the int8kv layout does not implement values of another head_dim than the keys' (keys "
+                    f"{key_states.shape[3]}, values {value_states.shape[3]})"
                 )
         if key_states.dim() != 4 or tuple(key_states.shape) != tuple(value_states.shape):
             raise ShapeMismatch(
