@@ -114,20 +114,21 @@ def test_damaged_value_is_a_miss_and_is_replaced(store):
     assert store.get_prefix(keys, spec).equal(state)
 
 
-def test_wrong_version_or_fingerprint_is_a_miss_and_left_alone(store):
+def test_a_newer_version_is_left_alone_and_every_other_refused_value_deleted(store):
     spec = small_spec()
     _, values = blocks(spec, 2, seed=6)
     keys = key_chain(2, seed=6)
-    newer = reframe(values[0], version=2)
+    newer = reframe(values[0], version=3)
     store.put(keys[0], newer)
     assert store.get_prefix(keys, spec) is None
-    assert store.get([keys[0]]) == [newer]  # another reader may understand it
+    assert store.get([keys[0]]) == [newer]  # a newer reader sharing the store may understand it
     other = small_spec(fingerprint="another-model")
-    _, (theirs,) = blocks(other, 1, seed=6)
-    store.put(keys[1], theirs)
-    assert store.get_prefix(keys[1:], spec) is None
-    assert store.get_prefix(keys[1:], other).length == 4
-    assert store.stats().invalid == 2
+    _, (theirs,) = blocks(other, 1, seed=6, keys=keys[1:])
+    for refused in (reframe(values[1], version=1), theirs):  # an older (unbound) version, another model
+        store.put(keys[1], refused)
+        assert store.get_prefix(keys[1:], spec) is None
+        assert store.get([keys[1]]) == [None]  # deleted: under this key only this reader's blocks belong
+    assert store.stats().invalid == 3
 
 
 def test_background_writer_drains_into_the_store(store):

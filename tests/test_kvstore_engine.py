@@ -112,7 +112,7 @@ def _other_fingerprint(value: bytes) -> bytes:
     name_len, fp_len = value[14], value[15]
 
     def patch(buf: bytearray, _header_len: int) -> None:
-        start = 48 + name_len
+        start = 56 + name_len
         buf[start : start + fp_len] = b"f" * fp_len
 
     return reframe(value, payload_patch=patch)
@@ -120,7 +120,8 @@ def _other_fingerprint(value: bytes) -> bytes:
 
 MUTATIONS = {
     "flipped-byte": _flip,
-    "wrong-version": lambda v: reframe(v, version=2),
+    "newer-version": lambda v: reframe(v, version=3),
+    "older-version": lambda v: reframe(v, version=1),
     "wrong-storage-version": lambda v: reframe(v, storage_version=9),
     "wrong-fingerprint": _other_fingerprint,
     "evicted": None,
@@ -149,14 +150,14 @@ def test_a_bad_or_missing_middle_block_stops_reuse_at_it(mutation, model, prompt
         assert b.stats.prefill_tokens == len(prompts[1]) - BS
         assert b.stats.store_faults == (0 if mutation == "evicted" else 1)  # the lookup saw block 1 there
         assert b.kv_store.stats().invalid == (0 if mutation == "evicted" else 1)
-    # A damaged value is deleted, so the next writer replaces it (b recomputed block 1 and pushed it); a valid
-    # value of another version or model is left alone (its put found the key taken).
+    # A refused value is deleted, so the next writer replaces it (b recomputed block 1 and pushed it); a value
+    # of a newer format version is left alone for newer readers (b's put found the key taken).
     stored = client.get(name)
-    if mutation in ("flipped-byte", "evicted"):
-        assert stored is not None and stored != mutated
-        verify_block(BlockSpec(b.cache.layout, BS, b.fingerprint), stored)
-    else:
+    if mutation == "newer-version":
         assert stored == mutated
+    else:
+        assert stored is not None and stored != mutated
+        verify_block(BlockSpec(b.cache.layout, BS, b.fingerprint), stored, keys[1])
     client.close()
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..blockstore import BlockSpec, BlockStore
+from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
 from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
@@ -161,10 +161,13 @@ class LLM:
         kv_store: str | BlockStore | bool | None = None,
         kv_namespace: str = "int8kv",
         model_id: str | None = None,
+        kv_store_secret: str | bytes | None = None,
     ) -> None:
         """`kv_store`: a block store URL (`True` is "embedded") or an open BlockStore (left open); it needs
-        prefix caching. `model_id` replaces the weights' SHA-256 in the key root (the model fingerprint,
-        int8kv.store.model_fingerprint): equal ids must mean equal K/V."""
+        prefix caching. `kv_store_secret` (at least 16 bytes; default: the INT8KV_KV_STORE_SECRET variable)
+        authenticates the store's values with an HMAC, for a URL (an open store has its own). `model_id`
+        replaces the weights' SHA-256 in the key root (the model fingerprint, int8kv.store.model_fingerprint):
+        equal ids must mean equal K/V."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -178,6 +181,9 @@ class LLM:
             if not prefix_caching:
                 raise InvalidEngineConfig("kv_store needs prefix_caching=True (blocks are found by their keys)")
             check_namespace(kv_namespace)  # InvalidBlockKey
+            check_secret(kv_store_secret)  # InvalidStoreSecret
+            if kv_store_secret is not None and isinstance(kv_store, BlockStore):
+                raise InvalidEngineConfig("kv_store_secret is for a store URL; an open BlockStore has its own secret")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
@@ -219,7 +225,7 @@ class LLM:
             hasher = PrefixHasher(self.cache.layout, self.fingerprint, block_size)
             if kv_store:
                 spec = BlockSpec(self.cache.layout, block_size, self.fingerprint)
-                tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace)
+                tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier)
