@@ -41,6 +41,10 @@ class StoreTier:
         self.writer = BackgroundWriter(store)
         self.faults = 0  # fetches that delivered fewer blocks than the lookup promised, or raised
         self.pushed_blocks = 0
+        # What the store cost admissions: fetch calls, their total and their longest wait (seconds).
+        self.fetches = 0
+        self.fetch_seconds = 0.0
+        self.slowest_fetch_s = 0.0
         self._last_log = float("-inf")
 
     @classmethod
@@ -64,12 +68,18 @@ class StoreTier:
         holds and that passes every check, ``n * block_size`` tokens, or None. Never raises."""
         if not keys:
             return None
+        start = time.perf_counter()
         try:
             found = self.store.lookup(keys)
             state = self.store.get_prefix(keys[:found], self.spec) if found else None
         except Exception as exc:  # noqa: BLE001 - a store must never fail a request
             self._fault(f"fetch raised {type(exc).__name__}: {exc}")
             return None
+        finally:
+            waited = time.perf_counter() - start
+            self.fetches += 1
+            self.fetch_seconds += waited
+            self.slowest_fetch_s = max(self.slowest_fetch_s, waited)
         got = 0 if state is None else state.length // self.spec.block_size
         if got < found:  # evicted since the lookup, damaged, another version or model, or the call failed
             self._fault(f"the store listed {found} block(s) and delivered {got}; recomputing the rest")
