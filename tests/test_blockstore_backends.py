@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -387,3 +388,44 @@ def test_a_taken_port_is_a_typed_start_error_and_leaves_nothing():
         with pytest.raises(StoreUnavailable, match="in use"):
             server.start()
     assert server.pid is None and server.directory is None
+
+
+def test_disk_entries_that_are_not_regular_files_are_misses_that_never_block(tmp_path):
+    spec = small_spec()
+    state, values = blocks(spec, 6, seed=19)
+    keys = key_chain(6, seed=19)
+    store = DiskBlockStore(tmp_path / "store", namespace="hostile")
+    for k, v in zip(keys, values, strict=True):
+        store.put(k, v)
+    paths = [store.path_of(k) for k in keys]
+    fifo, target = tmp_path / "fifo", tmp_path / "target"
+    os.mkfifo(fifo)
+    target.write_bytes(values[0])  # a valid block of another key
+    for path in paths[1:5]:
+        path.unlink()
+    os.mkfifo(paths[1])
+    paths[2].symlink_to(fifo)
+    paths[3].symlink_to(target)
+    paths[4].mkdir()
+    result: dict = {}
+
+    def read() -> None:  # a plain open() of the FIFO never returned
+        result["get"] = store.get(keys)
+        result["prefix"] = store.get_prefix(keys, spec)
+        result["lookup"] = store.lookup(keys)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "a read of the disk store blocked"
+    assert result["get"] == [values[0], None, None, None, None, values[5]]
+    assert result["prefix"].equal(state.slice(0, 4)) and result["lookup"] == 1
+    assert store.stats().invalid == 4  # the FIFO, both links and the directory (which stays: not unlinked)
+    assert not any(p.exists() or p.is_symlink() for p in paths[1:4])
+    assert fifo.exists() and target.read_bytes() == values[0]  # what the links pointed to is untouched
+    # The fan-out directory itself replaced by a link: a miss, nothing read through it.
+    fanout = paths[0].parent
+    moved = tmp_path / "moved"
+    fanout.rename(moved)
+    fanout.symlink_to(moved)
+    assert store.get(keys[:1]) == [None] and (moved / paths[0].name).exists()

@@ -252,6 +252,15 @@ def generate(llm, prompts) -> list[list[int]]:
     return [o.token_ids for o in bounded(lambda: llm.generate(prompts, PARAMS))]
 
 
+def written(model, url: str, ns: str, prompt: list[int], secret: str | None = None):
+    """An engine computes ``prompt`` and writes its blocks: (its block keys, its store (closed: for names),
+    the block spec)."""
+    with LLM(model, memory="1MiB", kv_store=url, kv_namespace=ns, kv_store_secret=secret) as a:
+        assert generate(a, [prompt]) == recompute(model, [prompt])
+        assert a.flush_kv_store(timeout=30)
+        return block_keys(a, prompt), a.kv_store, BlockSpec(a.cache.layout, BS, a.fingerprint)
+
+
 @pytest.mark.parametrize("fault", ["valkey-paused", "embedded-paused", "embedded-killed", "cluster-node-paused"])
 def test_a_stuck_or_dead_store_costs_each_admission_a_bounded_stall(fault, model, prompts):
     server = cluster = None
@@ -302,10 +311,8 @@ def test_a_stuck_or_dead_store_costs_each_admission_a_bounded_stall(fault, model
 def test_a_fifo_or_a_link_in_a_disk_store_never_blocks_the_engine(model, prompts, tmp_path):
     url, ns = f"disk:{tmp_path / 'store'}", namespace()
     want = recompute(model, prompts[1:])
-    with LLM(model, memory="1MiB", kv_store=url, kv_namespace=ns) as a:
-        generate(a, prompts[:1])
-        assert a.flush_kv_store(timeout=30)
-        paths = [a.kv_store.path_of(k) for k in block_keys(a, prompts[0])]
+    keys, store, _ = written(model, url, ns, prompts[0])
+    paths = [store.path_of(k) for k in keys]
     outside = tmp_path / "outside"
     outside.write_bytes(paths[2].read_bytes())  # a valid block of another key, outside the store
     paths[0].unlink()
@@ -326,9 +333,7 @@ def test_a_fifo_or_a_link_in_a_disk_store_never_blocks_the_engine(model, prompts
 
 def test_a_full_server_refuses_writes_and_still_serves_reads(model, prompts, valkey_node):
     ns = namespace()
-    with LLM(model, memory="1MiB", kv_store=valkey_node.url, kv_namespace=ns) as a:
-        generate(a, prompts[:1])
-        assert a.flush_kv_store(timeout=30)
+    written(model, valkey_node.url, ns, prompts[0])
     client = _raw_client(valkey_node)
     saved = {**client.config_get("maxmemory-policy"), **client.config_get("maxmemory")}
     client.config_set("maxmemory-policy", "noeviction")  # the server's default policy
@@ -351,11 +356,8 @@ def test_a_full_server_refuses_writes_and_still_serves_reads(model, prompts, val
 
 def test_a_key_of_the_wrong_type_is_one_miss_and_is_removed(model, prompts, valkey_node):
     ns = namespace()
-    with LLM(model, memory="1MiB", kv_store=valkey_node.url, kv_namespace=ns) as a:
-        generate(a, prompts[:1])
-        assert a.flush_kv_store(timeout=30)
-        keys = block_keys(a, prompts[0])
-        name = a.kv_store.key_name(keys[1])
+    keys, store, spec = written(model, valkey_node.url, ns, prompts[0])
+    name = store.key_name(keys[1])
     client = _raw_client(valkey_node)
     client.delete(name)
     client.rpush(name, b"not a block")
@@ -365,7 +367,7 @@ def test_a_key_of_the_wrong_type_is_one_miss_and_is_removed(model, prompts, valk
         assert b.kv_store.stats().invalid == 1 and b.kv_store.stats().errors == 0
         assert b.flush_kv_store(timeout=30)
     assert client.type(name) == b"string"  # the list was removed and b's block 1 written
-    verify_block(BlockSpec(b.cache.layout, BS, b.fingerprint), client.get(name), keys[1])
+    verify_block(spec, client.get(name), keys[1])
     client.close()
 
 
@@ -393,10 +395,8 @@ def test_oversized_junk_values_are_fetched_bounded_and_all_dropped(model, valkey
 
 def test_a_block_copied_under_another_key_is_refused(model, prompts, valkey_node):
     ns = namespace()
-    with LLM(model, memory="1MiB", kv_store=valkey_node.url, kv_namespace=ns) as a:
-        generate(a, prompts[:1])
-        assert a.flush_kv_store(timeout=30)
-        names = [a.kv_store.key_name(k) for k in block_keys(a, prompts[0])]
+    keys, store, _ = written(model, valkey_node.url, ns, prompts[0])
+    names = [store.key_name(k) for k in keys]
     client = _raw_client(valkey_node)
     copied = client.get(names[2])
     client.set(names[1], copied)  # well-formed, valid digest, another position's K/V
@@ -427,30 +427,28 @@ def test_a_shared_secret_authenticates_blocks_and_separates_deployments(model, p
     want = recompute(model, prompts[1:])
     client = _raw_client(valkey_node)
 
-    def run(secret, prompt_set=prompts[1:]):
+    def run(secret):
         with LLM(model, memory="1MiB", kv_store=url, kv_namespace=ns, kv_store_secret=secret) as llm:
-            out = generate(llm, prompt_set)
+            out = generate(llm, prompts[1:])
             assert llm.flush_kv_store(timeout=30)
-            return out, llm.stats.store_hit_tokens, llm.kv_store.stats(), llm
+            return out, llm.stats.store_hit_tokens, llm.kv_store.stats()
 
-    _, hit, _, a = run(SECRET, prompts[:1])
-    assert hit == 0 and a.kv_store.authenticated
-    keys = block_keys(a, prompts[0])
-    names = [a.kv_store.key_name(k) for k in keys]
+    keys, store, spec = written(model, url, ns, prompts[0], SECRET)
+    assert store.authenticated
+    names = [store.key_name(k) for k in keys]
     assert all(keys[1].hex() not in n.decode() for n in names)  # names do not reveal the prefix
-    out, hit, _, _ = run(SECRET)
+    out, hit, _ = run(SECRET)
     assert out == want and hit == SHARED_BLOCKS * BS  # the same secret shares blocks
     for other in ("another deployment's secret", None):
-        out, hit, stats, _ = run(other)  # another secret, or none: nothing shared
+        out, hit, stats = run(other)  # another secret, or none: nothing shared
         assert out == want and hit == 0 and stats.invalid == 0
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    out, hit, _, _ = run(None)  # the secret from the environment: a's blocks and those the second run wrote
+    out, hit, _ = run(None)  # the secret from the environment: a's blocks and those the second run wrote
     assert out == want and hit == (len(prompts[1]) - 1) // BS * BS
     monkeypatch.delenv(SECRET_ENV)
 
     # Forgeries by someone who can write to the server but has not the secret: each is one refused block.
     valid = client.get(names[1])
-    spec = BlockSpec(a.cache.layout, BS, a.fingerprint)
     state = assemble_blocks(spec, [valid], header_len=header_fields(valid)["header_len"])
     forgeries = {
         "untagged": encode_block(spec, state, keys[1]),
@@ -460,7 +458,7 @@ def test_a_shared_secret_authenticates_blocks_and_separates_deployments(model, p
     }
     for name, forged in forgeries.items():
         client.set(names[1], forged)
-        out, hit, stats, _ = run(SECRET)
+        out, hit, stats = run(SECRET)
         assert out == want, name
         assert hit == BS and stats.invalid == 1, name
         assert stats.unauthenticated == (0 if name == "copied" else 1), name
@@ -473,10 +471,8 @@ def test_without_a_secret_a_well_formed_forgery_is_accepted(model, prompts, valk
     """The threat model's other half (docs/block_store.md): without a secret, whoever can write to the store
     can make an engine attend over K/V it did not compute, as long as the block is well formed."""
     ns = namespace()
-    with LLM(model, memory="1MiB", kv_store=valkey_node.url, kv_namespace=ns) as a:
-        generate(a, prompts[:1])
-        assert a.flush_kv_store(timeout=30)
-        name = a.kv_store.key_name(block_keys(a, prompts[0])[1])
+    keys, store, _ = written(model, valkey_node.url, ns, prompts[0])
+    name = store.key_name(keys[1])
     client = _raw_client(valkey_node)
     client.set(name, _max_scales(client.get(name)))
     with LLM(model, memory="1MiB", kv_store=valkey_node.url, kv_namespace=ns) as b:

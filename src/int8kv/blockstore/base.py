@@ -357,7 +357,7 @@ class BlockStore(ABC):
                 continue
             try:
                 if isinstance(value, Exception):
-                    raise CorruptBlock(f"not a string value: {value}")
+                    raise CorruptBlock(f"not a block value: {value}")
                 if len(value) > limit:
                     raise CorruptBlock(f"a value of more than {limit} bytes, the most this reader expects")
                 header = verify_block(spec, value, key, secret=self._secret)

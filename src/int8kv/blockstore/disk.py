@@ -161,7 +161,7 @@ class DiskBlockStore(BlockStore):
         except FileNotFoundError:  # evicted or deleted since lookup
             return None
         except OSError as exc:  # ELOOP: a symbolic link (O_NOFOLLOW); ENXIO: a socket or a writer-less device
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            if exc.errno in (errno.ELOOP, errno.ENXIO):
                 return CorruptBlock(f"not a regular file: {exc.strerror}")
             raise
         finally:
