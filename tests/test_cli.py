@@ -45,6 +45,8 @@ BAD_INPUT = [
     (["demo", "--formats", "fp8"], "accepted: ", True),
     (["demo", "--max-tokens", "0"], "--max-tokens must be >= 1", True),
     (["demo", "--kv-store", "ftp://host"], "unknown block store 'ftp://host'", True),
+    (["serve", "--kv-store", "embedded", "--kv-store-secret", "short"], "at least 16 bytes", True),
+    (["serve", "--kv-store-secret", "sixteen bytes ok"], "--kv-store-secret needs --kv-store", True),
     (["eval", "--text", "/nonexistent.txt"], "cannot read text file", True),
     (["eval", "--windows", "0"], "--windows", True),
     (["demo", "--bogus"], "unrecognized arguments: --bogus", True),

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-format", default="int8", help="KV storage format: int8 or f16")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
     serve.add_argument("--kv-store", help="shared KV block store (disk:PATH, redis://..., embedded)")
+    serve.add_argument("--kv-store-secret", metavar="SECRET",
+                       help="authenticate the store's blocks with this shared secret (>= 16 bytes; prefer the "
+                            "INT8KV_KV_STORE_SECRET variable: a command line is visible to other users)")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together in one step")
@@ -323,6 +326,16 @@ def run_serve(args: argparse.Namespace) -> int:
             raise CliError("--kv-store needs an engine with a shared KV block store (LLM(kv_store=...)), "
                            "which this build does not have")
         extra["kv_store"] = args.kv_store
+    if args.kv_store_secret is not None:
+        if not args.kv_store:
+            raise CliError("--kv-store-secret needs --kv-store")
+        from .blockstore import check_secret
+
+        try:
+            check_secret(args.kv_store_secret)  # before the model loads
+        except ValueError as exc:
+            raise CliError(f"--kv-store-secret: {exc}") from None
+        extra["kv_store_secret"] = args.kv_store_secret
     from .server import Limits, serve
 
     progress.note("loading model ...")
