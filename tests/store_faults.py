@@ -11,14 +11,13 @@ the same engine's wait on a healthy store first. Servers are loopback children s
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import tempfile
 import time
 
 import torch
 from test_engine import SMALL, tiny
-from valkey_servers import ValkeyCluster, node
+from valkey_servers import StoreFault
 
 from int8kv.cache.prefix import PrefixHasher
 from int8kv.engine import LLM, SamplingParams
@@ -41,49 +40,30 @@ def waits(llm: LLM, batch: list[list[int]]) -> tuple[float, float]:
 
 
 def measure(model, fault: str, n: int, retry_after: float, tmp: str) -> str:
-    server = cluster = None
-    if fault.startswith("valkey"):
-        server = node()
-        url = server.url
-    elif fault.startswith("cluster"):
-        cluster = ValkeyCluster(3)
-        url = cluster.url
-    elif fault.startswith("embedded"):
-        url = "embedded"
-    else:
-        url = f"disk:{tempfile.mkdtemp(dir=tmp)}"
+    broken = None if fault == "disk-fifo" else StoreFault(fault)
+    url = broken.url if broken else f"disk:{tempfile.mkdtemp(dir=tmp)}"
     llm = LLM(model, memory="1MiB", kv_store=url, kv_namespace="faults")
-    paused = None
     try:
-        if fault.startswith("embedded"):
-            server = llm.kv_store.server
         healthy = waits(llm, prompts(n, 1))
         llm.flush_kv_store(timeout=30)
         llm.kv_store.retry_after = retry_after
-        target = server if server is not None else cluster.nodes[-1] if cluster is not None else None
         batch = prompts(n, 2)
-        if fault.endswith("killed"):
-            target.kill()
-        elif fault.endswith("paused"):
-            paused = target.pid
-            os.kill(paused, signal.SIGSTOP)
+        if broken:
+            broken.make(llm.kv_store)
         else:  # a FIFO under the first block of every prompt
             for p in batch:
-                key = PrefixHasher(llm.cache.layout, llm.fingerprint, BS).block_keys(p)[0]
-                path = llm.kv_store.path_of(key)
+                path = llm.kv_store.path_of(PrefixHasher(llm.cache.layout, llm.fingerprint, BS).block_keys(p)[0])
                 path.parent.mkdir(exist_ok=True)
                 os.mkfifo(path)
         start = time.perf_counter()
         faulty = waits(llm, batch)
         wall = time.perf_counter() - start
     finally:
-        if paused is not None:
-            os.kill(paused, signal.SIGCONT)
+        if broken:
+            broken.resume()
         llm.close()
-        if cluster is not None:
-            cluster.stop()
-        elif server is not None:
-            server.stop()
+        if broken:
+            broken.stop()
     return (f"{fault:<20} retry_after={retry_after:<3} healthy {healthy[0] * 1e3:6.1f} / {healthy[1] * 1e3:6.1f} ms"
             f"   fault {faulty[0] * 1e3:6.1f} / {faulty[1] * 1e3:6.1f} ms   ({n} admissions in {wall:.2f} s)")
 

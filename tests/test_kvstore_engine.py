@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ import valkey_servers
 from blockstore_helpers import header_fields, reframe
 from engine_store_child import MAX_TOKENS
 from test_engine import SMALL, tiny
-from valkey_servers import ValkeyCluster, assert_gone, node
+from valkey_servers import StoreFault, assert_gone, node
 
 from int8kv.blockstore import BlockSpec, encode_block, verify_block
 from int8kv.blockstore.codec import assemble_blocks
@@ -263,33 +262,16 @@ def written(model, url: str, ns: str, prompt: list[int], secret: str | None = No
 
 @pytest.mark.parametrize("fault", ["valkey-paused", "embedded-paused", "embedded-killed", "cluster-node-paused"])
 def test_a_stuck_or_dead_store_costs_each_admission_a_bounded_stall(fault, model, prompts):
-    server = cluster = None
-    if fault.startswith("valkey"):
-        server = node()
-        url = server.url
-    elif fault.startswith("cluster"):
-        cluster = ValkeyCluster(3)
-        url = cluster.url
-    else:
-        url = "embedded"
     g = torch.Generator().manual_seed(13)
     fresh = [torch.randint(1, SMALL["vocab_size"], (2 * BS + 3,), generator=g).tolist() for _ in range(4)]
     want = recompute(model, prompts[:1] + fresh)
-    llm = LLM(model, memory="1MiB", kv_store=url, kv_namespace=namespace())
-    paused = None
+    broken = StoreFault(fault)
+    llm = LLM(model, memory="1MiB", kv_store=broken.url, kv_namespace=namespace())
     try:
-        if server is None and cluster is None:
-            server = llm.kv_store.server
-        pids = cluster.pids if cluster else [server.pid]
         assert generate(llm, prompts[:1]) == want[:1]
         assert llm.flush_kv_store(timeout=30)
         llm.kv_store.retry_after = 0.0  # no back-off window: every admission asks the stuck store
-        if fault.endswith("killed"):
-            server.kill()
-            assert_gone(pids[0])
-        else:
-            paused = pids[-1]
-            os.kill(paused, signal.SIGSTOP)  # accepts connections, never answers
+        broken.make(llm.kv_store)
         tier = llm.scheduler.tier
         tier.slowest_fetch_s, before = 0.0, tier.fetches
         # One admission per generate call, each of a prompt the pool does not hold: each asks the store.
@@ -299,13 +281,9 @@ def test_a_stuck_or_dead_store_costs_each_admission_a_bounded_stall(fault, model
         stats = llm.kv_store.stats()
         assert stats.errors >= 1 and (fault.endswith("killed") or stats.timeouts >= 1)
     finally:
-        if paused is not None:
-            os.kill(paused, signal.SIGCONT)
+        broken.resume()
         llm.close()
-        if cluster is not None:
-            cluster.stop()
-        elif server is not None:
-            server.stop()
+        broken.stop()
 
 
 def test_a_fifo_or_a_link_in_a_disk_store_never_blocks_the_engine(model, prompts, tmp_path):

@@ -164,9 +164,10 @@ class BlockStore(ABC):
     #: Seconds a lookup may hold its caller; a get may take this plus its expected bytes at ``read_rate``.
     #: A loopback lookup takes ~1 ms; 0.1 s leaves room for a loaded machine (docs/block_store.md, "Faults").
     read_deadline: float = 0.1
-    #: Bytes per second a healthy get is allowed (measured here: a loopback pipelined GET runs at 0.2-0.6
-    #: GB/s and verification adds 25-50 %, so 100 MB/s keeps a 2,048-token SmolLM2 prefix within 0.35 s).
-    read_rate: float = 100e6
+    #: Bytes per second a healthy get is allowed: 4x below the slowest measured here (`get_prefix` of 128
+    #: SmolLM2 blocks, 25 MB, at 90 MB/s under a load average of ~11; 0.2-0.6 GB/s on a quieter machine), so a
+    #: 2,048-token prefix may take 1.1 s before it is given up, which is still less than recomputing it.
+    read_rate: float = 25e6
 
     def __init__(self, namespace: str = "int8kv", ttl: float | None = None, secret: str | bytes | None = None) -> None:
         self.namespace = check_namespace(namespace)
