@@ -457,3 +457,16 @@ def test_without_a_secret_a_well_formed_forgery_is_accepted(model, prompts, valk
         generate(b, prompts[1:])
         assert b.stats.store_hit_tokens == SHARED_BLOCKS * BS and b.kv_store.stats().invalid == 0
     client.close()
+
+
+def test_a_bad_secret_or_a_secret_for_an_open_store_is_refused_before_anything_starts(model, tmp_path):
+    from int8kv.blockstore import InvalidStoreSecret, open_block_store
+    from int8kv.errors import InvalidEngineConfig
+
+    with pytest.raises(InvalidStoreSecret):
+        LLM(model, memory="1MiB", kv_store=f"disk:{tmp_path}", kv_store_secret="too short")
+    assert not any(tmp_path.iterdir())  # no store directory was made
+    with open_block_store(f"disk:{tmp_path}", secret=SECRET) as store:
+        with pytest.raises(InvalidEngineConfig, match="own secret"):
+            LLM(model, memory="1MiB", kv_store=store, kv_store_secret=SECRET)
+        assert LLM(model, memory="1MiB", kv_store=store).kv_store.authenticated  # the store's secret applies
