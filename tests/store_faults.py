@@ -19,6 +19,7 @@ import torch
 from test_engine import SMALL, tiny
 from valkey_servers import StoreFault
 
+from int8kv.blockstore import BlockStore
 from int8kv.cache.prefix import PrefixHasher
 from int8kv.engine import LLM, SamplingParams
 
@@ -47,6 +48,7 @@ def measure(model, fault: str, n: int, retry_after: float, tmp: str) -> str:
         healthy = waits(llm, prompts(n, 1))
         llm.flush_kv_store(timeout=30)
         llm.kv_store.retry_after = retry_after
+        llm.kv_store.read_deadline = BlockStore.read_deadline  # the default, whatever the environment says
         batch = prompts(n, 2)
         if broken:
             broken.make(llm.kv_store)

@@ -21,7 +21,7 @@ import valkey_servers
 from blockstore_helpers import F16, INT8, blocks, key_chain, reframe, small_spec
 from valkey_servers import ValkeyCluster, assert_gone, node
 
-from int8kv.blockstore import BackgroundWriter, StoreUnavailable, open_block_store
+from int8kv.blockstore import BackgroundWriter, BlockStore, StoreUnavailable, open_block_store
 from int8kv.blockstore.disk import DiskBlockStore
 from int8kv.blockstore.embedded import EmbeddedValkeyStore, ValkeyProcess
 
@@ -218,6 +218,7 @@ def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
     pid = server.pid
     try:
         store = open_block_store(server.url + "?timeout=1", namespace=_namespace())
+        store.read_deadline = BlockStore.read_deadline  # the design's 0.1 s, not the suite's (conftest)
         spec = small_spec()
         _, values = blocks(spec, 3, seed=16)
         keys = key_chain(3, seed=16)
@@ -235,6 +236,7 @@ def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
             os.kill(pid, signal.SIGCONT)
         stats = store.stats()
         assert stats.errors >= 1 and stats.dropped_writes == 12 and stats.puts == 1
+        assert stats.timeouts == 1  # the lookup gave up after its deadline, not after the 1 s socket timeout
         store.close()
     finally:
         server.stop()

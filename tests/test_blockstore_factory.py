@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from int8kv.blockstore import InvalidBlockKey, InvalidStoreSecret, InvalidStoreUrl, StoreUnavailable, open_block_store
+from int8kv.blockstore.base import READ_DEADLINE_ENV, BlockStore
 from int8kv.blockstore.disk import DiskBlockStore, parse_size
 from int8kv.blockstore.factory import SECRET_ENV
 from int8kv.blockstore.redis import RedisBlockStore, parse_redis_url
@@ -126,3 +127,14 @@ def test_a_short_secret_is_refused_before_anything_opens(secret, tmp_path, monke
     with pytest.raises(InvalidStoreSecret):
         open_block_store(f"disk:{tmp_path}")
     assert not (tmp_path / "int8kv").exists()
+
+
+def test_the_read_deadline_comes_from_the_environment_and_is_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv(READ_DEADLINE_ENV, "0.25")
+    assert open_block_store(f"disk:{tmp_path}").read_deadline == 0.25
+    monkeypatch.delenv(READ_DEADLINE_ENV)
+    assert open_block_store(f"disk:{tmp_path}").read_deadline == BlockStore.read_deadline == 0.1
+    for bad in ("0", "-1", "soon", "nan", "1e9"):
+        monkeypatch.setenv(READ_DEADLINE_ENV, bad)
+        with pytest.raises(InvalidStoreUrl, match=READ_DEADLINE_ENV):
+            open_block_store(f"disk:{tmp_path}")

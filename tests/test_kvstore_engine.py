@@ -26,7 +26,7 @@ from engine_store_child import MAX_TOKENS
 from test_engine import SMALL, tiny
 from valkey_servers import StoreFault, assert_gone, node
 
-from int8kv.blockstore import BlockSpec, encode_block, verify_block
+from int8kv.blockstore import BlockSpec, BlockStore, encode_block, verify_block
 from int8kv.blockstore.codec import assemble_blocks
 from int8kv.blockstore.factory import SECRET_ENV
 from int8kv.cache.prefix import PrefixHasher
@@ -271,6 +271,7 @@ def test_a_stuck_or_dead_store_costs_each_admission_a_bounded_stall(fault, model
         assert generate(llm, prompts[:1]) == want[:1]
         assert llm.flush_kv_store(timeout=30)
         llm.kv_store.retry_after = 0.0  # no back-off window: every admission asks the stuck store
+        llm.kv_store.read_deadline = BlockStore.read_deadline  # the design's, not the suite's 5 s (conftest)
         broken.make(llm.kv_store)
         tier = llm.scheduler.tier
         tier.slowest_fetch_s, before = 0.0, tier.fetches

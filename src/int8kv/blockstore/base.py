@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import re
 import threading
 import time
@@ -24,9 +25,11 @@ from typing import Any
 
 from ..cache.state import KvState
 from .codec import MAX_KEY_BYTES, BlockSpec, assemble_blocks, check_secret, encode_block, verify_block
-from .errors import BlockValueError, CorruptBlock, InvalidBlockKey, NewerBlock, UnauthenticatedBlock
+from .errors import BlockValueError, CorruptBlock, InvalidBlockKey, InvalidStoreUrl, NewerBlock, UnauthenticatedBlock
 
-__all__ = ["MAX_VALUE_BYTES", "BlockStore", "StoreStats", "StoreTimeout", "check_key", "check_namespace"]
+__all__ = [
+    "MAX_VALUE_BYTES", "READ_DEADLINE_ENV", "BlockStore", "StoreStats", "StoreTimeout", "check_key", "check_namespace",
+]
 
 logger = logging.getLogger("int8kv.blockstore")
 
@@ -34,6 +37,7 @@ logger = logging.getLogger("int8kv.blockstore")
 # ``get`` fetches at most this + 1 bytes of a value; ``get_prefix`` at most the expected size + 1.
 MAX_VALUE_BYTES = 256 << 20
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+READ_DEADLINE_ENV = "INT8KV_KV_STORE_READ_DEADLINE"
 
 
 class StoreTimeout(TimeoutError):
@@ -139,6 +143,19 @@ class _Reader:
                 job[1].set()
 
 
+def _env_seconds(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 3600:
+        raise InvalidStoreUrl(f"{name} must be a number of seconds in (0, 3600], got {text!r}")
+    return value
+
+
 def check_key(key: object) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= MAX_KEY_BYTES:
         raise InvalidBlockKey(f"a block key is 1..{MAX_KEY_BYTES} bytes, got {type(key).__name__} {key!r:.80}")
@@ -162,7 +179,8 @@ class BlockStore(ABC):
     #: A command the server refused (out of memory, a key of the wrong type) does not start the interval.
     retry_after: float = 1.0
     #: Seconds a lookup may hold its caller; a get may take this plus its expected bytes at ``read_rate``.
-    #: A loopback lookup takes ~1 ms; 0.1 s leaves room for a loaded machine (docs/block_store.md, "Faults").
+    #: A loopback lookup takes 3-15 ms on this loaded machine (docs/block_store.md, "Faults"). Each store
+    #: starts with ``INT8KV_KV_STORE_READ_DEADLINE`` if set (a remote store, a heavily loaded machine).
     read_deadline: float = 0.1
     #: Bytes per second a healthy get is allowed: 4x below the slowest measured here (`get_prefix` of 128
     #: SmolLM2 blocks, 25 MB, at 90 MB/s under a load average of ~11; 0.2-0.6 GB/s on a quieter machine), so a
@@ -180,6 +198,7 @@ class BlockStore(ABC):
         self._closed = False
         self._down_until = float("-inf")
         self._reader = _Reader(f"int8kv-store-reader-{self.namespace}")
+        self.read_deadline = _env_seconds(READ_DEADLINE_ENV, type(self).read_deadline)
 
     # ----------------------------------------------------------------------------------------------- public
     @property
