@@ -255,3 +255,36 @@ def test_json_files_never_hold_nan_or_infinity(capsys, monkeypatch, tmp_path):
     result = strict_loads((tmp_path / "c.json").read_text())
     assert result["results"] == {"copy": {"ms": None, "gb_per_s": None, "vs_copy": 1.0},
                                  "quantize": {"ms": 0.5, "gb_per_s": None, "vs_copy": None}}
+
+
+def test_bench_plots_redraws_the_docs_plots_from_results(capsys, tmp_path):
+    import pathlib
+    import shutil
+
+    from int8kv.bench.plots import PLOTS
+
+    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
+    results, out = tmp_path / "results", tmp_path / "out"
+    results.mkdir()
+    out.mkdir()
+    for source in PLOTS.values():
+        shutil.copy(docs / "results" / source, results / source)
+    code, stdout, err = run(capsys, "bench", "plots", "--results", str(results), "--out", str(out), "--quiet")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == sorted(PLOTS)
+    assert all((out / png).read_bytes().startswith(PNG) for png in PLOTS)
+    assert all(f"{out / png} <- {results / source}" in stdout for png, source in PLOTS.items())
+    # every README/benchmarks plot is one of these, and each is drawn from a results file docs/ still has
+    assert all((docs / png).is_file() and (docs / "results" / source).is_file() for png, source in PLOTS.items())
+
+
+def test_bench_plots_checks_every_input_before_drawing(capsys, tmp_path):
+    from int8kv.bench.plots import PLOTS
+
+    (tmp_path / "demo.json").write_text("{}")
+    code, _, err = run(capsys, "bench", "plots", "--results", str(tmp_path), "--out", str(tmp_path), "--quiet")
+    assert code == 1 and "is not a file" in err
+    assert not any((tmp_path / png).exists() for png in PLOTS)
+    (tmp_path / "file").write_text("")
+    code, _, err = run(capsys, "bench", "plots", "--out", str(tmp_path / "file" / "under"), "--quiet")
+    assert code == 1 and "does not exist" in err

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import progress
+from .bench import BENCHMARKS
 from .cache.paged import PagedKvCache
 from .cli_common import (
     COMMON_FLAGS,
@@ -35,7 +36,6 @@ DEMO_PROMPTS = (
     "Write a haiku about the sea.",
     "Give me three tips for learning a new language.",
 )
-BENCHES = ("attention", "codec", "e2e", "prefix", "serve", "slope", "store", "store_io")
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 KV_STORE_HELP = (
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Everything after the name goes to the benchmark's own parser (`int8kv bench <name> --help` shows it).
     bench = command(sub, "bench", "benchmarks: int8kv bench <name> [options] runs python -m int8kv.bench <name>")
-    bench.add_argument("name", choices=BENCHES, help="the benchmark")
+    bench.add_argument("name", choices=tuple(BENCHMARKS), help="the benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options (see <name> --help)")
     _common(bench)
 
@@ -257,6 +257,7 @@ def plot_memory(result: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # -- eval ----------------------------------------------------------------------------------------------
@@ -298,6 +299,7 @@ def plot_eval(result: dict, path: str) -> None:
     ax.margins(y=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # -- serve ---------------------------------------------------------------------------------------------
