@@ -154,7 +154,8 @@ def _check_memory_holds_a_block(args: argparse.Namespace, budget: int, fmt: KvSt
     """Refuse --memory below one 16-token block of the model in ``fmt``, reading only the model's config."""
     from .models import kv_dims, model_config
 
-    block = PagedKvCache.bytes_per_block(16, *kv_dims(model_config(args.model)), fmt)
+    config = model_config(args.model, progress=progress.note, quiet=progress.is_quiet())
+    block = PagedKvCache.bytes_per_block(16, *kv_dims(config), fmt)
     if budget < block:
         name = fmt.as_str().split("_")[0].upper()
         raise CliError(f"--memory {args.memory} is smaller than one 16-token {name} block of this model "
