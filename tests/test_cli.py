@@ -335,10 +335,8 @@ def test_model_dir_prints_what_load_model_reads(capsys, tmp_path):
     assert code == 1 and "no model at" in err
 
 
-@pytest.mark.parametrize("where", ["file/x.json", "missing/x.json", "fifo"])
+@pytest.mark.parametrize("where", ["file/x.json", "missing/x.json"])
 def test_cache_inspect_checks_its_output_before_any_work(capsys, tmp_path, where):
-    import os
-
     import torch
 
     from int8kv import QuantizedKvCache, save_kv
@@ -347,7 +345,26 @@ def test_cache_inspect_checks_its_output_before_any_work(capsys, tmp_path, where
     cache.push_step([torch.randn(1, 8)], [torch.randn(1, 8)])
     save_kv(tmp_path / "p.kv", cache)
     (tmp_path / "file").write_text("a regular file")
-    os.mkfifo(tmp_path / "fifo")  # a FIFO as the output would block the write forever
     code, out, err = run(capsys, "cache", "inspect", "--json", str(tmp_path / where), str(tmp_path / "p.kv"))
     assert code == 1 and out == "" and "--json" in err  # refused before the report, not after it
     assert (tmp_path / "file").read_text() == "a regular file" and not (tmp_path / "missing").exists()
+    code, out, err = run(capsys, "cache", "inspect", "--json", str(tmp_path / "r.json"), str(tmp_path / "p.kv"))
+    assert code == 0 and "tokens" in out and json.loads((tmp_path / "r.json").read_text())
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path):
+    import os
+    import socket
+
+    from int8kv.cli_common import output_problem
+
+    os.mkfifo(tmp_path / "fifo")  # writing the report into it would block forever
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "sock"))
+    sock.close()
+    for name in ("fifo", "sock"):
+        assert "is not a regular file" in output_problem(str(tmp_path / name))
+    assert "is a directory" in output_problem(str(tmp_path))
+    (tmp_path / "old.json").write_text("{}")
+    assert output_problem(str(tmp_path / "old.json")) is None and output_problem(str(tmp_path / "new.json")) is None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".int8kv-probe")] == []  # the probe is gone
