@@ -12,4 +12,5 @@ BENCHMARKS = {
     "store_io": "int8kv.bench.store_io",
     "serve": "int8kv.bench.serve",
     "slope": "int8kv.bench.slope",
+    "plots": "int8kv.bench.plots",
 }

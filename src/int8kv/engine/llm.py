@@ -24,9 +24,10 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -36,6 +37,7 @@ from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from ..formats import KvStorageFormat
+from .chat import chat_prompt_ids
 from .model import DecoderModel
 from .runner import ModelRunner
 from .sampler import make_generator, sample
@@ -273,6 +275,20 @@ class LLM:
                     if seq.finish_reason is None:
                         self.scheduler.fail(seq, "aborted: generate() was interrupted")
             return [self._output(s) for s in seqs]
+
+    def chat(
+        self,
+        messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
+    ) -> list[RequestOutput]:
+        """The assistant's reply to one conversation (a list of ``{"role", "content"}`` messages) or to each
+        of a list of conversations, through the tokenizer's chat template: one output per conversation, as
+        `generate` returns them. InvalidRequest (nothing queued) without a chat template or for a bad message."""
+        many = isinstance(messages, Seq) and not isinstance(messages, str) and messages and not isinstance(
+            messages[0], Mapping)
+        conversations = messages if many else [messages]
+        return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], params, on_step)
 
     def step(self) -> int:
         """Schedule, run the packed batch, sample, retire finished or failed requests; returns the batch size."""

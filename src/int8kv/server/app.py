@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..engine import LLM, SamplingParams
+from ..engine.chat import chat_prompt_ids as engine_chat_prompt_ids
 from ..errors import InvalidRequest, KvPoolExhausted
 from .engine_loop import EngineLoop, QueueFull, ServerStopping, Sink
 from .metrics import CONTENT_TYPE, Metrics
@@ -86,13 +87,11 @@ class BodyLimit:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's turn."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    """`int8kv.engine.chat.chat_prompt_ids`, its refusals as 400s."""
+    try:
+        return engine_chat_prompt_ids(tokenizer, messages)
+    except InvalidRequest as e:
+        raise ApiError(400, str(e)) from None
 
 
 class Service:

@@ -1,0 +1,26 @@
+"""A conversation's prompt: the token ids of its messages through the tokenizer's chat template, ready for the
+assistant's turn. One function for `LLM.chat`, the server's chat completions and the demo."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import InvalidRequest
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The token ids of ``messages`` (``[{"role": "user", "content": "..."}, ...]``, contents as text) through
+    ``tokenizer``'s chat template, with the assistant's turn opened. InvalidRequest for a tokenizer without
+    a chat template or messages that are not a non-empty list of such mappings."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("this model's tokenizer has no chat template; send a plain prompt instead")
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequest("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidRequest(f"message {i} must be a mapping with a str 'role' and a str 'content', got {m!r}")
+    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
