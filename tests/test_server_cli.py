@@ -1,8 +1,11 @@
 """`int8kv serve` refuses bad arguments in one line, exit status 1, before any model is loaded."""
 
+import socket
+
 import pytest
 
 from int8kv import cli
+from int8kv.server.launch import free_port
 
 
 @pytest.mark.parametrize(
@@ -16,14 +19,32 @@ from int8kv import cli
         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0"),
         (["--kv-format", "int3"], "unsupported KV cache dtype 'int3'"),
         (["--memory", "lots"], "cannot read a memory size from 'lots'"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+        (["/models/a", "--model", "/models/b"], "two models given: '/models/a' and --model '/models/b'"),
+        (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:"),  # not an address of this machine
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["/nonexistent/positional"], "/nonexistent/positional"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_1(capsys, monkeypatch, argv, message):
     import int8kv.models
 
-    if "--model" not in argv:  # everything else must be refused before the model loads
+    if not any("nonexistent" in a for a in argv):  # everything else must be refused before the model loads
         monkeypatch.setattr(int8kv.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
-    assert cli.main(["serve", "--quiet", *argv]) == 1
+    port = [] if "--port" in argv else ["--port", str(free_port())]  # 8000 may be taken on a test machine
+    assert cli.main(["serve", "--quiet", *port, *argv]) == 1
     err = capsys.readouterr().err
     assert err.startswith("int8kv: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_port_already_taken_fails_before_the_model_loads(capsys, monkeypatch):
+    import int8kv.models
+
+    monkeypatch.setattr(int8kv.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--quiet", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"int8kv: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err, err

@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(bench)
 
     serve = command(sub, "serve", "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", help=f"{MODEL_HELP}; or --model")
     serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--kv-format", default="int8", help="KV storage format: int8 or f16")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
@@ -103,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds SIGTERM lets running requests finish before aborting them")
     serve.add_argument("--served-model-name", help="the model name clients use (default: from --model)")
+    serve.add_argument("--max-model-len", type=int,
+                       help="the most tokens (prompt + new) one request may use (default: the model's context)")
+    serve.add_argument("--api-key", default=os.environ.get("INT8KV_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: "
+                            "$INT8KV_API_KEY; the variable keeps the key out of the process list)")
+    serve.add_argument("--no-log-requests", action="store_true",
+                       help="no log line per request (id, tokens, finish reason, seconds)")
     _common(serve)
 
     cache = command(sub, "cache", "saved KV files")
@@ -309,6 +317,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_minimums(args, {"port": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_queue": 0,
                           "max_tokens": 1})
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise CliError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.model_path and args.model and args.model_path != args.model:
+        raise CliError(f"two models given: {args.model_path!r} and --model {args.model!r}")
+    args.model = args.model or args.model_path
     if args.port > 65535:
         raise CliError(f"--port must be <= 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:
@@ -324,15 +337,20 @@ def run_serve(args: argparse.Namespace) -> int:
                            "which this build does not have")
         extra["kv_store"] = args.kv_store
     from .server import Limits, serve
+    from .server.run import bind
 
+    sock = bind(args.host, args.port)  # a port already taken fails now, not after the model has loaded
     progress.note("loading model ...")
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
     llm = LLM(model, kv_format=fmt[0], memory=args.memory, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **extra)
     name = args.served_model_name or (
         os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
-    limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
-    return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning")
+    limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                    max_model_len=args.max_model_len)
+    return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning",
+                 api_key=args.api_key or None, sock=sock, kv_store=args.kv_store,
+                 log_requests=not args.no_log_requests)
 
 
 # -- entry point -----------------------------------------------------------------------------------------
