@@ -47,10 +47,15 @@ def test_token_logprobs_equal_a_float64_reference_on_random_rows():
         assert [i for i, _ in entry.top] == order
         assert [lp for _, lp in entry.top] == pytest.approx([ref[i] for i in order], abs=1e-9)
     assert all(e.top == () for e in token_logprobs(logits, tokens, 0))
-    bad = logits.clone()
-    bad[2, 5] = float("nan")
-    with pytest.raises(NonFiniteError):
-        token_logprobs(bad, tokens, 1)
+    masked = logits.clone()
+    masked[:, 7] = float("-inf")  # a masked token, which sampling allows: probability 0, the others exact
+    got = token_logprobs(masked, [7, *tokens[1:]], 2)
+    assert got[0].logprob == float("-inf") and got[1].logprob == pytest.approx(reference(masked[1])[tokens[1]])
+    for bad_value in (float("nan"), float("inf")):
+        bad = logits.clone()
+        bad[2, 5] = bad_value
+        with pytest.raises(NonFiniteError):
+            token_logprobs(bad, tokens, 1)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -307,3 +307,14 @@ def test_each_request_gets_one_log_line(server, client):
     lines = [line for line in server.output().splitlines() if line.startswith(f"int8kv: {r.id}: ")]
     assert len(lines) == 1
     assert "3 prompt tokens (0 cached), 3 completion tokens, finish length, " in lines[0] and lines[0].endswith(" s")
+
+
+def test_a_minus_inf_logprob_is_reported_as_json_can_carry_it(offline):
+    from int8kv.engine.sampler import TokenLogprob
+    from int8kv.server.app import chat_logprobs, completion_logprobs
+
+    masked = TokenLogprob(5, float("-inf"), ((5, float("-inf")),))
+    for body in (completion_logprobs(offline.tokenizer, [3, 5], [None, masked], [], 0),
+                 chat_logprobs(offline.tokenizer, [masked], [3])):
+        text = json.dumps(body, allow_nan=False)  # strict JSON: no -Infinity
+        assert "-9999.0" in text

@@ -74,11 +74,12 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, token_ids: Seq[int], k: int) -> list[TokenLogprob]:
     """Row r of `logits [rows, vocab]` scores `token_ids[r]`; the top `k` alternatives of each row. float64
-    log-softmax, so a token far down the distribution still gets a finite, exact value. NonFiniteError for a
-    row holding NaN or inf (there is no distribution to report)."""
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    if not bool(torch.isfinite(logits).all()):
+    log-softmax, so a token far down the distribution still gets a finite, exact value (a -inf logit, which
+    sampling allows, gives -inf). NonFiniteError for a row holding NaN or +inf, or only -inf (the rows `sample`
+    refuses: there is no distribution to report)."""
+    if not bool(torch.isfinite(logits.max(dim=-1).values).all()):
         raise NonFiniteError("the model's logits hold NaN or inf; no log-probabilities to report")
+    lp = torch.log_softmax(logits.double(), dim=-1)
     ids = torch.tensor(list(token_ids), dtype=torch.long)
     chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
     if k:

@@ -175,13 +175,20 @@ def chat_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_pro
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf (a masked token's log-probability); vLLM reports this value too
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 def chat_logprobs(tokenizer: Any, entries: list[TokenLogprob], before: list[int]) -> dict[str, Any]:
     """OpenAI's chat `logprobs` object for tokens that follow `before`."""
     ids, tops = [e.token_id for e in entries], [[t for t, _ in e.top] for e in entries]
     texts, alts = token_texts(tokenizer, ids, before, tops)
 
     def item(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
 
     return {"content": [
         {**item(text, e.logprob), "top_logprobs": [item(a, lp) for a, (_, lp) in zip(alt, e.top, strict=True)]}
@@ -203,9 +210,9 @@ def completion_logprobs(tokenizer: Any, ids: list[int], entries: list[TokenLogpr
         if e is not None:
             top = {}
             for a, (_, lp) in zip(alt, e.top, strict=True):
-                top.setdefault(a, lp)  # two ids with one text: the likelier one's value (they come sorted)
+                top.setdefault(a, _lp(lp))  # two ids with one text: the likelier one's value (they come sorted)
         tops.append(top)
-    return {"tokens": texts, "token_logprobs": [e.logprob if e else None for e in entries], "top_logprobs": tops,
+    return {"tokens": texts, "token_logprobs": [_lp(e.logprob) if e else None for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
 
 
