@@ -1,4 +1,4 @@
-"""`int8kv serve` as a vLLM user runs it (`int8kv serve MODEL --api-key ... --max-model-len ...`), driven by the
+"""`int8kv serve` as a vLLM user runs it (`INT8KV_API_KEY=... int8kv serve MODEL --max-model-len ...`), driven by the
 real `openai` client: API keys, /tokenize and /detokenize, content parts, log-probabilities and echo (what
 evaluation harnesses send), cached-token usage, stop strings, strict request types, hostile bodies, and the
 per-request log line. One server for the module (the tiny random Llama of server_helpers)."""
@@ -29,8 +29,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    proc = ServerProcess(str(model_dir), "--memory", MEMORY, "--api-key", KEY, "--max-model-len", "2048",
-                         log_path=model_dir.parent / "server.log")
+    proc = ServerProcess(str(model_dir), "--memory", MEMORY, "--max-model-len", "2048",
+                         log_path=model_dir.parent / "server.log", env={"INT8KV_API_KEY": KEY})
     try:
         yield proc
     finally:
@@ -299,6 +299,15 @@ def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt_as_harnesses_ask(
                                                                        max_tokens=0, stream=True)
                        for ch in chunk.choices)
     assert streamed == text
+    # Streamed with generated tokens: the chunks' logprobs add up to the non-streamed object.
+    ask = dict(model="tiny", prompt=text, echo=True, logprobs=2, max_tokens=4, temperature=0,
+               extra_body={"ignore_eos": True})
+    whole = client.completions.create(**ask).choices[0]
+    chunks = [ch for chunk in client.completions.create(**ask, stream=True) for ch in chunk.choices]
+    assert "".join(ch.text for ch in chunks) == whole.text
+    pieces = [ch for ch in chunks if ch.logprobs]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(ch.logprobs, field) for ch in pieces), []) == getattr(whole.logprobs, field), field
 
 
 def test_each_request_gets_one_log_line(server, client):

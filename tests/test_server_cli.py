@@ -48,3 +48,11 @@ def test_a_port_already_taken_fails_before_the_model_loads(capsys, monkeypatch):
         assert cli.main(["serve", "--quiet", "--port", str(port)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"int8kv: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err, err
+
+
+def test_the_api_key_from_the_environment_is_not_shown_by_help(capsys, monkeypatch):
+    monkeypatch.setenv("INT8KV_API_KEY", "sk-very-secret")
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--api-key" in out and "sk-very-secret" not in out

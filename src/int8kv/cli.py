@@ -106,9 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model name clients use (default: from --model)")
     serve.add_argument("--max-model-len", type=int,
                        help="the most tokens (prompt + new) one request may use (default: the model's context)")
-    serve.add_argument("--api-key", default=os.environ.get("INT8KV_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: "
-                            "$INT8KV_API_KEY; the variable keeps the key out of the process list)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                                          "(default: $INT8KV_API_KEY, which keeps the key out of the process list)")
     serve.add_argument("--no-log-requests", action="store_true",
                        help="no log line per request (id, tokens, finish reason, seconds)")
     _common(serve)
@@ -348,9 +347,9 @@ def run_serve(args: argparse.Namespace) -> int:
         os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
     limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
                     max_model_len=args.max_model_len)
+    key = args.api_key or os.environ.get("INT8KV_API_KEY") or None  # not a parser default: --help would show it
     return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning",
-                 api_key=args.api_key or None, sock=sock, kv_store=args.kv_store,
-                 log_requests=not args.no_log_requests)
+                 api_key=key, sock=sock, kv_store=args.kv_store, log_requests=not args.no_log_requests)
 
 
 # -- entry point -----------------------------------------------------------------------------------------

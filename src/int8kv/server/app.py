@@ -575,6 +575,8 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
                 return None
             lp = choice_logprobs(run, i, sent_logprobs[i], chat, offsets[i])
             sent_logprobs[i] = len(run.logprobs[i])
+            if not chat:  # offsets advance by the tokens' texts, as in the whole object
+                offsets[i] += sum(map(len, lp["tokens"]))
             return lp
 
         try:
@@ -596,7 +598,6 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
                 lp = pending(i)
                 if delta or lp is not None:
                     yield event([choice(i, delta, None, chat, True, lp)])
-                    offsets[i] += len(delta)
                 if reason is not None:
                     yield event([choice(i, "", reason, chat, True)])
             else:
