@@ -56,3 +56,13 @@ def test_the_api_key_from_the_environment_is_not_shown_by_help(capsys, monkeypat
         cli.main(["serve", "--help"])
     out = capsys.readouterr().out
     assert "--api-key" in out and "sk-very-secret" not in out
+
+
+def test_a_max_model_len_beyond_the_model_is_one_line(capsys, tmp_path):
+    from server_helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", max_positions=256)
+    capsys.readouterr()  # the model's saving noise
+    assert cli.main(["serve", "--quiet", str(model), "--port", str(free_port()), "--max-model-len", "300"]) == 1
+    err = capsys.readouterr().err
+    assert "max_model_len 300 must lie in [1, 256]" in err and err.count("\n") == 1, err
