@@ -483,10 +483,8 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
         if not texts:
             raise ApiError(400, "prompt is empty", param="prompt")
         prompts = [await service.off_loop(service.encode, p) for p in texts]
-        echo = None
-        if body.echo:
-            echo = [await echo_of(text, ids, body.logprobs) for text, ids in zip(texts, prompts, strict=True)]
-        return await respond(body, raw, prompts, body.max_tokens, chat=False, logprobs=body.logprobs, echo=echo)
+        return await respond(body, raw, prompts, body.max_tokens, chat=False, logprobs=body.logprobs,
+                             echo=texts if body.echo else None)
 
     async def echo_of(text: str | list[int], ids: list[int], k: int | None) -> tuple[str, dict | None]:
         """The echoed prompt: its text and, with logprobs, its tokens' log-probabilities."""
@@ -505,18 +503,21 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
                              logprobs=body.num_logprobs(), echo=None)
 
     async def respond(body: Any, raw: Request, prompts: list[list[int]], max_tokens: int | None, chat: bool,
-                      logprobs: int | None, echo: list[tuple[str, dict | None]] | None) -> Response:
+                      logprobs: int | None, echo: list[str | list[int]] | None) -> Response:
+        """`echo`: the prompts as given, to echo before the output (completions only)."""
         if any(not p for p in prompts):
             raise ApiError(400, "prompt is empty", param="prompt")
-        params = service.params(body, max_tokens, prompts, logprobs)
+        params = service.params(body, max_tokens, prompts, logprobs)  # every check before any work
+        echoed = None if echo is None else [await echo_of(t, ids, logprobs) for t, ids in zip(echo, prompts,
+                                                                                               strict=True)]
         request_id = new_id("chatcmpl" if chat else "cmpl")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         ids = None if max_tokens == 0 else await service.submit(prompts, params, sink)  # 0: echo only
         run = Run(service, ids, sink, body.stop_strings(), prompts, body.n, request_id)
         if body.stream:
-            return StreamingResponse(stream(run, chat, logprobs, echo, body.include_usage()),
+            return StreamingResponse(stream(run, chat, logprobs, echoed, body.include_usage()),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await collect(run, raw, chat, logprobs, echo)
+        return await collect(run, raw, chat, logprobs, echoed)
 
     def choice_logprobs(run: Run, i: int, start: int, chat: bool, offset: int) -> dict:
         """Choice i's logprobs object for its output tokens from `start` on."""
