@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(bench)
 
     serve = command(sub, "serve", "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", help=f"{MODEL_HELP}; or --model")
     serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--kv-format", default="int8", help="KV storage format: int8 or f16")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds SIGTERM lets running requests finish before aborting them")
     serve.add_argument("--served-model-name", help="the model name clients use (default: from --model)")
+    serve.add_argument("--max-model-len", type=int,
+                       help="the most tokens (prompt + new) one request may use (default: the model's context)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                                          "(default: $INT8KV_API_KEY, which keeps the key out of the process list)")
+    serve.add_argument("--no-log-requests", action="store_true",
+                       help="no log line per request (id, tokens, finish reason, seconds)")
     _common(serve)
 
     where = command(sub, "model-dir", "the transformers directory a model loads from (the packaged SmolLM2's: "
@@ -370,6 +377,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_minimums(args, {"port": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_queue": 0,
                           "max_tokens": 1})
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise CliError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.model_path and args.model and args.model_path != args.model:
+        raise CliError(f"two models given: {args.model_path!r} and --model {args.model!r}")
+    args.model = args.model or args.model_path
     if args.port > 65535:
         raise CliError(f"--port must be <= 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:
@@ -395,14 +407,19 @@ def run_serve(args: argparse.Namespace) -> int:
             raise CliError(f"--kv-store-secret: {exc}") from None
         extra["kv_store_secret"] = args.kv_store_secret
     from .server import Limits, serve
+    from .server.run import bind
 
+    sock = bind(args.host, args.port)  # a port already taken fails now, not after the model has loaded
     model, tokenizer = _load(args)
     llm = LLM(model, kv_format=fmt[0], memory=args.memory, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **extra)
     name = args.served_model_name or (
         os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
-    limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
-    return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning")
+    limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                    max_model_len=args.max_model_len)
+    key = args.api_key or os.environ.get("INT8KV_API_KEY") or None  # not a parser default: --help would show it
+    return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning",
+                 api_key=key, sock=sock, kv_store=args.kv_store, log_requests=not args.no_log_requests)
 
 
 # -- entry point -----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""A conversation's prompt: the token ids of its messages through the tokenizer's chat template, ready for the
-assistant's turn. One function for `LLM.chat`, the server's chat completions and the demo."""
+"""A conversation's prompt: its messages through the tokenizer's chat template, ready for the assistant's
+turn. One place for `LLM.chat`, the server's chat completions and the demo."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 from ..errors import InvalidRequest
 
 
-def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """The token ids of ``messages`` (``[{"role": "user", "content": "..."}, ...]``, contents as text) through
-    ``tokenizer``'s chat template, with the assistant's turn opened. InvalidRequest for a tokenizer without
-    a chat template or messages that are not a non-empty list of such mappings."""
+def chat_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The text of ``messages`` (``[{"role": "user", "content": "..."}, ...]``, contents as text) through
+    ``tokenizer``'s chat template, with the assistant's turn opened unless ``add_generation_prompt`` is False.
+    InvalidRequest for a tokenizer without a chat template or messages that are not a non-empty list of such
+    mappings."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("this model's tokenizer has no chat template; send a plain prompt instead")
     if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence) or not messages:
@@ -20,7 +21,12 @@ def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> li
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise InvalidRequest(f"message {i} must be a mapping with a str 'role' and a str 'content', got {m!r}")
-    ids = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return tokenizer.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+
+
+def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The token ids of :func:`chat_text` (what ``apply_chat_template(..., tokenize=True)`` gives: the template
+    writes its special tokens itself, so none are added)."""
+    return list(tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"])

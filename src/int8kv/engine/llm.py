@@ -40,7 +40,7 @@ from ..formats import KvStorageFormat
 from .chat import chat_prompt_ids
 from .model import DecoderModel
 from .runner import ModelRunner
-from .sampler import make_generator, sample
+from .sampler import TokenLogprob, make_generator, sample, token_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
 from .store_tier import StoreTier
@@ -80,6 +80,8 @@ class RequestOutput:
     num_preemptions: int
     finish_reason: str = "length"  # "stop" (EOS), "length" (max_tokens) or "error"
     error: str | None = None  # with finish_reason "error": the exception, as "Type: message"
+    logprobs: list[TokenLogprob] | None = None  # per output token, with SamplingParams.logprobs
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (Sequence.num_cached_prompt)
 
 
 @dataclass
@@ -93,6 +95,8 @@ class RequestUpdate:
     error: str | None
     num_prompt_tokens: int
     num_output_tokens: int  # all generated so far, new_token_ids included
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, with SamplingParams.logprobs
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (Sequence.num_cached_prompt)
 
 
 @dataclass
@@ -299,6 +303,9 @@ class LLM:
                 return 0
             used = self.cache.num_blocks - self.cache.num_free_blocks  # the step's peak: before anyone finishes
             decode_phase = self.scheduler.in_decode_phase(batch)
+            for item in batch:  # only an admission has hits; counted for the first one (before any preemption)
+                if item.seq.num_preemptions == 0:
+                    item.seq.num_cached_prompt += item.hit_tokens + item.store_tokens
             logits, errors = self.runner.run(batch)
             generated = self._retire(batch, logits, errors)
             self._record(batch, errors, generated, decode_phase, preempted, used, time.perf_counter() - start)
@@ -313,22 +320,40 @@ class LLM:
         with self._lock:
             chunk_size = positive_int(chunk_size, "chunk_size")
             ids = self._token_ids(token_ids)
-            if len(ids) > self.max_positions:
-                raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
-            if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
-                raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
-            seq = Sequence(ids, SamplingParams(max_tokens=1))
-            self.cache.add_sequence(seq.seq_id, 0)
-            try:
-                out = []
-                while seq.num_uncached:
-                    n = min(chunk_size, seq.num_uncached)
-                    seq.slots = self.cache.grow(seq.seq_id, n)
-                    out.append(self.runner.forward([Scheduled(seq, n)], all_logits=True))
-                    seq.num_cached += n
-                return torch.cat(out)
-            finally:
-                self.cache.free(seq.seq_id)
+            return torch.cat(list(self._score_chunks(ids, chunk_size)))
+
+    def prompt_logprobs(self, token_ids: Seq[int], k: int = 0, chunk_size: int = 256) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it, and the `k` (0-20) most likely
+        alternatives there, from `score`'s teacher-forced logits; None for the first token (nothing predicts
+        it). Converted chunk by chunk, so memory stays one chunk of logits."""
+        with self._lock:
+            chunk_size = positive_int(chunk_size, "chunk_size")
+            ids = self._token_ids(token_ids)
+            SamplingParams(logprobs=k)  # the same check as a generated token's
+            out: list[TokenLogprob | None] = [None]
+            done = 0
+            for logits in self._score_chunks(ids, chunk_size):
+                n = len(logits) - (done + len(logits) == len(ids))  # the last position predicts no prompt token
+                out += token_logprobs(logits[:n], ids[done + 1 : done + 1 + n], k)
+                done += len(logits)
+            return out
+
+    def _score_chunks(self, ids: list[int], chunk_size: int):
+        """Yield the teacher-forced logits of `ids` chunk by chunk (`score`); the sequence is freed at the end."""
+        if len(ids) > self.max_positions:
+            raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
+        if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
+            raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
+        seq = Sequence(ids, SamplingParams(max_tokens=1))
+        self.cache.add_sequence(seq.seq_id, 0)
+        try:
+            while seq.num_uncached:
+                n = min(chunk_size, seq.num_uncached)
+                seq.slots = self.cache.grow(seq.seq_id, n)
+                yield self.runner.forward([Scheduled(seq, n)], all_logits=True)
+                seq.num_cached += n
+        finally:
+            self.cache.free(seq.seq_id)
 
     def flush_kv_store(self, timeout: float | None = None) -> bool:
         """Wait until the blocks queued for the KV store are written; False if `timeout` passed first."""
@@ -425,8 +450,9 @@ class LLM:
                 if len(seq.output) == sent and not done:
                     continue
                 live.sent = len(seq.output)
+                new_logprobs = seq.logprobs[sent:] if seq.params.logprobs is not None else None
                 out.append(RequestUpdate(request_id, seq.output[sent:], done, seq.finish_reason, seq.error,
-                                         len(seq.prompt), len(seq.output)))
+                                         len(seq.prompt), len(seq.output), new_logprobs, seq.num_cached_prompt))
                 if done:
                     del self._live[request_id]
             return out
@@ -523,10 +549,13 @@ class LLM:
         for row in due:
             seq = batch[row].seq
             group = [seq, *self.scheduler.fork(seq)] if seq.forks else [seq]
+            for fork in group[1:]:
+                fork.num_cached_prompt = seq.num_cached_prompt  # the prompt they share was found so
             seqs.extend(group)
             picked.extend([row] * len(group))
         rows = logits if picked == list(range(len(batch))) else logits[picked]
         tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+        self._logprobs(rows, seqs, tokens)
         generated = 0
         for seq, token in zip(seqs, tokens, strict=True):
             if isinstance(token, Exception):
@@ -536,6 +565,17 @@ class LLM:
                 if seq.append(token, self.eos_ids):
                     self.scheduler.finish(seq)
         return generated
+
+    @staticmethod
+    def _logprobs(rows: torch.Tensor, seqs: list[Sequence], tokens: list) -> None:
+        """Append each sampled token's TokenLogprob to the sequences that asked (nothing runs otherwise)."""
+        want = [j for j, (s, t) in enumerate(zip(seqs, tokens, strict=True))
+                if s.params.logprobs is not None and not isinstance(t, Exception)]
+        if not want:
+            return
+        k = max(seqs[j].params.logprobs for j in want)
+        for j, entry in zip(want, token_logprobs(rows[want], [tokens[j] for j in want], k), strict=True):
+            seqs[j].logprobs.append(replace(entry, top=entry.top[: seqs[j].params.logprobs]))
 
     def _record(
         self,
@@ -571,7 +611,8 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         text = None if self.tokenizer is None else self.tokenizer.decode(seq.output, skip_special_tokens=True)
         return RequestOutput(
-            list(seq.prompt), list(seq.output), text, seq.num_preemptions, seq.finish_reason or "length", seq.error
+            list(seq.prompt), list(seq.output), text, seq.num_preemptions, seq.finish_reason or "length", seq.error,
+            list(seq.logprobs) if seq.params.logprobs is not None else None, seq.num_cached_prompt,
         )
 
 
