@@ -13,4 +13,5 @@ BENCHMARKS = {
     "serve": "int8kv.bench.serve",
     "slope": "int8kv.bench.slope",
     "plots": "int8kv.bench.plots",
+    "window": "int8kv.bench.window",
 }
