@@ -36,12 +36,27 @@ from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from ..formats import KvStorageFormat
-from .model import DecoderModel
+from .model import DecoderModel, check_fused
 from .runner import ModelRunner
 from .sampler import make_generator, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
 from .store_tier import StoreTier
+
+IMPLEMENTATIONS = ("auto", "transformers", "fused")
+FUSED_BY_DEFAULT = False
+
+
+def engine_model(hf_model: torch.nn.Module, implementation: str = "auto"):
+    """The engine's model for `hf_model`: a `TransformersModel` (the model's own forward over the paged cache)
+    or, with "fused" (or "auto" where it applies, see FUSED_BY_DEFAULT), the fused Llama/Qwen3 `DecoderModel`.
+    Refusals are typed (UnsupportedModel / UnsupportedAttention) and leave the model as it was."""
+    if implementation == "fused" or (implementation == "auto" and FUSED_BY_DEFAULT and check_fused(hf_model) is None):
+        return DecoderModel(hf_model)  # refuses (UnsupportedModel) what it does not implement
+    from .hf_model import TransformersModel
+
+    return TransformersModel(hf_model)
+
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -161,10 +176,14 @@ class LLM:
         kv_store: str | BlockStore | bool | None = None,
         kv_namespace: str = "int8kv",
         model_id: str | None = None,
+        implementation: str = "auto",
     ) -> None:
         """`kv_store`: a block store URL (`True` is "embedded") or an open BlockStore (left open); it needs
         prefix caching. `model_id` replaces the weights' SHA-256 in the key root (the model fingerprint,
-        int8kv.store.model_fingerprint): equal ids must mean equal K/V."""
+        int8kv.store.model_fingerprint): equal ids must mean equal K/V. `implementation`: "transformers" runs the
+        model's own forward over the paged cache (any decoder whose attention goes through transformers'
+        attention interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py,
+        refusing every config field it does not implement), "auto" picks (see `engine_model`)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -178,6 +197,8 @@ class LLM:
             if not prefix_caching:
                 raise InvalidEngineConfig("kv_store needs prefix_caching=True (blocks are found by their keys)")
             check_namespace(kv_namespace)  # InvalidBlockKey
+        if implementation not in IMPLEMENTATIONS:
+            raise InvalidEngineConfig(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
@@ -196,9 +217,9 @@ class LLM:
             tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
-        self.model = DecoderModel(hf_model)
-        self.vocab_size = self.model.embed.shape[0]
-        self.max_positions = int(self.model.config.max_position_embeddings)
+        self.model = engine_model(hf_model, implementation)
+        self.vocab_size = self.model.vocab_size
+        self.max_positions = self.model.max_positions
         m = self.model
         layout = KvLayout(m.num_layers, m.num_kv_heads, m.head_dim, self.format)
         num_blocks = layout.blocks_for_memory(budget, block_size)
@@ -222,7 +243,7 @@ class LLM:
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self.model.window)
         self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).

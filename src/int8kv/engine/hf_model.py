@@ -1,0 +1,334 @@
+"""Any transformers decoder on the engine's paged cache: the model's own forward over one packed row of tokens.
+
+A step (prefill chunks and decode tokens of many sequences side by side, `Batch`) is handed to the model as
+one row: ``input_ids [1, tokens]`` with ``position_ids [1, tokens]``, so embeddings, norms, RoPE, MLPs, biases,
+activations and logit softcapping are the model's own modules and nothing is approximated. Two hooks connect
+the row to the paged cache:
+
+- :class:`StepCache`, passed as the model's ``cache``: ``update(k, v, layer_idx)`` writes the layer's rows at the
+  step's slots through the one write path (:func:`int8kv.ops.write.append_rows`: checks, one encode, store) and
+  returns empty handles tagged with the layer (:data:`int8kv.hf.attention.TAG`, as the drop-in does);
+- the attention function registered with transformers as ``"int8kv_engine"``: it takes the tagged handles, the
+  step's :class:`~int8kv.ops.plan.AttentionPlan` (built once per step, shared by every layer) and the layer's
+  window, chunk, softcap and sinks, and calls :func:`int8kv.ops.attention`. Its mask function returns None:
+  the packed row has no 4-D mask (the plan says which keys each query sees).
+
+The model's config is switched to ``"int8kv_engine"`` only for the duration of each forward and switched back
+after it, so the user's model object is left as it was between steps and whenever the engine refuses it.
+
+Never silently wrong: every layer must write its K/V once and read them once through the int8kv attention in
+each forward (a model that changes K/V after ``cache.update`` or runs its own attention on the handles fails
+with `UnsupportedAttention`); a probe forward at construction refuses such models up front, and config
+features the engine does not implement (recurrent / linear-attention layers, KV sharing, MLA, cross-attention)
+are refused by name (`UnsupportedModel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from .. import ops
+from ..cache.paged import PagedKvCache
+from ..cache.state import KvLayout
+from ..errors import NonFiniteError, ShapeMismatch, UnsupportedAttention, UnsupportedModel
+from ..hf.attention import TAG
+from ..ops import write
+from ..ops.plan import AttentionPlan
+from .model import Batch, plan_step
+
+ATTN_IMPLEMENTATION = "int8kv_engine"
+# Layer kinds the paged kernels serve; anything else in a config's layer_types is refused by name.
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one decoder layer's attention is, from the config: ``window`` (query p sees keys (p - window, p],
+    transformers' ``sliding_window``) or ``chunk`` (Llama 4's ``attention_chunk_size``), or neither (full)."""
+
+    kind: str
+    window: int | None = None
+    chunk: int | None = None
+
+
+def layer_attention(config: Any) -> list[LayerAttention]:
+    """Per-layer attention of a decoder config, as transformers' own caches read it (``layer_types``, else
+    ``sliding_window`` / ``attention_chunk_size``); UnsupportedModel for a layer kind the kernels do not run."""
+    kinds, kwargs = get_layer_types_and_kwargs(config)
+    out = []
+    for i, (kind, kw) in enumerate(zip(kinds, kwargs, strict=True)):
+        if kind not in ATTENTION_KINDS:
+            what = "KV shared with another layer" if kind == "dummy" else f"{kind!r} layers"
+            raise UnsupportedModel(
+                f"layer {i} is of kind {kind!r}: the engine runs attention layers only ({', '.join(ATTENTION_KINDS)}); "
+                f"{what} are not supported (per-sequence recurrent state is not kept by the engine)"
+            )
+        size = kw.get("sliding_window")
+        if kind != "full_attention" and (size is None or size <= 0):
+            raise UnsupportedModel(f"layer {i} is {kind!r} without a positive window size ({size!r})")
+        out.append(LayerAttention(kind, size if kind == "sliding_attention" else None,
+                                  size if kind == "chunked_attention" else None))  # fmt: skip
+    return out
+
+
+def sliding_only_window(layers: list[LayerAttention]) -> int | None:
+    """The widest window when every layer is sliding (then keys older than it are never read again), else None."""
+    if layers and all(la.window is not None for la in layers):
+        return max(la.window for la in layers)
+    return None
+
+
+class _Step:
+    """What every layer of one forward shares: the pool, the plan (one per softmax scale), and which layers
+    wrote and read (each exactly once, checked after the forward)."""
+
+    def __init__(self, cache: PagedKvCache, plan: AttentionPlan, layers: list[LayerAttention]) -> None:
+        self.pool = cache.pool
+        self.backend = ops.resolve_backend(cache.pool)
+        self.plan = plan
+        self.layers = layers
+        self.plans: dict[float, AttentionPlan] = {plan.softmax_scale: plan}
+        self.written = [0] * len(layers)
+        self.read = [0] * len(layers)
+
+    def plan_for(self, scaling: float | None) -> AttentionPlan:
+        if scaling is None:
+            return self.plan
+        plan = self.plans.get(scaling)
+        if plan is None:
+            scale = float(scaling)
+            if not math.isfinite(scale) or scale <= 0:
+                raise NonFiniteError(f"the model's attention scaling must be finite and > 0, got {scaling!r}")
+            # Same metadata, another scale (Gemma's query_pre_attn_scalar); backend data is derived afresh.
+            plan = self.plans[scaling] = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
+        return plan
+
+    def check_complete(self) -> None:
+        for i, (w, r) in enumerate(zip(self.written, self.read, strict=True)):
+            if w != 1 or r != 1:
+                raise UnsupportedAttention(
+                    f"layer {i} wrote its K/V {w} time(s) and read them through the int8kv attention {r} time(s) in "
+                    "one forward (each must be once): this model does not run its attention through transformers' "
+                    "attention interface on the cache it is given"
+                )
+
+
+class _StepLayer(CacheLayerMixin):
+    """One layer of :class:`StepCache`: writes the step's rows, hands out tagged empty handles."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: StepCache, index: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.index = index
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        step = self.owner.active()
+        n = step.plan.num_queries
+        rows = []
+        for name, t in (("keys", key_states), ("values", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != n:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ShapeMismatch(f"layer {self.index}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
+            rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
+        # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
+        write.append_rows(step.pool, self.index, rows[0], rows[1], step.plan.slots, backend=step.backend)
+        step.written[self.index] += 1
+        return _handle(key_states, self), _handle(value_states, self)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # no mask is built (the mask function returns None)
+
+    def get_seq_length(self) -> int:
+        return 0  # a packed row of many sequences has no single length; positions come from position_ids
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def _handle(like: torch.Tensor, layer: _StepLayer) -> torch.Tensor:
+    # Empty: any attention function other than the engine's sees zero keys instead of something plausible.
+    handle = like.new_empty((like.shape[0], like.shape[1], 0, like.shape[3]))
+    setattr(handle, TAG, layer)
+    return handle
+
+
+class StepCache(Cache):
+    """The ``cache`` the engine passes to the model: one :class:`_StepLayer` per decoder layer, bound to the
+    step in progress (:meth:`bind`)."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[_StepLayer(self, i) for i in range(num_layers)])
+        self.step: _Step | None = None
+
+    def active(self) -> _Step:
+        if self.step is None:
+            raise UnsupportedAttention("the engine's cache was used outside an engine step")
+        return self.step
+
+
+def engine_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface over the engine's paged cache: ``query [1, q_heads, tokens, dim]``
+    (the packed row) -> ``[1, tokens, q_heads, dim]``."""
+    layer = getattr(key, TAG, None)
+    if not isinstance(layer, _StepLayer) or getattr(value, TAG, None) is not layer:
+        raise UnsupportedAttention(
+            "the engine's attention received keys or values that are not the handles its cache returned: this "
+            "model changes K/V after cache.update() (or attends without the engine's cache), which the paged "
+            "kernels cannot follow"
+        )
+    if dropout and module.training:
+        raise UnsupportedAttention("attention dropout is not supported by the engine (use eval mode)")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedAttention("the engine's attention is causal only")
+    step = layer.owner.active()
+    spec = step.layers[layer.index]
+    if sliding_window is not None and sliding_window != spec.window:
+        raise UnsupportedAttention(
+            f"layer {layer.index} attends with sliding_window={sliding_window}, but its config says {spec.window}"
+        )
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ShapeMismatch(f"the packed query must be [1, q_heads, tokens, head_dim], got {tuple(query.shape)}")
+    extra: dict[str, Any] = {}
+    if spec.window is not None:
+        extra["window"] = spec.window
+    if spec.chunk is not None:
+        extra["chunk"] = spec.chunk
+    if softcap is not None:
+        extra["softcap"] = float(softcap)
+    if s_aux is not None:
+        extra["sinks"] = s_aux.detach()
+    q = query[0].transpose(0, 1)  # [tokens, q_heads, dim]
+    out = ops.attention(step.pool, layer.index, q, step.plan_for(scaling), backend=step.backend, **extra)
+    step.read[layer.index] += 1
+    return out.unsqueeze(0).to(query.dtype), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """The packed row gets no 4-D mask: which keys each query sees is in the plan (masking_utils calls this
+    in place of building one)."""
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, engine_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+def check_architecture(hf_model: torch.nn.Module) -> None:
+    """Refuse (UnsupportedModel, by name) what the generic path cannot run; nothing on the model changes."""
+    config = getattr(hf_model, "config", None)
+    name = type(hf_model).__name__
+    if config is None or not hasattr(hf_model, "get_decoder"):
+        raise UnsupportedModel(f"{name} is not a transformers model")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(f"{name} is an encoder-decoder model; the engine runs decoder-only models")
+    if not getattr(hf_model, "_supports_attention_backend", False):
+        raise UnsupportedModel(
+            f"{name} does not run its attention through transformers' attention interface "
+            "(_supports_attention_backend is not set), so the engine cannot serve it"
+        )
+    text = config.get_text_config(decoder=True)
+    if text is not config:
+        raise UnsupportedModel(f"{name} has a separate text config (multimodal); the engine runs text decoders")
+    for field in ("kv_lora_rank", "q_lora_rank"):
+        if getattr(text, field, None) is not None:
+            raise UnsupportedModel(f"{name} uses multi-head latent attention (MLA, config.{field}), not supported")
+    if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", None) == "alibi":
+        raise UnsupportedModel(f"{name} uses ALiBi position biases, which the engine's kernels do not apply")
+    if "logits_to_keep" not in inspect.signature(hf_model.forward).parameters:
+        raise UnsupportedModel(f"{name}.forward takes no logits_to_keep (an older model interface)")
+
+
+class TransformersModel:
+    """The engine's model on any transformers decoder (module docs); the same interface as `DecoderModel`."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        check_architecture(hf_model)
+        self.hf = hf_model
+        self.config = hf_model.config
+        self.attention = layer_attention(self.config)
+        self.layout = KvLayout.from_config(self.config)
+        self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
+        if len(self.attention) != self.num_layers:
+            raise UnsupportedModel(f"{len(self.attention)} layer types for {self.num_layers} layers")
+        self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(self.config.max_position_embeddings)
+        # Keys older than the window are never read when every layer slides (the scheduler frees their blocks).
+        self.window = sliding_only_window(self.attention)
+        self._cache = StepCache(self.num_layers)
+        self._probe()
+
+    def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
+        device = next(self.hf.parameters()).device
+        return PagedKvCache(num_blocks, block_size, *self.layout.dims, format, device=device)
+
+    def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:
+        return plan_step(cache, batch, self.max_positions, validate)
+
+    @torch.inference_mode()
+    def forward(
+        self, cache: PagedKvCache, batch: Batch, all_logits: bool = False, plan: AttentionPlan | None = None
+    ) -> torch.Tensor:
+        """Logits of each sequence's last token in the batch [batch, vocab] (or of every token [tokens, vocab])."""
+        if plan is None:
+            plan = self.plan(cache, batch)
+        step = _Step(cache, plan, self.attention)
+        keep = 0 if all_logits else batch.cu_seqlens_q[1:].to(torch.int64) - 1
+        config = self.config
+        previous = {"": config._attn_implementation}
+        previous.update({k: getattr(config, k)._attn_implementation for k in config.sub_configs
+                         if getattr(config, k, None) is not None})  # fmt: skip
+        self._cache.step = step
+        config._attn_implementation = ATTN_IMPLEMENTATION
+        try:
+            out = self.hf(
+                input_ids=batch.input_ids[None], position_ids=batch.positions[None], cache=self._cache,
+                use_cache=True, logits_to_keep=keep,
+            )  # fmt: skip
+        finally:
+            config._attn_implementation = previous
+            self._cache.step = None
+        step.check_complete()
+        return out.logits[0].float()
+
+    def _probe(self) -> None:
+        """One two-token forward on a one-block cache: a model that does not write and read every layer through
+        the engine's hooks is refused here, before any pool is allocated."""
+        from ..formats import KvStorageFormat
+
+        cache = self.make_cache(1, 2, KvStorageFormat.F16)
+        slots = cache.add_sequence(0, 2)
+        tables, lens = cache.batch_tensors([0])
+        device = cache.device
+        batch = Batch(torch.zeros(2, dtype=torch.int64, device=device), torch.arange(2, device=device), slots,
+                      torch.tensor([0, 2], dtype=torch.int32, device=device), tables, lens, is_decode=False)
+        try:
+            self.forward(cache, batch)
+        except NonFiniteError:
+            pass  # a property of the weights or of token 0, not of the architecture: requests will say so
