@@ -27,8 +27,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
+from ..errors import UnsupportedAttention
 from . import cpu_simd
-from .plan import AttentionPlan
+from .plan import AttentionPlan, AttentionVariant
 
 __all__ = ["attend", "quantize_query"]
 
@@ -920,8 +921,10 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int) -> 
     return work, np.flatnonzero(long)
 
 
-def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
     """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape."""
+    if variant is not None:
+        raise UnsupportedAttention("window, chunk, softcap and sinks are not implemented in the cpu backend yet")
     threads = numba.get_num_threads()
     work, long = plan.derived(("cpu-work", q.shape[1], threads), lambda: _work(plan, pool, q.shape[1], threads))
     out = _run(pool, layer, q, plan, work)

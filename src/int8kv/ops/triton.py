@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import LayerOutOfRange, ShapeMismatch
-from .plan import AttentionPlan, require_unit_stride
+from ..errors import LayerOutOfRange, ShapeMismatch, UnsupportedAttention
+from .plan import AttentionPlan, AttentionVariant, require_unit_stride
 
 __all__ = [
     "Launch",
@@ -710,13 +710,15 @@ def attention(
     return out
 
 
-def attend(cache, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def attend(cache, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
     """Causal attention of ``q [num_queries, num_q_heads, head_dim]`` over a validated ``plan``.
 
     The ``n_b`` queries of sequence ``b`` (``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) are its last ``n_b``
     positions; query ``i`` sees keys in ``[kv_start, context_len - n_b + i + 1)``; decode is ``n_b = 1``.
     Returns float32 of q's shape; a query with no visible key gets zeros.
     """
+    if variant is not None:
+        raise UnsupportedAttention("window, chunk, softcap and sinks are not implemented in the triton backend yet")
     return attention(cache, layer, q, plan)
 
 
