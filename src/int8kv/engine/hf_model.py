@@ -91,9 +91,11 @@ class _Step:
     """What every layer of one forward shares: the pool, the plan (one per softmax scale), and which layers
     wrote and read (each exactly once, checked after the forward)."""
 
-    def __init__(self, cache: PagedKvCache, plan: AttentionPlan, layers: list[LayerAttention]) -> None:
+    def __init__(
+        self, cache: PagedKvCache, plan: AttentionPlan, layers: list[LayerAttention], backend: str | None
+    ) -> None:
         self.pool = cache.pool
-        self.backend = ops.resolve_backend(cache.pool)
+        self.backend = ops.resolve_backend(cache.pool, backend)
         self.plan = plan
         self.layers = layers
         self.plans: dict[float, AttentionPlan] = {plan.softmax_scale: plan}
@@ -179,6 +181,15 @@ class StepCache(Cache):
         if self.step is None:
             raise UnsupportedAttention("the engine's cache was used outside an engine step")
         return self.step
+
+    def _recurrent(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedModel(
+            "this model keeps recurrent, convolution or indexer state in its cache (a hybrid / linear-attention / "
+            "sparse-indexer model); the engine keeps only attention K/V per sequence"
+        )
+
+    update_conv_state = update_recurrent_state = get_conv_state = get_recurrent_state = _recurrent
+    has_previous_state = update_indexer = _recurrent
 
 
 def engine_attention_forward(
@@ -268,9 +279,10 @@ def check_architecture(hf_model: torch.nn.Module) -> None:
 class TransformersModel:
     """The engine's model on any transformers decoder (module docs); the same interface as `DecoderModel`."""
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, backend: str | None = None) -> None:
         check_architecture(hf_model)
         self.hf = hf_model
+        self.backend = backend  # the ops dispatcher's backend (None: from the cache's device)
         self.config = hf_model.config
         self.attention = layer_attention(self.config)
         self.layout = KvLayout.from_config(self.config)
@@ -298,7 +310,7 @@ class TransformersModel:
         """Logits of each sequence's last token in the batch [batch, vocab] (or of every token [tokens, vocab])."""
         if plan is None:
             plan = self.plan(cache, batch)
-        step = _Step(cache, plan, self.attention)
+        step = _Step(cache, plan, self.attention, self.backend)
         keep = 0 if all_logits else batch.cu_seqlens_q[1:].to(torch.int64) - 1
         config = self.config
         previous = {"": config._attn_implementation}

@@ -36,26 +36,29 @@ from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from ..formats import KvStorageFormat
-from .model import DecoderModel, check_fused
+from ..ops import BACKENDS
+from .model import DecoderModel
 from .runner import ModelRunner
 from .sampler import make_generator, sample
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
 from .store_tier import StoreTier
 
-IMPLEMENTATIONS = ("auto", "transformers", "fused")
-FUSED_BY_DEFAULT = False
+# "transformers" serves every model by default: on SmolLM2 (decode, 2,048 tokens of context, INT8, one thread,
+# load ~6) it runs at 0.91x the fused forward's speed at batch 1 and 0.97x at batch 8 (docs/benchmarks.md,
+# `python -m int8kv.bench engine_paths`), and it is exact for every config field; "fused" stays as an option.
+IMPLEMENTATIONS = ("transformers", "fused")
 
 
-def engine_model(hf_model: torch.nn.Module, implementation: str = "auto"):
+def engine_model(hf_model: torch.nn.Module, implementation: str = "transformers", backend: str | None = None):
     """The engine's model for `hf_model`: a `TransformersModel` (the model's own forward over the paged cache)
-    or, with "fused" (or "auto" where it applies, see FUSED_BY_DEFAULT), the fused Llama/Qwen3 `DecoderModel`.
-    Refusals are typed (UnsupportedModel / UnsupportedAttention) and leave the model as it was."""
-    if implementation == "fused" or (implementation == "auto" and FUSED_BY_DEFAULT and check_fused(hf_model) is None):
-        return DecoderModel(hf_model)  # refuses (UnsupportedModel) what it does not implement
+    or, with "fused", the fused Llama/Qwen3 `DecoderModel`. Refusals are typed (UnsupportedModel /
+    UnsupportedAttention) and leave the model as it was."""
+    if implementation == "fused":
+        return DecoderModel(hf_model, backend)  # refuses (UnsupportedModel) what it does not implement
     from .hf_model import TransformersModel
 
-    return TransformersModel(hf_model)
+    return TransformersModel(hf_model, backend)
 
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
@@ -176,14 +179,16 @@ class LLM:
         kv_store: str | BlockStore | bool | None = None,
         kv_namespace: str = "int8kv",
         model_id: str | None = None,
-        implementation: str = "auto",
+        implementation: str = "transformers",
+        backend: str | None = None,
     ) -> None:
         """`kv_store`: a block store URL (`True` is "embedded") or an open BlockStore (left open); it needs
         prefix caching. `model_id` replaces the weights' SHA-256 in the key root (the model fingerprint,
-        int8kv.store.model_fingerprint): equal ids must mean equal K/V. `implementation`: "transformers" runs the
-        model's own forward over the paged cache (any decoder whose attention goes through transformers'
-        attention interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py,
-        refusing every config field it does not implement), "auto" picks (see `engine_model`)."""
+        int8kv.store.model_fingerprint): equal ids must mean equal K/V. `implementation`: "transformers" (the
+        default) runs the model's own forward over the paged cache (any decoder whose attention goes through
+        transformers' attention interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward
+        (engine/model.py, refusing every config field it does not implement). `backend`: the
+        attention kernels (int8kv.ops.BACKENDS; None: "cpu" or "triton" from the pool's device)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -199,6 +204,8 @@ class LLM:
             check_namespace(kv_namespace)  # InvalidBlockKey
         if implementation not in IMPLEMENTATIONS:
             raise InvalidEngineConfig(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        if backend is not None and backend not in BACKENDS:
+            raise InvalidEngineConfig(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
@@ -217,7 +224,7 @@ class LLM:
             tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
-        self.model = engine_model(hf_model, implementation)
+        self.model = engine_model(hf_model, implementation, backend)
         self.vocab_size = self.model.vocab_size
         self.max_positions = self.model.max_positions
         m = self.model

@@ -99,7 +99,7 @@ class LayerWeights:
 
 
 class DecoderModel:
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, backend: str | None = None) -> None:
         reason = check_fused(hf_model)
         if reason is not None:
             raise UnsupportedModel(f"the fused forward does not implement {reason}")
@@ -111,6 +111,7 @@ class DecoderModel:
         self.eps = cfg.rms_norm_eps
         self.max_positions = int(cfg.max_position_embeddings)
         self.window = None  # full attention on every layer: no block is ever out of reach
+        self.backend = backend  # the ops dispatcher's backend (None: from the cache's device)
         base = hf_model.model
         with torch.no_grad():
             self.embed = base.embed_tokens.weight.detach().float()
@@ -171,10 +172,10 @@ class DecoderModel:
             qkv = F.linear(h, w.qkv, w.qkv_bias)
             q = ops.paged_write(
                 cache, i, qkv, None, None, self.cos, self.sin, self.num_q_heads,
-                q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps, plan=plan,
+                q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps, plan=plan, backend=self.backend,
             )  # fmt: skip
             # q was checked (shape, finiteness) by the write path.
-            attn = ops.attention(cache, i, q, plan, check_q=False)
+            attn = ops.attention(cache, i, q, plan, check_q=False, backend=self.backend)
             x = x + F.linear(attn.reshape(x.shape[0], -1), w.o)
             h = rms_norm(x, w.post_norm, self.eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
