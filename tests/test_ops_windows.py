@@ -144,7 +144,7 @@ def test_variant_key_lows_match_the_reference_mask():
                 assert p < start
 
 
-@pytest.mark.parametrize("backend", ["reference"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize(
     ("args", "error"),
     [
@@ -189,3 +189,157 @@ def test_huge_window_is_full_attention():
     full = paged_decode_attention(cache, 1, q, tables, context, backend="reference")
     wide = paged_decode_attention(cache, 1, q, tables, context, backend="reference", window=2**40, chunk=2**40)
     assert torch.equal(full, wide)
+
+
+# -- every backend against the reference ---------------------------------------------------------------------
+def run_backend(backend, cache, q, tables, context, starts, cu, args):
+    """`backend` and the reference over the same step, out-of-window keys poisoned; returns (out, ref)."""
+    tables = poison_outside(cache, 1, tables, context, starts, cu, args)
+    plan = plan_attention(cache.pool, tables, context, kv_starts=starts, cu_seqlens_q=cu, num_queries=q.shape[0])
+    out = attention(cache, 1, q, plan, backend=backend, **args)
+    ref = reference.attend(cache.pool, 1, q, plan, check_variant_of(cache, q, args))
+    return out, ref
+
+
+def check_variant_of(cache, q, args):
+    from int8kv.ops import check_variant
+
+    return check_variant(cache.pool, q.shape[1], **args)
+
+
+def ragged_step(fmt, block_size, head_dim, group, decode, seed, lens=(1, 37, 150, 0, 90, 300)):
+    """A ragged batch (an empty sequence, one shorter than any window, long ones), kv_starts on some, and for
+    prefill chunks of 1..40 queries (the last positions of each sequence)."""
+    cache, tables, context = build(fmt, block_size, head_dim, 2, list(lens), seed)
+    rng = np.random.default_rng(seed)
+    starts = torch.tensor([int(rng.integers(0, n // 3 + 1)) for n in lens], dtype=torch.int32)
+    if decode:
+        cu = None
+        n_q = len(lens)
+    else:
+        counts = [min(n, int(rng.integers(1, 41))) for n in lens]
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+        n_q = int(cu[-1])
+    q = torch.randn(n_q, 2 * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    return cache, q, tables, context, starts, cu
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_cpu_matches_reference(fmt, decode, name):
+    for block_size, head_dim, group in ((8, 64, 1), (16, 40, 3), (32, 128, 4), (16, 64, 2)):
+        for padded in (False, True):  # a fresh cache each: the poison depends on the kv_starts
+            seed = block_size * 100 + head_dim + group + len(name) + padded
+            cache, q, tables, context, starts, cu = ragged_step(fmt, block_size, head_dim, group, decode, seed)
+            args = variant_args(VARIANTS[name], q.shape[1], seed)
+            out, ref = run_backend("cpu", cache, q, tables, context, starts if padded else None, cu, args)
+            assert rel_err(out, ref) < TOL, (block_size, head_dim, group, padded)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", ["window", "chunk", "sinks", "all", "chunk+window", "window+softcap+sinks"])
+def test_cpu_long_prefill_chunks_match_reference(fmt, name, monkeypatch):
+    """Long chunks take the torch flash path (thresholds lifted, small tiles: several key tiles and query blocks,
+    masked tiles below the block's common window where some rows see nothing); with a softcap they must not."""
+    from int8kv.ops import cpu
+
+    monkeypatch.setattr(cpu, "FLASH_MIN_PAIRS", 0)
+    monkeypatch.setattr(cpu, "FLASH_KEY_TILE", 24)  # not a multiple of any block size
+    monkeypatch.setattr(cpu, "FLASH_QUERY_ROWS", 96)
+    calls = []
+    real = cpu._flash_sequence
+    monkeypatch.setattr(cpu, "_flash_sequence", lambda q, *a: calls.append(q.shape[1]) or real(q, *a))
+    lens, counts = (300, 180, 40, 9), (200, 150, 7, 0)
+    for padded in (False, True):
+        seed = 40 + padded + len(name)
+        cache, tables, context = build(fmt, 16, 64, 2, list(lens), seed)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(counts)]), dtype=torch.int32)
+        q = torch.randn(int(cu[-1]), 6, 64, generator=torch.Generator().manual_seed(seed))
+        starts = torch.tensor([17, 150, 3, 0], dtype=torch.int32) if padded else None
+        args = variant_args(VARIANTS[name], 6, seed)
+        out, ref = run_backend("cpu", cache, q, tables, context, starts, cu, args)
+        assert rel_err(out, ref) < TOL, padded
+    assert bool(calls) == ("softcap" not in args)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("window", [None, 700])
+def test_cpu_split_decode_counts_each_sink_once(fmt, window):
+    """Few sequences, long contexts: keys split across work items (flash-decoding), merged with the sink once."""
+    from int8kv.ops import cpu
+
+    cache, tables, context = build(fmt, 32, 64, 1, [3000, 1200], seed=12)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(13))
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 40.0])  # the last far above every score: the output almost vanishes
+    args = {"sinks": sinks} if window is None else {"sinks": sinks, "window": window}
+    lows = AttentionVariant(window).key_lows(context.numpy().astype(np.int64) - 1, np.zeros(2, np.int64))
+    _, splits = cpu._decode_items(context.numpy().astype(np.int64), lows, cpu.numba.get_num_threads())
+    if cpu.numba.get_num_threads() > 1:
+        assert splits > 1
+    out, ref = run_backend("cpu", cache, q, tables, context, None, None, args)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_keys_outside_the_window_are_never_read(backend, decode):
+    """The guarantee that lets the engine free blocks wholly outside every window: with those blocks' table
+    entries pointed at a NaN block and every older key NaN, the output is bit for bit what it was."""
+    cache, tables, context = build(INT8, 16, 64, 2, [2000, 700], seed=21)
+    cu = None if decode else torch.tensor([0, 5, 9], dtype=torch.int32)
+    q = torch.randn(2 if decode else 9, 4, 64, generator=torch.Generator().manual_seed(22))
+    args = {"window": 64, "sinks": torch.zeros(4)}
+    plan = plan_attention(cache.pool, tables, context, cu_seqlens_q=cu, num_queries=q.shape[0])
+    clean = attention(cache, 1, q, plan, backend=backend, **args)
+    poisoned = poison_outside(cache, 1, tables, context, None, cu, args)
+    assert (poisoned[0] == 0).sum() > 100  # most of the long sequence's blocks now point at garbage
+    plan = plan_attention(cache.pool, poisoned, context, cu_seqlens_q=cu, num_queries=q.shape[0])
+    assert torch.equal(attention(cache, 1, q, plan, backend=backend, **args), clean)
+
+
+# -- triton (the interpreter on a machine without a GPU: kept small, it is slow) -----------------------------
+triton_backend = pytest.importorskip("int8kv.ops.triton", reason="triton is not installed")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_triton_matches_reference(fmt, decode, name):
+    block_size, head_dim, group = {True: (8, 64, 3), False: (16, 40, 2)}[decode]
+    seed = 300 + len(name) + decode
+    lens = (1, 37, 130, 0, 70)
+    cache, q, tables, context, starts, cu = ragged_step(fmt, block_size, head_dim, group, decode, seed, lens)
+    args = variant_args(VARIANTS[name], q.shape[1], seed)
+    out, ref = run_backend("triton", cache, q, tables, context, starts if name != "softcap" else None, cu, args)
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_split_keys_count_each_sink_once(fmt):
+    """Keys split across programs (flash-decoding) and merged by the merge kernel, which adds each sink once."""
+    cache, tables, context = build(fmt, 16, 32, 1, [700, 300], seed=31)
+    q = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(32))
+    for args in ({"sinks": torch.tensor([1.5, 30.0])}, {"sinks": torch.tensor([-1.0, 2.0]), "window": 400}):
+        tables_p = poison_outside(cache, 1, tables, context, None, None, args)
+        plan = plan_attention(cache.pool, tables_p, context)
+        variant = check_variant_of(cache, q, args)
+        launch = triton_backend.launch_plan(
+            q.device, batch=2, num_kv_heads=1, group=2, max_q=1, kv_bound=700, is_int8=fmt.is_quantized, num_splits=3
+        )
+        assert launch.num_splits == 3
+        out = triton_backend.attention(cache, 1, q, plan, num_splits=3, variant=variant)
+        assert rel_err(out, reference.attend(cache.pool, 1, q, plan, variant)) < TOL
+
+
+def test_triton_keys_outside_the_window_are_never_read():
+    cache, tables, context = build(F16, 16, 32, 1, [900, 200], seed=41)
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    q = torch.randn(9, 2, 32, generator=torch.Generator().manual_seed(42))
+    args = {"window": 40, "chunk": 100}
+    plan = plan_attention(cache.pool, tables, context, cu_seqlens_q=cu, num_queries=9)
+    clean = attention(cache, 1, q, plan, backend="triton", **args)
+    poisoned = poison_outside(cache, 1, tables, context, None, cu, args)
+    assert (poisoned[0] == 0).sum() > 40
+    plan = plan_attention(cache.pool, poisoned, context, cu_seqlens_q=cu, num_queries=9)
+    assert torch.equal(attention(cache, 1, q, plan, backend="triton", **args), clean)
