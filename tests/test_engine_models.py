@@ -40,9 +40,6 @@ ARCHS = {
     "olmo2": ("olmo2", {}),
     "llama4_text": ("llama4_text", dict(attention_chunk_size=8)),  # chunked attention
 }
-# The cpu kernels refuse windows, chunks, softcaps and sinks until they implement them: those models run on
-# the float64 reference backend here (the same dispatcher and plan).
-VARIANTS = {"qwen3-sliding", "mistral-window", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"}
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
@@ -83,10 +80,8 @@ def prompts(*lengths: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def engine(model, name: str, fmt: KvStorageFormat, **kwargs) -> LLM:
-    opts = dict(memory="1MiB", block_size=4, max_num_batched_tokens=7,
-                backend="reference" if name in VARIANTS else None)  # fmt: skip
-    return LLM(model, kv_format=fmt, **{**opts, **kwargs})
+def engine(model, fmt: KvStorageFormat, **kwargs) -> LLM:
+    return LLM(model, kv_format=fmt, **{"memory": "1MiB", "block_size": 4, "max_num_batched_tokens": 7, **kwargs})
 
 
 @pytest.mark.parametrize("name", [name for name in ARCHS if name != "llama"])
@@ -95,7 +90,7 @@ def test_engine_generates_like_transformers(name):
     batch = prompts(14, 6)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     for fmt, cache in ((F16, lambda: None), (INT8, lambda: fake_quant_cache(model, INT8))):
-        llm = engine(model, name, fmt)
+        llm = engine(model, fmt)
         assert isinstance(llm.model, TransformersModel)
         outs = llm.generate(batch, params)  # two sequences side by side, prefill in chunks of 7 tokens
         assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8, cache()) for p in batch], fmt
@@ -138,7 +133,7 @@ REFUSED = {
     # Its own attention on whatever the cache returns.
     "xglm": (dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2), UnsupportedModel, "attention interface"),
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
-                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), UnsupportedModel, "MLA"),
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), UnsupportedAttention, "MLA"),
     "lfm2": (dict(layer_types=["conv", "full_attention"]), UnsupportedModel, "'conv'"),
 }
 
@@ -170,7 +165,7 @@ def test_sliding_only_model_holds_blocks_for_its_window_only(fmt):
     model = build(name, seed=3)
     prompt = prompts(10, seed=4)[0]
     want = hf_greedy(model, prompt, 40, None if fmt is F16 else fake_quant_cache(model, fmt))
-    llm = engine(model, name, fmt, max_num_batched_tokens=64)
+    llm = engine(model, fmt, max_num_batched_tokens=64)
     used = []
     out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True),
                        on_step=lambda s: used.append(_referenced_blocks(llm)))  # fmt: skip
@@ -191,14 +186,14 @@ def test_sliding_release_with_preemption_prefix_hits_and_forks():
     per_block = 4 * F16.bytes_per_token(2, 2, 16)
     # 9 blocks (a request is admitted only if its whole length would fit: 9) for four sequences of 3-4 blocks each
     # at once: admission waits and a prefill chunk preempts.
-    llm = engine(model, name, F16, memory=9 * per_block, max_num_seqs=4, max_num_batched_tokens=8)
+    llm = engine(model, F16, memory=9 * per_block, max_num_seqs=4, max_num_batched_tokens=8)
     outs = llm.generate(batch, SamplingParams(max_tokens=14, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert llm.stats.preemptions > 0 and llm.stats.prefix_hit_tokens > 0
     assert llm.cache.num_free_blocks == llm.cache.num_blocks
     # In a pool with room to spare, a prompt's released head blocks stay cached: the same prompt again hits the
     # whole chain (5 full blocks of its 22 tokens, one token left to compute) and gives the same tokens.
-    llm = engine(model, name, F16, memory=32 * per_block)
+    llm = engine(model, F16, memory=32 * per_block)
     for hits in (0, 20):
         assert llm.generate([shared], SamplingParams(max_tokens=14, ignore_eos=True))[0].token_ids == want[0]
         assert llm.stats.prefix_hit_tokens == hits

@@ -28,11 +28,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
@@ -40,47 +39,31 @@ from .. import ops
 from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
 from ..errors import NonFiniteError, ShapeMismatch, UnsupportedAttention, UnsupportedModel
-from ..hf.attention import TAG
+from ..hf.attention import TAG, make_handle
+from ..hf.layers import LayerSpec, attention_options, layer_specs
 from ..ops import write
 from ..ops.plan import AttentionPlan
 from .model import Batch, plan_step
 
 ATTN_IMPLEMENTATION = "int8kv_engine"
-# Layer kinds the paged kernels serve; anything else in a config's layer_types is refused by name.
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-@dataclass(frozen=True)
-class LayerAttention:
-    """What one decoder layer's attention is, from the config: ``window`` (query p sees keys (p - window, p],
-    transformers' ``sliding_window``) or ``chunk`` (Llama 4's ``attention_chunk_size``), or neither (full)."""
-
-    kind: str
-    window: int | None = None
-    chunk: int | None = None
-
-
-def layer_attention(config: Any) -> list[LayerAttention]:
-    """Per-layer attention of a decoder config, as transformers' own caches read it (``layer_types``, else
-    ``sliding_window`` / ``attention_chunk_size``); UnsupportedModel for a layer kind the kernels do not run."""
-    kinds, kwargs = get_layer_types_and_kwargs(config)
-    out = []
-    for i, (kind, kw) in enumerate(zip(kinds, kwargs, strict=True)):
-        if kind not in ATTENTION_KINDS:
-            what = "KV shared with another layer" if kind == "dummy" else f"{kind!r} layers"
+def engine_layer_specs(config: Any) -> list[LayerSpec]:
+    """The config's per-layer attention (:func:`int8kv.hf.layers.layer_specs`, which refuses MLA, ALiBi and
+    sparse attention by name); UnsupportedModel for a layer without K/V of its own or with recurrent state."""
+    specs = layer_specs(config)
+    for i, spec in enumerate(specs):
+        if spec.state or not spec.has_kv:
+            what = "shares another layer's K/V (or has no attention)" if spec.kind == "shared" else (
+                "keeps a linear-attention / Mamba / conv state")
             raise UnsupportedModel(
-                f"layer {i} is of kind {kind!r}: the engine runs attention layers only ({', '.join(ATTENTION_KINDS)}); "
-                f"{what} are not supported (per-sequence recurrent state is not kept by the engine)"
+                f"layer {i} ({spec.layer_type!r}) {what}: the engine keeps only attention K/V per sequence "
+                "(per-sequence recurrent state under continuous batching is not implemented)"
             )
-        size = kw.get("sliding_window")
-        if kind != "full_attention" and (size is None or size <= 0):
-            raise UnsupportedModel(f"layer {i} is {kind!r} without a positive window size ({size!r})")
-        out.append(LayerAttention(kind, size if kind == "sliding_attention" else None,
-                                  size if kind == "chunked_attention" else None))  # fmt: skip
-    return out
+    return specs
 
 
-def sliding_only_window(layers: list[LayerAttention]) -> int | None:
+def sliding_only_window(layers: list[LayerSpec]) -> int | None:
     """The widest window when every layer is sliding (then keys older than it are never read again), else None."""
     if layers and all(la.window is not None for la in layers):
         return max(la.window for la in layers)
@@ -92,7 +75,7 @@ class _Step:
     wrote and read (each exactly once, checked after the forward)."""
 
     def __init__(
-        self, cache: PagedKvCache, plan: AttentionPlan, layers: list[LayerAttention], backend: str | None
+        self, cache: PagedKvCache, plan: AttentionPlan, layers: list[LayerSpec], backend: str | None
     ) -> None:
         self.pool = cache.pool
         self.backend = ops.resolve_backend(cache.pool, backend)
@@ -129,11 +112,12 @@ class _StepLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    book = None  # the drop-in's per-forward state, which KvHandle aborts on misuse; the engine checks per step
 
     def __init__(self, owner: StepCache, index: int) -> None:
         super().__init__()
         self.owner = owner
-        self.index = index
+        self.layer_idx = index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -145,12 +129,13 @@ class _StepLayer(CacheLayerMixin):
         for name, t in (("keys", key_states), ("values", value_states)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1 or t.shape[2] != n:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ShapeMismatch(f"layer {self.index}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
+                raise ShapeMismatch(f"layer {self.layer_idx}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
             rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
         # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
-        write.append_rows(step.pool, self.index, rows[0], rows[1], step.plan.slots, backend=step.backend)
-        step.written[self.index] += 1
-        return _handle(key_states, self), _handle(value_states, self)
+        write.append_rows(step.pool, self.layer_idx, rows[0], rows[1], step.plan.slots, backend=step.backend)
+        step.written[self.layer_idx] += 1
+        # Handles the drop-in's way (int8kv.hf.attention.KvHandle): any use but this attention raises.
+        return make_handle(key_states, self), make_handle(value_states, self)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0  # no mask is built (the mask function returns None)
@@ -160,13 +145,6 @@ class _StepLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
-
-
-def _handle(like: torch.Tensor, layer: _StepLayer) -> torch.Tensor:
-    # Empty: any attention function other than the engine's sees zero keys instead of something plausible.
-    handle = like.new_empty((like.shape[0], like.shape[1], 0, like.shape[3]))
-    setattr(handle, TAG, layer)
-    return handle
 
 
 class StepCache(Cache):
@@ -200,9 +178,6 @@ def engine_attention_forward(
     attention_mask: Any,
     dropout: float = 0.0,
     scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface over the engine's paged cache: ``query [1, q_heads, tokens, dim]``
@@ -219,25 +194,21 @@ def engine_attention_forward(
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise UnsupportedAttention("the engine's attention is causal only")
     step = layer.owner.active()
-    spec = step.layers[layer.index]
-    if sliding_window is not None and sliding_window != spec.window:
+    spec = step.layers[layer.layer_idx]
+    # No mask says which keys a query sees, so the config's window is the judge: a kwarg must agree with it
+    # (the released blocks of a sliding-only model are outside it).
+    opts = attention_options(kwargs, spec)
+    if opts.window != spec.window:
         raise UnsupportedAttention(
-            f"layer {layer.index} attends with sliding_window={sliding_window}, but its config says {spec.window}"
+            f"layer {layer.layer_idx} attends with sliding_window={opts.window}, but its config says {spec.window}"
         )
     if query.dim() != 4 or query.shape[0] != 1:
         raise ShapeMismatch(f"the packed query must be [1, q_heads, tokens, head_dim], got {tuple(query.shape)}")
-    extra: dict[str, Any] = {}
-    if spec.window is not None:
-        extra["window"] = spec.window
-    if spec.chunk is not None:
-        extra["chunk"] = spec.chunk
-    if softcap is not None:
-        extra["softcap"] = float(softcap)
-    if s_aux is not None:
-        extra["sinks"] = s_aux.detach()
     q = query[0].transpose(0, 1)  # [tokens, q_heads, dim]
-    out = ops.attention(step.pool, layer.index, q, step.plan_for(scaling), backend=step.backend, **extra)
-    step.read[layer.index] += 1
+    sinks = None if opts.sinks is None else opts.sinks.detach()
+    out = ops.attention(step.pool, layer.layer_idx, q, step.plan_for(scaling), backend=step.backend,
+                        window=opts.window, chunk=opts.chunk, softcap=opts.softcap, sinks=sinks)  # fmt: skip
+    step.read[layer.layer_idx] += 1
     return out.unsqueeze(0).to(query.dtype), None
 
 
@@ -267,11 +238,6 @@ def check_architecture(hf_model: torch.nn.Module) -> None:
     text = config.get_text_config(decoder=True)
     if text is not config:
         raise UnsupportedModel(f"{name} has a separate text config (multimodal); the engine runs text decoders")
-    for field in ("kv_lora_rank", "q_lora_rank"):
-        if getattr(text, field, None) is not None:
-            raise UnsupportedModel(f"{name} uses multi-head latent attention (MLA, config.{field}), not supported")
-    if getattr(text, "alibi", False) or getattr(text, "position_embedding_type", None) == "alibi":
-        raise UnsupportedModel(f"{name} uses ALiBi position biases, which the engine's kernels do not apply")
     if "logits_to_keep" not in inspect.signature(hf_model.forward).parameters:
         raise UnsupportedModel(f"{name}.forward takes no logits_to_keep (an older model interface)")
 
@@ -284,7 +250,7 @@ class TransformersModel:
         self.hf = hf_model
         self.backend = backend  # the ops dispatcher's backend (None: from the cache's device)
         self.config = hf_model.config
-        self.attention = layer_attention(self.config)
+        self.attention = engine_layer_specs(self.config)
         self.layout = KvLayout.from_config(self.config)
         self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
         if len(self.attention) != self.num_layers:
