@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import progress
+from .bench import BENCHMARKS
 from .cache.paged import PagedKvCache
 from .cli_common import (
     COMMON_FLAGS,
@@ -35,7 +36,7 @@ DEMO_PROMPTS = (
     "Write a haiku about the sea.",
     "Give me three tips for learning a new language.",
 )
-BENCHES = ("attention", "codec", "e2e", "prefix", "serve", "slope", "store", "store_io")
+BENCHES = tuple(sorted(BENCHMARKS))  # the names `python -m int8kv.bench` dispatches
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 KV_STORE_HELP = (

@@ -14,16 +14,16 @@ are not timed.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from ..cli_common import bench_parser, check_minimums
 from ..formats import KvStorageFormat
 from ..progress import note
 from .e2e import _int_list
-from .timing import emit
+from .timing import emit, set_threads
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 
@@ -100,8 +100,7 @@ def report(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m int8kv.bench engine_paths",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = bench_parser("engine_paths", __doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="local Llama/Qwen3 dir or .gguf (default: packaged SmolLM2)")
     parser.add_argument("--context", type=int, default=2048, help="tokens already in each sequence's cache")
     parser.add_argument("--batches", type=_int_list, default=[1, 8], help="sequences decoded together")
@@ -110,14 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch and numba threads (default: as configured); on a loaded machine 1 avoids "
                              "oversubscription (2 threads at a load of 8 on 2 cores: 1.5 s per step, 1 thread: 0.2 s)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    if min(args.context, args.steps, args.rounds) < 1 or (args.threads is not None and args.threads < 1):
-        parser.error("--context, --steps, --rounds and --threads must be >= 1")
+    check_minimums(args, {"context": 1, "steps": 1, "rounds": 1})
     if args.threads is not None:
-        import numba
-
-        torch.set_num_threads(args.threads)
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
+        check_minimums(args, {"threads": 1})
+        set_threads(args.threads)
     result = run(args.model, args.context, args.batches, args.steps, args.rounds)
     return emit(result, report(result), args.json)
