@@ -207,3 +207,18 @@ def test_sliding_release_with_preemption_prefix_hits_and_forks():
     assert list(tokens.values()) == [want[0]] * 3  # greedy: every choice is the request's own output
     assert llm.cache.num_free_blocks == llm.cache.num_blocks
     assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
+
+
+def test_sliding_release_keeps_the_block_store_whole(tmp_path):
+    """Blocks go to the store when they fill, before the window leaves them: a fresh engine loads them intact."""
+    model = build("mistral-window", seed=8)
+    prompt = prompts(26, seed=9)[0]
+    want = hf_greedy(model, prompt, 6)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = []
+    for _ in range(2):  # two engines, one store directory
+        with engine(model, F16, kv_store=f"disk:{tmp_path}") as llm:
+            outs.append(llm.generate([prompt], params)[0].token_ids)
+            assert llm.flush_kv_store(5.0)
+    assert outs == [want, want]
+    assert llm.stats.store_hit_tokens == 24  # 6 full blocks of the 26-token prompt, one token left to compute
