@@ -117,6 +117,18 @@ def test_fused_forward_refuses_windows_rope_and_foreign_modules():
         DecoderModel(build("mistral-window"))
 
 
+def test_training_mode_with_dropout_is_refused():
+    model = build("phi3")  # Phi-3 has residual dropout modules
+    model.config.resid_pdrop = 0.1
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    model.train()
+    with pytest.raises(UnsupportedModel, match="training mode"):
+        LLM(model, memory="1MiB")
+    assert model.training
+
+
 def test_architecture_decides_not_model_type():
     model = build("llama")
     model.config.model_type = "exaone"  # EXAONE checkpoints load as LlamaForCausalLM under their own model_type

@@ -7,7 +7,8 @@ the row to the paged cache:
 
 - :class:`StepCache`, passed as the model's ``cache``: ``update(k, v, layer_idx)`` writes the layer's rows at the
   step's slots through the one write path (:func:`int8kv.ops.write.append_rows`: checks, one encode, store) and
-  returns empty handles tagged with the layer (:data:`int8kv.hf.attention.TAG`, as the drop-in does);
+  returns the drop-in's empty handles tagged with the layer (:class:`int8kv.hf.attention.KvHandle`: any use
+  but the int8kv attention raises);
 - the attention function registered with transformers as ``"int8kv_engine"``: it takes the tagged handles, the
   step's :class:`~int8kv.ops.plan.AttentionPlan` (built once per step, shared by every layer) and the layer's
   window, chunk, softcap and sinks, and calls :func:`int8kv.ops.attention`. Its mask function returns None:
@@ -18,9 +19,10 @@ after it, so the user's model object is left as it was between steps and wheneve
 
 Never silently wrong: every layer must write its K/V once and read them once through the int8kv attention in
 each forward (a model that changes K/V after ``cache.update`` or runs its own attention on the handles fails
-with `UnsupportedAttention`); a probe forward at construction refuses such models up front, and config
-features the engine does not implement (recurrent / linear-attention layers, KV sharing, MLA, cross-attention)
-are refused by name (`UnsupportedModel`).
+with `AttentionBypassed`, an `UnsupportedAttention`); a probe forward at construction refuses such models up
+front. What the engine does not implement is refused by name: recurrent / linear-attention layers, KV sharing,
+multimodal and encoder-decoder models, models whose attention ignores transformers' interface
+(`UnsupportedModel`); MLA, ALiBi, sparse attention (`UnsupportedAttention`, from `int8kv.hf.layers`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from transformers.modeling_utils import AttentionInterface
 from .. import ops
 from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
-from ..errors import NonFiniteError, ShapeMismatch, UnsupportedAttention, UnsupportedModel
+from ..errors import AttentionBypassed, NonFiniteError, ShapeMismatch, UnsupportedAttention, UnsupportedModel
 from ..hf.attention import TAG, make_handle
 from ..hf.layers import LayerSpec, attention_options, layer_specs
 from ..ops import write
@@ -100,7 +102,7 @@ class _Step:
     def check_complete(self) -> None:
         for i, (w, r) in enumerate(zip(self.written, self.read, strict=True)):
             if w != 1 or r != 1:
-                raise UnsupportedAttention(
+                raise AttentionBypassed(
                     f"layer {i} wrote its K/V {w} time(s) and read them through the int8kv attention {r} time(s) in "
                     "one forward (each must be once): this model does not run its attention through transformers' "
                     "attention interface on the cache it is given"
@@ -149,7 +151,7 @@ class _StepLayer(CacheLayerMixin):
 
 class StepCache(Cache):
     """The ``cache`` the engine passes to the model: one :class:`_StepLayer` per decoder layer, bound to the
-    step in progress (:meth:`bind`)."""
+    step in progress (``step``, set by `TransformersModel.forward` for the forward's duration)."""
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(layers=[_StepLayer(self, i) for i in range(num_layers)])
@@ -184,7 +186,7 @@ def engine_attention_forward(
     (the packed row) -> ``[1, tokens, q_heads, dim]``."""
     layer = getattr(key, TAG, None)
     if not isinstance(layer, _StepLayer) or getattr(value, TAG, None) is not layer:
-        raise UnsupportedAttention(
+        raise AttentionBypassed(
             "the engine's attention received keys or values that are not the handles its cache returned: this "
             "model changes K/V after cache.update() (or attends without the engine's cache), which the paged "
             "kernels cannot follow"
@@ -238,6 +240,9 @@ def check_architecture(hf_model: torch.nn.Module) -> None:
     text = config.get_text_config(decoder=True)
     if text is not config:
         raise UnsupportedModel(f"{name} has a separate text config (multimodal); the engine runs text decoders")
+    dropout = [n for n, m in hf_model.named_modules() if m.training and isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if dropout:
+        raise UnsupportedModel(f"{name} is in training mode with active dropout ({dropout[0]}): call model.eval()")
     if "logits_to_keep" not in inspect.signature(hf_model.forward).parameters:
         raise UnsupportedModel(f"{name}.forward takes no logits_to_keep (an older model interface)")
 
