@@ -44,9 +44,9 @@ from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
 from .store_tier import StoreTier
 
-# "transformers" serves every model by default: on SmolLM2 (decode, 2,048 tokens of context, INT8, one thread,
-# load ~6) it runs at 0.91x the fused forward's speed at batch 1 and 0.97x at batch 8 (docs/benchmarks.md,
-# `python -m int8kv.bench engine_paths`), and it is exact for every config field; "fused" stays as an option.
+# "transformers" serves every model by default: on SmolLM2 (decode, 2,048 tokens of context, INT8, one thread)
+# it runs at 0.94x / 0.91x the fused forward's speed at batch 1 and 1.06x / 0.97x at batch 8 (loads 3.3 / 6.5;
+# docs/benchmarks.md, `python -m int8kv.bench engine_paths`), and it is exact for every config field.
 IMPLEMENTATIONS = ("transformers", "fused")
 
 
