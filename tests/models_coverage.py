@@ -40,7 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import int8kv.codec
 from int8kv.errors import UnsupportedAttention
 from int8kv.formats import KvStorageFormat
-from int8kv.hf import Int8KvCache
+from int8kv.hf import Int8KvCache, layer_specs
 
 F16 = KvStorageFormat.F16
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
@@ -51,6 +51,10 @@ TINY = dict(
     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
     eos_token_id=None, initializer_range=0.02,
 )  # fmt: skip
+# Mixture-of-experts sizes, for the configs that have these fields (defaults of up to 512 experts make a tiny
+# model slow to build).
+MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=32, n_shared_experts=1)  # fmt: skip
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
@@ -61,15 +65,32 @@ class Outcome:
     detail: str = ""
 
 
+# Variants of one model type whose attention differs (name -> (model type, config overrides)), and settings a
+# model type needs to be built this small.
+VARIANTS = {"falcon (alibi)": ("falcon", {"alibi": True})}
+NEEDS = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "zaya": {"num_experts_per_tok": 1},
+    "bamba": {"num_hidden_layers": 4, "attn_layer_indices": [1, 3]},
+    "granitemoehybrid": {"num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"]},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+}
+
+
 def candidate_types() -> list[str]:
-    """Model types of the causal-LM mapping, minus composite (multimodal) configs and encoder-decoders."""
+    """Model types of the causal-LM mapping, minus composite (multimodal) configs and encoder-decoders, plus
+    :data:`VARIANTS`."""
     out = []
     for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         cls = CONFIG_MAPPING[mt] if mt in CONFIG_MAPPING else None
         if cls is None or cls.sub_configs:
             continue  # multimodal families: their text configs are mapping entries of their own where they exist
         out.append(mt)
-    return out
+    return sorted(out + list(VARIANTS))
 
 
 class _Timeout(BaseException):  # not an Exception: classify() must not take it for the model's error
@@ -83,33 +104,52 @@ def _alarm(*_):
 def _attempts(model_type: str) -> Iterator[dict]:
     """Tiny settings to try, in order: as is; without ``head_dim`` (configs that derive it); with MLA's
     dimensions (DeepSeek-like configs); more layers (hybrids whose first layers hold no attention)."""
-    yield dict(TINY)
-    no_head_dim = {k: v for k, v in TINY.items() if k != "head_dim"}
-    yield no_head_dim
-    if hasattr(CONFIG_MAPPING[model_type], "kv_lora_rank"):
-        yield {**TINY, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    cls = CONFIG_MAPPING[VARIANTS.get(model_type, (model_type,))[0]]
+    moe = {k: v for k, v in MOE.items() if hasattr(cls, k)}
+    base = {**TINY, **moe, **VARIANTS.get(model_type, ("", {}))[1], **NEEDS.get(model_type, {})}
+    yield base
+    yield {k: v for k, v in base.items() if k != "head_dim"}
+    if hasattr(cls, "kv_lora_rank"):
+        yield {**base, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                "v_head_dim": 16, "head_dim": 8}  # fmt: skip
     for layers in (4, 8):
-        yield {**TINY, "num_hidden_layers": layers}
+        yield {**base, "num_hidden_layers": layers}
 
 
-def build(model_type: str) -> torch.nn.Module | None:
-    """The tiny model of ``model_type`` (None where transformers cannot build or run one this small)."""
-    for kwargs in _attempts(model_type):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                config = CONFIG_MAPPING[model_type](**kwargs)
-            if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", True):
-                return None
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config).eval()
-            _rescale(model)
-            with torch.no_grad():
-                reference(model)
-            return model
-        except Exception:  # noqa: BLE001 - this size does not build or run: try the next
+def _build_one(model_type: str, kwargs: dict) -> torch.nn.Module | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = CONFIG_MAPPING[model_type](**kwargs)
+    if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", True):
+        return None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    _rescale(model)
+    if not any(spec.has_kv for spec in layer_specs_or_empty(config)) and kwargs["num_hidden_layers"] < 8:
+        raise ValueError("only contain LinearAttention layers at this size")  # a hybrid: try more layers
+    model.reference = reference(model)  # also proves the model runs with DynamicCache at this size
+    return model
+
+
+def layer_specs_or_empty(config) -> list:
+    try:
+        return layer_specs(config)
+    except UnsupportedAttention:
+        return []
+
+
+def build(name: str) -> torch.nn.Module | None:
+    """The tiny model of model type (or variant) ``name`` (None where transformers cannot build or run one
+    this small)."""
+    model_type = VARIANTS.get(name, (name,))[0]
+    hybrid = False  # two layers held no attention layer: only the larger sizes can work
+    for kwargs in _attempts(name):
+        if hybrid and kwargs["num_hidden_layers"] == 2:
             continue
+        try:
+            return _build_one(model_type, kwargs)
+        except Exception as e:  # noqa: BLE001 - this size does not build or run: try the next
+            hybrid = hybrid or "only contain LinearAttention layers" in str(e)
     return None
 
 
@@ -189,23 +229,17 @@ def compare(ref, got) -> str:
     return ""
 
 
-@torch.no_grad()
-def _plain_logits(model: torch.nn.Module) -> torch.Tensor:
-    ids, mask = inputs()
-    return model(ids, attention_mask=mask).logits
-
-
 def classify(model_type: str, model: torch.nn.Module) -> Outcome:
-    ref = reference(model)
+    ref = model.reference
     fake = generate(model, _fake_quant(DynamicCache(config=model.config), INT8))
-    original = _plain_logits(model)
     for fmt, want in ((F16, ref), (INT8, fake)):
         try:
             cache = Int8KvCache(model.config, format=fmt)
             got = generate(model, cache)
         except UnsupportedAttention as e:
-            after = _plain_logits(model)
-            if not torch.equal(after, original):
+            after = reference(model)  # the same model with its default cache, after the refusal
+            same = torch.equal(after[0], ref[0]) and all(map(torch.equal, after[1], ref[1]))
+            if not same:
                 return Outcome(model_type, "wrong", f"refused ({e}) but the model's output changed afterwards")
             return Outcome(model_type, "refused", str(e).split("\n")[0])
         except Exception as e:  # noqa: BLE001 - the point is to classify whatever happens
@@ -214,23 +248,63 @@ def classify(model_type: str, model: torch.nn.Module) -> Outcome:
         if diff:
             return Outcome(model_type, "wrong", f"{fmt.value}: {diff}")
         layers = cache.kv_layers()
-        if not layers or any(la.attention_calls != NEW for la in layers):
+        if layers and all(la.get_seq_length() == 0 for la in layers):
+            return Outcome(model_type, "no attention", "the model keeps a recurrent state of its own, no KV cache")
+        if not layers:
+            return Outcome(model_type, "no attention", "only " + ", ".join(sorted({s.layer_type for s in cache.specs})))
+        if any(la.attention_calls != NEW for la in layers):
             calls = [la.attention_calls for la in layers]
             return Outcome(model_type, "wrong", f"int8kv kernels not called once per forward: {calls}")
     kinds = sorted({spec.kind for spec in cache.specs or []})
     return Outcome(model_type, "works", ", ".join(kinds))
 
 
-def run_all(seconds_per_model: int = 30) -> Iterator[Outcome]:
+def refused_by_config(name: str) -> Outcome | None:
+    """The refusal ``Int8KvCache(config)`` gives before any model exists (MLA, ALiBi, ... named from the
+    config alone, without building the model), or None; the config must be left as it was. Encoder-decoder
+    configs are "skipped" (not decoder-only architectures)."""
+    model_type = VARIANTS.get(name, (name,))[0]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = CONFIG_MAPPING[model_type](**next(_attempts(name)))
+    except Exception:  # noqa: BLE001 - no config at this size: build() decides
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return Outcome(name, "skipped", "encoder-decoder")
+    try:
+        DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - transformers itself cannot build a cache for this config
+        return None
+    impl = config._attn_implementation
+    try:
+        Int8KvCache(config)
+    except UnsupportedAttention as e:
+        if config._attn_implementation != impl:
+            return Outcome(name, "wrong", f"refused ({e}) but the config's attention implementation changed")
+        return Outcome(name, "refused", str(e).split("\n")[0])
+    except Exception:  # noqa: BLE001 - classify() reports it on the built model
+        return None
+    return None
+
+
+def run_all(seconds_per_model: int = 30, start: str = "") -> Iterator[Outcome]:
     transformers.logging.set_verbosity_error()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: waking a second thread costs more than the work (2-4x measured)
     warm = build("llama")  # compiles the kernels (or loads them from numba's cache) outside any model's time
     if warm is not None:
         classify("llama", warm)
     previous = signal.signal(signal.SIGALRM, _alarm)
     try:
-        for mt in candidate_types():
+        for mt in (t for t in candidate_types() if t >= start):
             signal.alarm(seconds_per_model)
             try:
+                early = refused_by_config(mt)
+                if early is not None:
+                    if early.kind != "skipped":
+                        yield early
+                    continue
                 model = build(mt)
                 if model is None:
                     continue
@@ -241,10 +315,12 @@ def run_all(seconds_per_model: int = 30) -> Iterator[Outcome]:
                 signal.alarm(0)
     finally:
         signal.signal(signal.SIGALRM, previous)
+        torch.set_num_threads(threads)
 
 
 def render(outcomes: list[Outcome]) -> str:
-    by = {k: [o for o in outcomes if o.kind == k] for k in ("works", "refused", "crash", "wrong", "skipped")}
+    kinds = ("works", "refused", "no attention", "crash", "wrong", "skipped")
+    by = {k: [o for o in outcomes if o.kind == k] for k in kinds}
     lines = [
         "# Models: Int8KvCache across transformers' decoder architectures",
         "",
@@ -262,7 +338,11 @@ def render(outcomes: list[Outcome]) -> str:
     lines += [f"| {k} | {len(v)} |" for k, v in by.items() if v]
     lines += ["", "## Works", "", "| model type | layer kinds |", "|---|---|"]
     lines += [f"| `{o.model_type}` | {o.detail} |" for o in by["works"]]
-    for kind, title in (("refused", "Refused"), ("crash", "Crash"), ("wrong", "Wrong"), ("skipped", "Skipped")):
+    titles = (
+        ("refused", "Refused"), ("no attention", "No attention layers at this size (nothing for int8kv to store)"),
+        ("crash", "Crash"), ("wrong", "Wrong"), ("skipped", "Skipped"),
+    )  # fmt: skip
+    for kind, title in titles:
         if by[kind]:
             lines += ["", f"## {title}", "", "| model type | why |", "|---|---|"]
             lines += [f"| `{o.model_type}` | {o.detail.replace('|', '/')} |" for o in by[kind]]
@@ -271,8 +351,9 @@ def render(outcomes: list[Outcome]) -> str:
 
 if __name__ == "__main__":
     found = []
-    for outcome in run_all():
+    start = sys.argv[sys.argv.index("--from") + 1] if "--from" in sys.argv else ""  # a partial run, not written
+    for outcome in run_all(start=start):
         print(f"{outcome.model_type:28} {outcome.kind:8} {outcome.detail}", flush=True)
         found.append(outcome)
-    if "--no-write" not in sys.argv:
+    if "--no-write" not in sys.argv and not start:
         DOC.write_text(render(found))

@@ -529,6 +529,22 @@ def test_layer_specs_follow_the_config():
         layer_specs(DeepseekV3Config(num_hidden_layers=2))
 
 
+def test_attention_options_from_the_kwargs():
+    from int8kv.hf.layers import LayerSpec, attention_options
+
+    spec = LayerSpec("sliding_attention", "sliding", window=8)
+    sinks = torch.randn(4)
+    opts = attention_options({"softcap": 30, "s_aux": sinks, "position_ids": torch.arange(3)}, spec)
+    assert (opts.window, opts.chunk, opts.softcap, opts.sinks) == (8, None, 30.0, sinks)
+    assert attention_options({"sliding_window": 5}, spec).window == 5  # the call's kwarg wins over the config
+    assert attention_options({}, LayerSpec("chunked_attention", "chunked", chunk=16)).as_kwargs() == dict(
+        window=None, chunk=16, softcap=None, sinks=None
+    )
+    for bad in ({"position_bias": torch.zeros(1)}, {"softcap": -1.0}, {"sliding_window": 0}, {"s_aux": 1.0}):
+        with pytest.raises(UnsupportedAttention):
+            attention_options(bad, spec)
+
+
 @pytest.mark.parametrize("fmt", [F16, INT8])
 def test_sliding_window_generation_matches_and_storage_stays_bounded(fmt):
     """Mistral with a 6-token window over 10 + 30 tokens, left-padded batch: the same greedy tokens and logits
@@ -538,7 +554,7 @@ def test_sliding_window_generation_matches_and_storage_stays_bounded(fmt):
 
     model = _tiny(MistralConfig, num_hidden_layers=2, sliding_window=6)
     ids, mask = left_padded([10, 7])
-    cache = Int8KvCache(model.config, format=fmt, backend="reference")
+    cache = Int8KvCache(model.config, format=fmt)
     held = []
     hook = model.model.layers[1].register_forward_hook(lambda *a: held.append(cache.layers[1].held))
     got = _generate(model, cache, ids, mask, max_new_tokens=30)
@@ -566,7 +582,7 @@ def _fake_quant_update(update, fmt):
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("context", [8192, 32768])
 def test_gemma3_like_memory_is_bounded_by_the_window(head_dim, context):
-    """Five sliding layers (window 1,024) to one full, filled by 1,024-token prefill chunks then 3 decode
+    """Five sliding layers (window 1,024) to one full, filled by 4,096-token prefill chunks then 3 decode
     steps, directly through the layers: INT8 memory_bytes() <= 0.54x what DynamicCache holds in float16."""
     from transformers import Gemma3TextConfig
 
@@ -574,7 +590,7 @@ def test_gemma3_like_memory_is_bounded_by_the_window(head_dim, context):
                               num_key_value_heads=1, head_dim=head_dim)  # fmt: skip
     ours = Int8KvCache(config, attach=False)
     theirs = DynamicCache(config=config)
-    steps = [1024] * (context // 1024) + [1, 1, 1]
+    steps = [4096] * (context // 4096) + [1, 1, 1]
     for n in steps:
         k = torch.randn(1, 1, n, head_dim, dtype=torch.float16)
         v = torch.randn(1, 1, n, head_dim, dtype=torch.float16)
@@ -591,7 +607,7 @@ def test_gemma3_like_memory_is_bounded_by_the_window(head_dim, context):
 
 def test_softcap_and_sinks_reach_the_kernels():
     """Gemma 2 (softcap 5, sliding and full layers) and gpt-oss (sinks, sliding layers): greedy tokens and
-    logits equal to DynamicCache with F16 storage, through the float64 reference backend."""
+    logits equal to DynamicCache with F16 storage, through the default (CPU) kernels."""
     from transformers import Gemma2Config, GptOssConfig
 
     gemma = _tiny(Gemma2Config, num_hidden_layers=2, sliding_window=4, attn_logit_softcapping=5.0,
@@ -603,7 +619,7 @@ def test_softcap_and_sinks_reach_the_kernels():
     for model in (gemma, oss):
         ids, mask = left_padded([9, 6])
         ref = _generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=8)
-        cache = Int8KvCache(model.config, format=F16, backend="reference")
+        cache = Int8KvCache(model.config, format=F16)
         got = _generate(model, cache, ids, mask, max_new_tokens=8)
         _assert_same_greedy(ref, got, ids.shape[1])
         assert (ref.logits[0] - got.logits[0]).abs().max() <= 1e-2 * ref.logits[0].abs().max()
@@ -650,3 +666,25 @@ def test_refusal_leaves_the_model_as_it_was(model_type):
         assert torch.equal(model(ids, attention_mask=mask).logits, before)
     if model_type != "bloom":
         assert all(la.get_seq_length() == 0 for la in cache.kv_layers())  # the step was rolled back
+
+
+def test_written_but_not_read_and_handle_misuse_are_refused():
+    """A layer written without the int8kv attention reading it (the next layer written, or the next forward
+    starting) and any computation on the returned handles raise AttentionBypassed and roll the forward back."""
+    from int8kv.errors import AttentionBypassed
+
+    model = tiny_model("llama")
+    impl = model.config._attn_implementation
+    cache = Int8KvCache(model.config)
+    k = torch.randn(1, 2, 3, 16)
+    hk, hv = cache.update(k, k, 0)
+    assert hk.shape == (1, 2, 0, 16) and hk.dtype == k.dtype  # metadata is allowed
+    with pytest.raises(AttentionBypassed, match="layer 0's K/V were written"):
+        cache.update(k, k, 1)
+    assert [la.get_seq_length() for la in cache.layers] == [0, 0]
+    assert model.config._attn_implementation == impl  # a refusal puts the model's implementation back
+    cache = Int8KvCache(model.config)
+    hk, hv = cache.update(k, k, 0)
+    with pytest.raises(AttentionBypassed, match="'matmul'"):
+        torch.matmul(k, hk)
+    assert cache.layers[0].get_seq_length() == 0 and model.config._attn_implementation == impl

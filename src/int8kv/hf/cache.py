@@ -142,6 +142,12 @@ class Int8KvLayer(CacheLayerMixin):
         return -(-n // self.chunk_size) * self.chunk_size
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() == 4 and value_states.dim() == 4 and key_states.shape[:3] == value_states.shape[:3]:
+            if key_states.shape[3] != value_states.shape[3]:
+                raise UnsupportedAttention(
+                    f"keys of head_dim {key_states.shape[3]} and values of head_dim {value_states.shape[3]}: the "
+                    "int8kv layout stores one head_dim for both"
+                )
         if key_states.dim() != 4 or tuple(key_states.shape) != tuple(value_states.shape):
             raise ShapeMismatch(
                 f"keys and values must both be [batch, kv_heads, tokens, head_dim], got "

@@ -97,14 +97,24 @@ def _positive_int(value: Any, what: str) -> int:
     return value
 
 
+def _field(config: PreTrainedConfig, name: str) -> Any:
+    """``config.name``, or the first layer's non-empty value where transformers keeps it per layer (and refuses
+    the global read)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer attribute guard
+        layers = getattr(config, "per_layer_config", None) or []
+        return next((v for la in layers if (v := getattr(la, name, None))), None)
+
+
 def unsupported_features(config: PreTrainedConfig) -> list[str]:
     """Names of the attention features of ``config`` (a text config) the int8kv kernels do not implement."""
     found = []
-    if any(getattr(config, name, None) for name in ("kv_lora_rank", "q_lora_rank")):
+    if any(_field(config, name) for name in ("kv_lora_rank", "q_lora_rank")):
         found.append("multi-head latent attention (MLA: kv_lora_rank)")
-    attn_config = getattr(config, "attn_config", None)  # MPT keeps its ALiBi flag there (an object or a dict)
+    attn_config = _field(config, "attn_config")  # MPT keeps its ALiBi flag there (an object or a dict)
     mpt_alibi = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
-    if getattr(config, "alibi", False) or mpt_alibi or getattr(config, "model_type", None) == "bloom":
+    if _field(config, "alibi") or mpt_alibi or getattr(config, "model_type", None) == "bloom":
         found.append("ALiBi position biases")
     return found
 
@@ -137,12 +147,23 @@ def layer_specs(config: PreTrainedConfig) -> list[LayerSpec]:
     return specs
 
 
+# Tensor kwargs of transformers' attention calls that do not change what attention computes (positions for
+# RoPE already applied, the cache's positions); any other tensor (a position bias, packed-sequence offsets,
+# ...) is something the kernels would ignore, so it is refused by name.
+_INERT_TENSORS = frozenset({"position_ids", "cache_position", "position_embeddings"})
+_HANDLED = frozenset({"sliding_window", "softcap", "s_aux"})
+
+
 def attention_options(kwargs: dict[str, Any], spec: LayerSpec | None = None) -> AttentionOptions:
     """The kernels' options for one call of a transformers attention function: ``sliding_window`` (else the
     layer's window), the layer's chunk, ``softcap`` and ``s_aux`` (attention sinks) from ``kwargs``.
 
-    The attention mask stays the judge of the pattern: a caller checks it against these options (a model that
-    passes no ``sliding_window`` kwarg but masks a window is caught there, not here)."""
+    Any other tensor argument (``position_bias``, ``cu_seq_lens_q``, ...) is refused by name
+    (:class:`UnsupportedAttention`). The attention mask stays the judge of the pattern: a caller checks it
+    against these options (a model that passes no ``sliding_window`` kwarg but masks a window is caught there)."""
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and name not in _INERT_TENSORS and name not in _HANDLED:
+            raise UnsupportedAttention(f"the int8kv attention does not implement the {name!r} argument")
     window = kwargs.get("sliding_window")
     if window is None and spec is not None:
         window = spec.window
