@@ -92,6 +92,8 @@ def test_engine_generates_like_transformers(name):
     for fmt, cache in ((F16, lambda: None), (INT8, lambda: fake_quant_cache(model, INT8))):
         llm = engine(model, fmt)
         assert isinstance(llm.model, TransformersModel)
+        # Blocks are released only when every layer slides; mixed models (Gemma 2/3, gpt-oss) keep them all.
+        assert llm.model.window == (8 if name in ("mistral-window", "qwen3-sliding") else None)
         outs = llm.generate(batch, params)  # two sequences side by side, prefill in chunks of 7 tokens
         assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8, cache()) for p in batch], fmt
         assert llm.cache.num_free_blocks == llm.cache.num_blocks
