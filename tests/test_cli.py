@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from int8kv.cli import main
 
@@ -69,6 +70,7 @@ BAD_INPUT = [
     (["bench", "attention", "--q-heads", "4", "--kv-heads", "3"], "not a multiple of --kv-heads", True),
     (["bench", "codec", "--tokens", "x"], "argument --tokens: invalid int value: 'x'", True),
     (["bench", "codec", "--json", "/nonexistent/dir/c.json"], "does not exist", True),
+    (["bench", "engine_paths", "--steps", "0"], "--steps must be >= 1, got 0", True),
 ]
 
 
@@ -181,7 +183,7 @@ def help_text(capsys, entry, argv):
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["attention", "codec", "prefix", "e2e"])
+@pytest.mark.parametrize("name", ["attention", "codec", "prefix", "e2e", "engine_paths"])
 def test_bench_has_one_parser_for_both_entry_points(capsys, name):
     from int8kv.bench.__main__ import main as bench_main
 
@@ -370,3 +372,19 @@ def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path):
     (tmp_path / "old.json").write_text("{}")
     assert output_problem(str(tmp_path / "old.json")) is None and output_problem(str(tmp_path / "new.json")) is None
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".int8kv-probe")] == []  # the probe is gone
+
+
+def test_bench_engine_paths_times_both_paths_on_one_cache(capsys, tmp_path):
+    from test_loader import _write_tiny_model
+
+    torch.manual_seed(0)
+    _write_tiny_model(tmp_path / "tiny")
+    code, out, _ = run(capsys, "bench", "engine_paths", "--model", str(tmp_path / "tiny"), "--context", "40",
+                       "--batches", "1,2", "--steps", "1", "--rounds", "2", "--json", str(tmp_path / "p.json"))
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert code == 0 and [c["batch"] for c in result["cells"]] == [1, 2]
+    for cell in result["cells"]:
+        ms = cell["step_ms"]
+        assert len(cell["step_ms_rounds"]["generic"]) == 2
+        assert cell["generic / fused"] == pytest.approx(ms["fused"] / ms["generic"])
+    assert "generic/fused" in out

@@ -154,15 +154,20 @@ def test_cpu_work_items_are_built_once_per_plan(monkeypatch):
     built = []
     real = cpu_backend._work
 
-    def counted(plan, pool, num_q_heads, threads):
-        built.append(num_q_heads)
-        return real(plan, pool, num_q_heads, threads)
+    def counted(plan, pool, num_q_heads, threads, variant):
+        built.append(None if variant is None else variant.window)
+        return real(plan, pool, num_q_heads, threads, variant)
 
     monkeypatch.setattr(cpu_backend, "_work", counted)
     plan = plan_attention(c.pool, tables, context)
     for layer in (0, 1, 0, 1):
         attention(c, layer, torch.randn(2, 4, 8), plan, backend="cpu")
-    assert built == [4]
+    assert built == [None]
+    # Sliding and full layers in one step (Gemma 3): once per window; sinks alone change no key range
+    for layer in (0, 1, 0, 1):
+        attention(c, layer, torch.randn(2, 4, 8), plan, backend="cpu", window=3, sinks=torch.zeros(4))
+        attention(c, layer, torch.randn(2, 4, 8), plan, backend="cpu", sinks=torch.ones(4))
+    assert built == [None, 3]
 
 
 # -- once per step, whatever the number of layers ---------------------------------------------------------
@@ -176,11 +181,13 @@ def _tiny_llama(num_layers: int):
 
 
 @pytest.mark.parametrize("num_layers", [2, 6])
-def test_engine_step_validates_once_whatever_the_layers(num_layers, monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "transformers"])
+def test_engine_step_validates_once_whatever_the_layers(num_layers, path, monkeypatch):
     pytest.importorskip("transformers")
+    from int8kv.engine.hf_model import TransformersModel
     from int8kv.engine.model import Batch, DecoderModel
 
-    model = DecoderModel(_tiny_llama(num_layers))
+    model = (DecoderModel if path == "fused" else TransformersModel)(_tiny_llama(num_layers))
     cache = model.make_cache(16, 4, INT8)
     calls = counting_validations(monkeypatch)
     prompts = [5, 3]

@@ -3,6 +3,7 @@
     python -m int8kv.bench attention [--batch 8 --context 4096 --q-heads 32 --kv-heads 8 --head-dim 128]
                                      [--block-size 16] [--sweep] [--json PATH] [--plot PATH.png]
     python -m int8kv.bench attention --preset all [--contexts 512,7000] [--json PATH]
+    python -m int8kv.bench attention --preset long --window 1024     (adds a sliding-window decode)
 
 One decode step (one query token per sequence), all in one process; the methods take turns (interleaved
 bursts) and each reports the best and the median of its calls:
@@ -12,6 +13,8 @@ bursts) and each reports the best and the median of its calls:
   torch gather  vectorised torch: gather the INT8 blocks through the block table, dequantize, then SDPA
   sdpa f32/bf16 torch scaled_dot_product_attention (enable_gqa) over contiguous caches of the same shape
   floor         bytes the INT8 kernel must read (codes + scales of K and V) / measured copy bandwidth
+  int8 window   with --window N: int8 paged with a sliding window of N keys (`window=N`), on the same cache;
+                reported as its median over int8 paged's ("window/full")
 Block tables are a random permutation of the pool, as after a long run of allocations and frees.
 Presets (issue 11): smollm2 = batch 1, 9 q / 3 kv heads, head_dim 64, 7,000 tokens; batch8 = batch 8,
 32 / 8, 128, 4,096; long = batch 1, 32 / 8, 128, 32,768. They time int8, int8 q8, f16 and SDPA float32 (the
@@ -66,12 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--contexts", help="comma-separated contexts, e.g. 512,7000 (overrides --context/--sweep)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random caches and queries")
+    parser.add_argument("--window", type=int, help="also time int8 paged with this sliding window (keys)")
     parser.add_argument(
         "--plot", metavar="PATH.png", type=output_path, help="latency versus context per method (turns on --sweep)"
     )
     args = parser.parse_args(argv)
     check_minimums(args, {name: 1 for name in ("batch", "context", "q_heads", "kv_heads", "head_dim",
                                                "block_size", "repeat")})
+    if args.window is not None and args.window < 1:
+        raise CliError(f"--window must be >= 1, got {args.window}")
     if args.q_heads % args.kv_heads:
         raise CliError(f"--q-heads {args.q_heads} is not a multiple of --kv-heads {args.kv_heads}")
     args.sweep = args.sweep or args.plot is not None
@@ -181,11 +187,14 @@ def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: to
         "torch_gather_int8": lambda: _torch_gather(int8, q, tables, lens),
         "sdpa_f32": (lambda: sdpa(torch.float32)()) if torch.float32 in dense else None,
         "sdpa_bf16": (lambda: sdpa(torch.bfloat16)()) if torch.bfloat16 in dense else None,
+        "int8_window": lambda: attention(int8, 0, q, plans["exact"], backend="cpu", window=args.window),
     }
     return {name: fns[name] for name in names}
 
 
 def run_context(args: argparse.Namespace, context: int, bandwidth: float, names=METHODS) -> dict:
+    if args.window is not None:
+        names = (*names, "int8_window")
     gen = torch.Generator().manual_seed(args.seed)
     q = torch.randn(args.batch, args.q_heads, args.head_dim, generator=gen)
     fns = _methods(args, context, gen, q, names)
@@ -214,8 +223,11 @@ def run_context(args: argparse.Namespace, context: int, bandwidth: float, names=
     }
     for fast in ("int8_paged", "int8_q8_paged"):  # peer time / ours, on medians: > 1 means ours is faster
         for peer in names:
-            if peer not in ("int8_paged", "int8_q8_paged"):
+            if peer not in ("int8_paged", "int8_q8_paged", "int8_window"):
                 row[f"{fast}_speedup_vs_{peer}"] = median[peer] / median[fast]
+    if "int8_window" in median:
+        row["window"] = args.window
+        row["window_over_full"] = median["int8_window"] / median["int8_paged"]
     return row
 
 
@@ -309,6 +321,7 @@ def report(result: dict) -> str:
                 for p in names if not p.startswith("int8")
             )
             + f"{r['int8_over_floor']:>10.2f}x{r['q8_over_floor']:>8.2f}x{r['q8_rel_diff_vs_exact']:>9.1e}"
+            + (f"  window {r['window']}/full {r['window_over_full']:.3f}" if "window_over_full" in r else "")
         )
     lines.append("x peer: peer median / int8 exact median, then / int8 q8 median (> 1: int8kv faster)")
     return "\n".join(lines)

@@ -56,6 +56,16 @@ def _cases() -> dict[str, tuple[str, str, dict]]:
         "prefill int8": ("int8", "prefill", {}),
         "prefill f16": ("f16", "prefill", {}),
         "prefill int8 magic": ("int8", "prefill", {"magic": True}),
+        # window, chunk, softcap, sinks (ops.attention's variant keywords), alone where they change the code
+        "decode int8 window": ("int8", "decode", {"variant": {"window": 256}}),
+        "decode int8 split window sinks": (
+            "int8", "decode", {"num_splits": 4, "variant": {"window": 1000, "sinks": 1}},
+        ),
+        "decode f16 softcap sinks": ("f16", "decode", {"variant": {"softcap": 50.0, "sinks": 1}}),
+        "prefill int8 window chunk softcap sinks": (
+            "int8", "prefill", {"variant": {"window": 128, "chunk": 512, "softcap": 30.0, "sinks": 1}},
+        ),
+        "prefill f16 chunk": ("f16", "prefill", {"variant": {"chunk": 128}}),
     }
 
 
@@ -83,7 +93,7 @@ def record_case(fmt_name: str, kind: str, options: dict):
     from int8kv.cache.paged import PagedKvCache
     from int8kv.formats import KvStorageFormat
     from int8kv.ops import triton as tk
-    from int8kv.ops.plan import plan_attention
+    from int8kv.ops.plan import check_variant, plan_attention
 
     fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1 if fmt_name == "int8" else KvStorageFormat.F16
     batch, hq, hkv, dim, page, ctx = (
@@ -93,6 +103,13 @@ def record_case(fmt_name: str, kind: str, options: dict):
     cache = PagedKvCache(batch * width, page, 1, hkv, dim, fmt, "cpu")
     tables = torch.arange(batch * width, dtype=torch.int32).reshape(batch, width)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
+    options = dict(options)
+    variant = options.pop("variant", None)
+    if variant is not None:
+        variant = dict(variant)
+        if variant.get("sinks"):
+            variant["sinks"] = torch.zeros(hq)
+        options["variant"] = check_variant(cache, hq, **variant)
     with tk.record_launches() as launches:
         if kind == "append":
             k = torch.zeros((batch, hkv, dim), dtype=torch.float16)

@@ -37,6 +37,7 @@ from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from ..formats import KvStorageFormat
+from ..ops import BACKENDS
 from .chat import chat_prompt_ids
 from .model import DecoderModel
 from .runner import ModelRunner
@@ -44,6 +45,23 @@ from .sampler import TokenLogprob, make_generator, sample, token_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
 from .store_tier import StoreTier
+
+# "transformers" serves every model by default: on SmolLM2 (decode, 2,048 tokens of context, INT8, one thread)
+# it runs at 0.94x / 0.91x the fused forward's speed at batch 1 and 1.06x / 0.97x at batch 8 (loads 3.3 / 6.5;
+# docs/benchmarks.md, `python -m int8kv.bench engine_paths`), and it is exact for every config field.
+IMPLEMENTATIONS = ("transformers", "fused")
+
+
+def engine_model(hf_model: torch.nn.Module, implementation: str = "transformers", backend: str | None = None):
+    """The engine's model for `hf_model`: a `TransformersModel` (the model's own forward over the paged cache)
+    or, with "fused", the fused Llama/Qwen3 `DecoderModel`. Refusals are typed (UnsupportedModel /
+    UnsupportedAttention) and leave the model as it was."""
+    if implementation == "fused":
+        return DecoderModel(hf_model, backend)  # refuses (UnsupportedModel) what it does not implement
+    from .hf_model import TransformersModel
+
+    return TransformersModel(hf_model, backend)
+
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -168,12 +186,18 @@ class LLM:
         kv_namespace: str = "int8kv",
         model_id: str | None = None,
         kv_store_secret: str | bytes | None = None,
+        implementation: str = "transformers",
+        backend: str | None = None,
     ) -> None:
         """`kv_store`: a block store URL (`True` is "embedded") or an open BlockStore (left open); it needs
         prefix caching. `kv_store_secret` (at least 16 bytes; default: the INT8KV_KV_STORE_SECRET variable)
         authenticates the store's values with an HMAC, for a URL (an open store has its own). `model_id`
         replaces the weights' SHA-256 in the key root (the model fingerprint, int8kv.store.model_fingerprint):
-        equal ids must mean equal K/V."""
+        equal ids must mean equal K/V. `implementation`: "transformers" (the default) runs the model's own
+        forward over the paged cache (any decoder whose attention goes through transformers' attention
+        interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py, refusing
+        every config field it does not implement). `backend`: the attention kernels (int8kv.ops.BACKENDS;
+        None: "cpu" or "triton" from the pool's device)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -190,6 +214,10 @@ class LLM:
             check_secret(kv_store_secret)  # InvalidStoreSecret
             if kv_store_secret is not None and isinstance(kv_store, BlockStore):
                 raise InvalidEngineConfig("kv_store_secret is for a store URL; an open BlockStore has its own secret")
+        if implementation not in IMPLEMENTATIONS:
+            raise InvalidEngineConfig(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        if backend is not None and backend not in BACKENDS:
+            raise InvalidEngineConfig(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
@@ -208,9 +236,9 @@ class LLM:
             tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
-        self.model = DecoderModel(hf_model)
-        self.vocab_size = self.model.embed.shape[0]
-        self.max_positions = int(self.model.config.max_position_embeddings)
+        self.model = engine_model(hf_model, implementation, backend)
+        self.vocab_size = self.model.vocab_size
+        self.max_positions = self.model.max_positions
         m = self.model
         layout = KvLayout(m.num_layers, m.num_kv_heads, m.head_dim, self.format)
         num_blocks = layout.blocks_for_memory(budget, block_size)
@@ -234,7 +262,7 @@ class LLM:
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self.model.window)
         self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).

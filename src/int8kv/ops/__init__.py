@@ -6,8 +6,10 @@
         out = attention(cache, layer, q, plan)
 
 Every backend ("reference": float64 oracle, returned as float32; "cpu": numba; "triton") is a module with one
-function ``attend(pool, layer, q, plan)`` that checks nothing: the plan was validated when it was built and
-:func:`attention` checks ``q`` (shape, device, finiteness), the same way for all of them. ``backend=None``
+function ``attend(pool, layer, q, plan, variant=None)`` that checks nothing: the plan was validated when it was
+built and :func:`attention` checks ``q`` (shape, device, finiteness) and the per-call variant (sliding
+``window``, ``chunk``-ed attention, logit ``softcap``, attention ``sinks``: :class:`~.plan.AttentionVariant`),
+the same way for all of them. ``backend=None``
 picks "triton" for a CUDA cache and "cpu" otherwise. Backend modules are imported lazily, so importing
 int8kv never pulls in numba compilation or triton.
 
@@ -29,7 +31,7 @@ from ..cache.paged import PagedKvCache
 from ..cache.pool import KvPool
 from ..errors import NonFiniteError, ShapeMismatch, UnknownBackend
 from . import write
-from .plan import AttentionPlan, plan_attention
+from .plan import AttentionPlan, AttentionVariant, check_variant, plan_attention
 from .write import FLOAT_DTYPES, apply_rope, prepare_qkv, rms_norm, split_qkv
 
 BACKENDS = ("reference", "cpu", "triton")
@@ -37,6 +39,7 @@ BACKENDS = ("reference", "cpu", "triton")
 __all__ = [
     "BACKENDS",
     "AttentionPlan",
+    "AttentionVariant",
     "append_paged_kv",
     "apply_rope",
     "attention",
@@ -122,14 +125,28 @@ def attention(
     *,
     backend: str | None = None,
     check_q: bool = True,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [plan.num_queries, num_q_heads, head_dim]`` for one layer: float32 of q's shape.
 
-    ``check_q=False`` for a q the caller already checked (the write path checks the q it returns)."""
+    ``check_q=False`` for a q the caller already checked (the write path checks the q it returns).
+    ``window`` (sliding window: query p sees keys s with p - window < s <= p), ``chunk`` (chunked attention:
+    s and p in the same chunk of ``chunk`` positions counted from kv_start), ``softcap`` (scores become
+    softcap * tanh(score / softcap)) and ``sinks`` (``[num_q_heads]`` logits joining the softmax denominator)
+    apply to this call only, identically in every backend; :class:`~.plan.AttentionVariant` states them
+    exactly. Bad values are refused (typed) before anything runs."""
     pool = as_pool(cache)
     pool.check_layer(layer)
     q = check_query(pool, q, plan) if check_q else q
-    out = _module(resolve_backend(pool, backend)).attend(pool, layer, q, plan)
+    module = _module(resolve_backend(pool, backend))
+    if window is None and chunk is None and softcap is None and sinks is None:  # plain causal: no extra work
+        out = module.attend(pool, layer, q, plan)
+    else:
+        variant = check_variant(pool, q.shape[1], window=window, chunk=chunk, softcap=softcap, sinks=sinks)
+        out = module.attend(pool, layer, q, plan, variant)
     return out if out.dtype == torch.float32 else out.to(torch.float32)
 
 
@@ -195,11 +212,17 @@ def paged_decode_attention(
     kv_starts: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`q [batch, Hq, D]` attends to its sequence's positions [kv_start, context_len); float32 `[batch, Hq, D]`."""
+    """`q [batch, Hq, D]` attends to its sequence's positions [kv_start, context_len); float32 `[batch, Hq, D]`.
+
+    ``window``, ``chunk``, ``softcap``, ``sinks``: as in :func:`attention`."""
     pool = as_pool(cache)
     plan = plan_attention(pool, block_tables, context_lens, kv_starts=kv_starts, softmax_scale=softmax_scale)
-    return attention(pool, layer, q, plan, backend=backend)
+    return attention(pool, layer, q, plan, backend=backend, window=window, chunk=chunk, softcap=softcap, sinks=sinks)
 
 
 def paged_prefill_attention(
@@ -213,12 +236,18 @@ def paged_prefill_attention(
     kv_starts: torch.Tensor | None = None,
     *,
     backend: str | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal chunked prefill over `q [total, Hq, D]` packed by `cu_seqlens_q`; float32 `[total, Hq, D]`."""
+    """Causal chunked prefill over `q [total, Hq, D]` packed by `cu_seqlens_q`; float32 `[total, Hq, D]`.
+
+    ``window``, ``chunk``, ``softcap``, ``sinks``: as in :func:`attention`."""
     pool = as_pool(cache)
     num_queries = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else None
     plan = plan_attention(
         pool, block_tables, context_lens, cu_seqlens_q=cu_seqlens_q, kv_starts=kv_starts,
         num_queries=num_queries, softmax_scale=softmax_scale,
     )  # fmt: skip
-    return attention(pool, layer, q, plan, backend=backend)
+    return attention(pool, layer, q, plan, backend=backend, window=window, chunk=chunk, softcap=softcap, sinks=sinks)

@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
 from . import cpu_simd
-from .plan import AttentionPlan
+from .plan import AttentionPlan, AttentionVariant
 
 __all__ = ["attend", "quantize_query"]
 
@@ -36,6 +36,7 @@ TILE = 64  # key positions per online-softmax step: long enough for vector loops
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 _NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
+_NO_SINKS = np.empty(0, np.float32)
 # A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
 # (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
 # 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
@@ -270,14 +271,22 @@ def _accumulate_pair(acc_a, acc_b, wa, wb, vt, nt):
 
 
 @njit(fastmath=True, inline="always")
-def _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc):
+def _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc, cap):
     """Fold this tile's raw scores s[:nt] of row r into the running (max m, sum denom, acc); s becomes exp weights.
-    A raw score is q . k in codes: the logit is s[t] * k_scale[t] * q_scale (q_scale 1 for a float32 query)."""
+    A raw score is q . k in codes: the logit is s[t] * k_scale[t] * q_scale (q_scale 1 for a float32 query),
+    capped to cap * tanh(logit / cap) when cap > 0 (logit softcapping; libm's tanhf, not vectorised)."""
     mx = m[r]
-    for t in range(nt):
-        x = s[t] * (k_scale[t] * q_scale)
-        s[t] = x
-        mx = max(mx, x)
+    if cap > 0:
+        inv_cap = np.float32(1.0) / cap
+        for t in range(nt):
+            x = cap * np.tanh(s[t] * (k_scale[t] * q_scale) * inv_cap)
+            s[t] = x
+            mx = max(mx, x)
+    else:
+        for t in range(nt):
+            x = s[t] * (k_scale[t] * q_scale)
+            s[t] = x
+            mx = max(mx, x)
     alpha = _exp_nonpos(m[r] - mx)
     total = np.float32(0.0)
     for t in range(nt):
@@ -304,12 +313,14 @@ def _key_tile_impl(q, tile):
 
 
 @njit(fastmath=True, cache=True)
-def _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
-    """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, limit) of one
-    sequence. State per (KV head, row of its group): running max m, sum denom, unnormalised output acc.
+def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
+    """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, hi) of one
+    sequence, row i seeing [bounds[row0 + i, 0], bounds[row0 + i, 1]) of them (its lowest key, causal limit).
+    State per (KV head, row of its group): running max m, sum denom, unnormalised output acc.
     q is float32 (exact path; q_scale is empty) or int16 holding int8 codes with one float32 scale per
     (row, head) in q_scale (quantized-query path, INT8 caches only: q . k runs in int32). sm: the softmax
-    scale, applied with the key scales to each tile's raw scores (never to a copy of q)."""
+    scale, applied with the key scales to each tile's raw scores (never to a copy of q); cap: the softcap
+    (0: none)."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
@@ -317,6 +328,7 @@ def _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row
     qr = np.empty((hkv, rows, d), q.dtype)
     qs = np.full((hkv, rows), sm, np.float32)
     limit = np.empty(rows, np.int64)
+    low = np.empty(rows, np.int64)
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
@@ -325,7 +337,8 @@ def _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row
                     qs[h, i * g + j] = q_scale[row0 + i, h * g + j] * sm
     for i in range(nrows):
         for j in range(g):
-            limit[i * g + j] = min(row_limits[row0 + i], hi)
+            low[i * g + j] = max(bounds[row0 + i, 0], lo)
+            limit[i * g + j] = min(bounds[row0 + i, 1], hi)
     m[:] = NEG
     denom[:] = 0.0
     acc[:] = 0.0
@@ -348,16 +361,18 @@ def _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row
             qh = qr[h]
             qsh = qs[h]
             r = 0
-            while r < rows:
-                n = min(limit[r] - p0, nt)
-                paired = r + 1 < rows and n == min(limit[r + 1] - p0, nt)  # same causal cut: share key loads
+            while r < rows:  # row r sees keys [p0 + a, p0 + a + n) of this tile
+                a = max(low[r] - p0, 0)
+                n = min(limit[r] - p0, nt) - a
+                # same window and causal cut: share key loads
+                paired = r + 1 < rows and a == max(low[r + 1] - p0, 0) and n == min(limit[r + 1] - p0, nt) - a
                 if n > 0 and paired:
-                    _scores_pair(qh[r], qh[r + 1], kt, n, sh[r], sh[r + 1])
-                    _softmax_step(sh[r], ksc, qsh[r], n, r, mh, dh, ah)
-                    _softmax_step(sh[r + 1], ksc, qsh[r + 1], n, r + 1, mh, dh, ah)
+                    _scores_pair(qh[r], qh[r + 1], kt[a:], n, sh[r, a:], sh[r + 1, a:])
+                    _softmax_step(sh[r, a:], ksc[a:], qsh[r], n, r, mh, dh, ah, cap)
+                    _softmax_step(sh[r + 1, a:], ksc[a:], qsh[r + 1], n, r + 1, mh, dh, ah, cap)
                 elif n > 0:
-                    _scores(qh[r], kt, n, sh[r])
-                    _softmax_step(sh[r], ksc, qsh[r], n, r, mh, dh, ah)
+                    _scores(qh[r], kt[a:], n, sh[r, a:])
+                    _softmax_step(sh[r, a:], ksc[a:], qsh[r], n, r, mh, dh, ah, cap)
                 r += 2 if paired else 1
         _load_tile(vc, vs, table, p0, nt, tile, tile_scale)
         for h in range(hkv):
@@ -366,17 +381,17 @@ def _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row
             sh = s[h]
             ah = acc[h]
             for r in range(rows):  # p_t * s_v,t: the value scales folded into the weights
-                n = min(limit[r] - p0, nt)
-                for t in range(n):
+                for t in range(max(low[r] - p0, 0), min(limit[r] - p0, nt)):
                     sh[r, t] *= vsc[t]
             r = 0
             while r < rows:
-                n = min(limit[r] - p0, nt)
-                paired = r + 1 < rows and n == min(limit[r + 1] - p0, nt)
+                a = max(low[r] - p0, 0)
+                n = min(limit[r] - p0, nt) - a
+                paired = r + 1 < rows and a == max(low[r + 1] - p0, 0) and n == min(limit[r + 1] - p0, nt) - a
                 if n > 0 and paired:
-                    _accumulate_pair(ah[r], ah[r + 1], sh[r], sh[r + 1], vt, n)
+                    _accumulate_pair(ah[r], ah[r + 1], sh[r, a:], sh[r + 1, a:], vt[a:], n)
                 elif n > 0:
-                    _accumulate(ah[r], sh[r], vt, n)
+                    _accumulate(ah[r], sh[r, a:], vt[a:], n)
                 r += 2 if paired else 1
         p0 += nt
 
@@ -405,7 +420,7 @@ def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems):
 
 
 @njit(fastmath=True, cache=True)
-def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
+def _attend_row(q, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
     """Attention of one query row (all heads; float32 q; sm the softmax scale) over keys [lo, hi) of one
     sequence, the decode fast path. Keys go TILE at a time: runs of 16 keys inside one block through the vector
     kernels of `cpu_simd` (scores, then p . v), the rest (a run cut short by a block's end or the range's) one
@@ -456,7 +471,7 @@ def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
             t += run
         for h in range(hkv):
             for r in range(g):
-                _softmax_step(s[h, r], k_scale[h], sm, nt, r, m[h], denom[h], acc[h])
+                _softmax_step(s[h, r], k_scale[h], sm, nt, r, m[h], denom[h], acc[h], cap)
                 w = s[h, r]
                 vsc = v_scale[h]
                 for j in range(nt):  # p_t * s_v,t: the value scales folded into the weights
@@ -483,31 +498,33 @@ def _attend_row(q, sm, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
         p0 += nt
 
 
-def _attend_one(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+def _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
     """One work item: `_attend_row` for a single float32 query row whose head_dim the vector kernels take,
     `_attend_item` otherwise (typed by the overload below)."""
     raise NotImplementedError
 
 
 @overload(_attend_one, inline="always")
-def _attend_one_impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+def _attend_one_impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
     if q.dtype != types.float32:  # the quantized-query path has its own integer loops
-        return lambda q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc: (
-            _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc))
+        return lambda q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc: (
+            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc))
 
-    def impl(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc):
+    def impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
         if nrows == 1 and cpu_simd.fits(kc.shape[3]):
-            _attend_row(q, sm, kc, ks, vc, vs, table, row0, lo, min(hi, row_limits[row0]), m, denom, acc)
+            first, end = max(lo, bounds[row0, 0]), min(hi, bounds[row0, 1])
+            _attend_row(q, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
         else:
-            _attend_item(q, q_scale, sm, kc, ks, vc, vs, table, row0, nrows, lo, hi, row_limits, m, denom, acc)
+            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc)
 
     return impl
 
 
 @njit(fastmath=True, inline="always")
-def _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc):
+def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, out, part_m, part_l, part_acc):
     """Work item `it`: items[it] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to
-    `out`; several: the unnormalised state (m, l, acc) of each split goes to part_* for the merge (`_merge_states`)."""
+    `out` (with the sinks, when `sinks` is not empty); several: the unnormalised state (m, l, acc) of each split goes
+    to part_* for the merge (`_merge_states`), which adds the sinks once."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
@@ -518,14 +535,14 @@ def _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out
     m = np.empty((hkv, rows), np.float32)
     denom = np.empty((hkv, rows), np.float32)
     acc = np.empty((hkv, rows, d), np.float32)
-    _attend_one(q, q_scale, sm, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, row_limits, m, denom, acc)
+    _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, bounds, m, denom, acc)
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
                 r = i * g + j
                 head = h * g + j
                 if direct:
-                    inv = np.float32(1.0) / denom[h, r] if denom[h, r] > 0 else np.float32(0.0)
+                    inv = _normaliser(denom[h, r], m[h, r], sinks, head)
                     for c in range(d):
                         out[row0 + i, head, c] = acc[h, r, c] * inv
                 else:
@@ -536,7 +553,7 @@ def _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, splits):
+def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, lists, out, splits):
     """Worker w runs items lists[w]..lists[w + 1] (`_assign_items`), one worker per thread. numba's dynamic
     schedule (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at
     2,048 keys in 134 us on two threads, as slow as one (133 us); this fixed split takes 86. With splits > 1
@@ -544,20 +561,21 @@ def _attention_kernel(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits,
     part_m, part_l, part_acc = _split_states(splits, out)
     for w in prange(lists.shape[0] - 1):
         for it in range(lists[w], lists[w + 1]):
-            _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l,
+            _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, out, part_m, part_l,
                       part_acc)
     if part_m.shape[0]:  # after the parallel loop's barrier, on the calling thread (a dispatch saved: ~1.5 us)
-        _merge_states(part_m, part_l, part_acc, out)
+        _merge_states(part_m, part_l, part_acc, out, sinks)
 
 
 @njit(fastmath=True, cache=True)
-def _attention_serial(q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, lists, out, splits):
+def _attention_serial(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, lists, out, splits):
     """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
     part_m, part_l, part_acc = _split_states(splits, out)
     for it in range(items.shape[0]):
-        _run_item(it, q, q_scale, sm, kc, ks, vc, vs, tables, items, row_limits, out, part_m, part_l, part_acc)
+        _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, out, part_m, part_l,
+                  part_acc)
     if part_m.shape[0]:
-        _merge_states(part_m, part_l, part_acc, out)
+        _merge_states(part_m, part_l, part_acc, out, sinks)
 
 
 @njit(fastmath=True, inline="always")
@@ -569,9 +587,26 @@ def _split_states(splits, out):
 
 
 @njit(fastmath=True, inline="always")
-def _merge_states(part_m, part_l, part_acc, out):
-    """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s. A few microseconds
-    of work: never worth waking the thread pool."""
+def _normaliser(total, mx, sinks, head):
+    """1 / the softmax denominator of a row whose unnormalised state has sum `total` relative to max `mx`: with
+    a sink logit z (`sinks[head]`, when `sinks` is not empty) the denominator is total + e^(z - mx), computed
+    relative to max(mx, z) so neither exponential overflows. A row that saw no key (total 0) gets 0: zeros."""
+    if total <= 0:
+        return np.float32(0.0)
+    if sinks.shape[0] == 0:
+        return np.float32(1.0) / total
+    z = sinks[head]
+    if z <= mx:
+        return np.float32(1.0) / (total + _exp_nonpos(z - mx))
+    f = _exp_nonpos(mx - z)  # out = acc e^(mx - z) / (total e^(mx - z) + 1)
+    return f / (total * f + np.float32(1.0))
+
+
+@njit(fastmath=True, inline="always")
+def _merge_states(part_m, part_l, part_acc, out, sinks):
+    """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, plus the head's sink
+    (once, here, never per split) in the denominator. A few microseconds of work: never worth waking the
+    thread pool."""
     nsplit, n, hq, d = part_acc.shape
     for w in range(n * hq):
         row = w // hq
@@ -590,10 +625,9 @@ def _merge_states(part_m, part_l, part_acc, out):
                 a = part_acc[sp, row, head]
                 for c in range(d):
                     o[c] += wgt * a[c]
-        if total > 0:
-            inv = np.float32(1.0) / total
-            for c in range(d):
-                o[c] *= inv
+        inv = _normaliser(total, mx, sinks, head)
+        for c in range(d):
+            o[c] *= inv
 
 
 # -- host side ----------------------------------------------------------------------------------------------
@@ -658,20 +692,28 @@ def _decode_items(lens: np.ndarray, starts: np.ndarray, threads: int) -> tuple[n
     return items.astype(np.int64), splits
 
 
-def _prefill_items(cu: np.ndarray, lens: np.ndarray, starts: np.ndarray, group: int) -> tuple:
+def _prefill_items(
+    cu: np.ndarray, lens: np.ndarray, starts: np.ndarray, group: int, variant: AttentionVariant | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Work items of a prefill step and each query row's visible keys ``bounds [rows, 2]`` (lowest, limit)."""
     counts = cu[1:] - cu[:-1]
     seq_of_row = np.repeat(np.arange(len(counts)), counts)
     index_in_seq = np.arange(cu[-1]) - cu[seq_of_row]
-    # Query i of the n_b new tokens sits at position ctx - n_b + i and sees keys up to and including itself.
+    # Query i of the n_b new tokens sits at position ctx - n_b + i and sees keys up to and including itself,
+    # from its sequence's kv_start or, with a window or chunk, from its own lowest key.
     row_limits = lens[seq_of_row] - counts[seq_of_row] + index_in_seq + 1
+    row_starts = starts[seq_of_row]
+    lows = row_starts if variant is None else variant.key_lows(row_limits - 1, row_starts)
     per_item = max(1, ROWS_PER_ITEM // group)
     tiles = -(-counts // per_item)
     seq = np.repeat(np.arange(len(counts)), tiles)
     k = np.arange(tiles.sum()) - np.repeat(np.cumsum(tiles) - tiles, tiles)
     row0 = cu[seq] + k * per_item
     nrows = np.minimum(per_item, counts[seq] - k * per_item)
-    items = np.stack([seq, row0, nrows, starts[seq], lens[seq], np.zeros_like(seq)], axis=1)
-    return items.astype(np.int64), row_limits.astype(np.int64)
+    # An item's keys start at its first row's lowest key: the rows' lows rise with their positions.
+    first_key = lows[row0] if len(row0) else starts[seq]
+    items = np.stack([seq, row0, nrows, first_key, lens[seq], np.zeros_like(seq)], axis=1)
+    return items.astype(np.int64), np.stack([lows, row_limits], axis=1).astype(np.int64)
 
 
 def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -776,9 +818,12 @@ def thread_choice(key: tuple) -> ThreadChoice:
     return choice
 
 
-def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple) -> torch.Tensor:
-    """Run the numba kernel over the plan's work ``(items, row_limits, splits, pairs, lists, tables, choice)``."""
-    items, row_limits, splits, pairs, lists, tables, choice = work
+def _run(
+    pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: float, sinks: np.ndarray
+) -> torch.Tensor:
+    """Run the numba kernel over the plan's work ``(items, bounds, splits, pairs, lists, tables, choice)``; ``cap``
+    the softcap (0: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
+    items, bounds, splits, pairs, lists, tables, choice = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
@@ -797,7 +842,8 @@ def _run(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: t
     kernel = _attention_kernel if parallel else _attention_serial
     compiled = len(kernel.overloads)
     start = time.perf_counter()
-    kernel(q_arg, q_scale, plan.softmax_scale, kc, ks, vc, vs, tables, items, row_limits, lists, o, splits)
+    sm = plan.softmax_scale
+    kernel(q_arg, q_scale, sm, np.float32(cap), sinks, kc, ks, vc, vs, tables, items, bounds, lists, o, splits)
     if choice.timed:
         seconds = time.perf_counter() - start
         # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
@@ -818,14 +864,20 @@ def _load_rows(codes: torch.Tensor, scales: torch.Tensor | None, slots: torch.Te
     return torch.mul(rows, scales.index_select(0, slots).unsqueeze(2)).transpose(0, 1)
 
 
-def _attend_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, state: list | None):
+def _attend_tile(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, state: list | None,
+    empty: torch.Tensor | None = None,
+):  # fmt: skip
     """Attention of `q [1, kv_heads, rows, head_dim]` to one K/V tile, folded into the running [output, log-sum-exp]
     of the earlier tiles (None: this is the first). Torch's fused CPU flash kernel does the tile: it keeps each
     row's scores in cache through max, exp and sum, where separate amax / exp / sum calls stream the score tile
     through memory several times (3x slower here). It returns the tile's log-sum-exp, all a merge needs:
         o = (e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b)
-    Every row must see a key of the tile, or its log-sum-exp is -inf and the merge divides 0 by 0."""
+    `empty` [rows] marks rows that see no key of the tile: torch returns output 0 and log-sum-exp 0 (not -inf)
+    for them, so their log-sum-exp is set to NEG and they weigh nothing in the merge."""
     out, lse = _sdpa_tile(q, k, v, 0.0, False, attn_mask=mask, scale=1.0)
+    if empty is not None:
+        lse = lse.masked_fill(empty, float(NEG))
     lse = lse.unsqueeze(3)
     if state is None:
         return [out, lse]
@@ -835,39 +887,68 @@ def _attend_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return state
 
 
-def _flash_sequence(q: torch.Tensor, layer_rows: tuple, slots: torch.Tensor, first: int, start: int) -> torch.Tensor:
+def _tile_mask(lows: torch.Tensor, first: int, p0: int, p1: int, group: int) -> torch.Tensor:
+    """The additive mask of keys [p0, p1) for queries at positions first, first + 1, ... seeing keys
+    [lows[i], first + i]: `[len(lows) * group, p1 - p0]`, 0 or -inf, rows (query, head of the group)."""
+    key = torch.arange(p0, p1)[None, :]
+    pos = torch.arange(first, first + lows.shape[0])[:, None]
+    hidden = (key > pos) | (key < lows[:, None])
+    return torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf")).repeat_interleave(group, dim=0)
+
+
+def _flash_sequence(
+    q: torch.Tensor, layer_rows: tuple, slots: torch.Tensor, first: int, start: int,
+    lows: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of `q [kv_heads, n, group, head_dim]` (softmax scale folded in), whose query i sits at
-    position first + i >= start, over keys [start, first + n) at `slots` (indexed by position - start)."""
+    position first + i >= start, over keys [start, first + n) at `slots` (indexed by position - start). With
+    `lows` (int64 [n], a window or chunk) query i sees keys from lows[i] only; `sinks [kv_heads, group]`: the
+    heads' sink logits, added to each row's denominator at the end, e^lse / (e^lse + e^z) = sigmoid(lse - z)."""
     kc, ks, vc, vs = layer_rows
     hkv, n, group, d = q.shape
     out = torch.empty(hkv, n, group, d)
     per_block = max(1, FLASH_QUERY_ROWS // group)
 
-    def attend(qb, lo, hi, mask, state):
+    def attend(qb, lo, hi, mask, state, empty=None):
         tile = slots[lo - start : hi - start]
         k, v = _load_rows(kc, ks, tile).unsqueeze(0), _load_rows(vc, vs, tile).unsqueeze(0)
-        return _attend_tile(qb, k, v, mask, state)
+        return _attend_tile(qb, k, v, mask, state, empty)
 
     for i0 in range(0, n, per_block):
         i1 = min(n, i0 + per_block)
         nq = i1 - i0
         # Rows are (query, head of the group), so one K/V tile serves the whole group in each matmul.
         qb = q[:, i0:i1].reshape(1, hkv, nq * group, d)
-        # Keys before the block's first position are visible to all its queries: plain tiles, no mask. The
-        # causal cut only falls in the block's own nq keys, one masked tile in which every row sees itself.
+        # Keys from the block's last query's low to the block's first position are visible to all its queries:
+        # plain tiles, no mask. Below that low (a window or chunk) tiles are masked, and some rows may see none
+        # of their keys. The causal cut falls in the block's own nq keys, one masked tile in which every row
+        # sees itself.
         diag = first + i0
+        block_lows = torch.full((nq,), start) if lows is None else lows[i0:i1]
+        common = int(block_lows[-1])
         state = None
-        for p0 in range(start, diag, FLASH_KEY_TILE):
-            state = attend(qb, p0, min(diag, p0 + FLASH_KEY_TILE), None, state)
-        hidden = torch.ones(nq, nq, dtype=torch.bool).triu_(1)  # query i0 + r sees key diag + c iff c <= r
-        mask = torch.zeros(nq, nq).masked_fill_(hidden, float("-inf")).repeat_interleave(group, dim=0)
-        state = attend(qb, diag, first + i1, mask, state)
-        out[:, i0:i1] = state[0].view(hkv, nq, group, d)
+        for p0 in range(int(block_lows[0]), diag, FLASH_KEY_TILE):
+            p1 = min(diag, p0 + FLASH_KEY_TILE)
+            if p0 >= common:
+                state = attend(qb, p0, p1, None, state)
+            else:
+                empty = (block_lows >= p1).repeat_interleave(group)
+                state = attend(qb, p0, p1, _tile_mask(block_lows, diag, p0, p1, group), state, empty)
+        state = attend(qb, diag, first + i1, _tile_mask(block_lows, diag, diag, first + i1, group), state)
+        o = state[0]
+        if sinks is not None:
+            z = sinks[:, None, :].expand(hkv, nq, group).reshape(1, hkv, nq * group, 1)
+            o = o * torch.sigmoid(state[1] - z)
+        out[:, i0:i1] = o.view(hkv, nq, group, d)
     return out
 
 
-def _flash_prefill(pool: KvPool, layer: int, q_all: torch.Tensor, plan: AttentionPlan, out: torch.Tensor, seqs):
-    """Fill the rows of sequences `seqs` in `out [total, Hq, D]`, one sequence at a time."""
+def _flash_prefill(
+    pool: KvPool, layer: int, q_all: torch.Tensor, plan: AttentionPlan, out: torch.Tensor, seqs,
+    variant: AttentionVariant | None = None, lows: np.ndarray | None = None,
+):  # fmt: skip
+    """Fill the rows of sequences `seqs` in `out [total, Hq, D]`, one sequence at a time. `lows`: each query
+    row's lowest visible key (a window or chunk; None: kv_start)."""
     hkv, d, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
     assert plan.host is not None
     cu, lens, starts = plan.host.cu_seqlens_q, plan.host.context_lens, plan.host.kv_starts
@@ -881,50 +962,72 @@ def _flash_prefill(pool: KvPool, layer: int, q_all: torch.Tensor, plan: Attentio
         if lo + skip >= hi:
             continue
         start = int(starts[b])
-        pos = torch.arange(start, ctx)
+        row_lows = None if lows is None else torch.from_numpy(lows[lo + skip : hi])
+        least = start if row_lows is None else int(row_lows[0])  # keys below it are never read
+        pos = torch.arange(least, ctx)
         slots = plan.block_tables[b].long()[pos // bs] * bs + pos % bs
         q = q_all[lo + skip : hi] * plan.softmax_scale
         q = q.view(hi - lo - skip, hkv, group, d).transpose(0, 1)
-        o = _flash_sequence(q, layer_rows, slots, first + skip, start)
+        sinks = None if variant is None or variant.sinks is None else variant.sinks.view(hkv, group)
+        o = _flash_sequence(q, layer_rows, slots, first + skip, least, row_lows, sinks)
         out[lo + skip : hi] = o.transpose(0, 1).reshape(hi - lo - skip, hkv * group, d)
 
 
-def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int) -> tuple:
+def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, variant: AttentionVariant | None) -> tuple:
     """The plan's work items, assigned to workers, its block tables as numpy and the ThreadChoice of this kind of
-    call, and which sequences take the flash path: the same for every layer, so built by the first layer and kept
-    in the plan (``plan.derived``)."""
+    call, which sequences take the flash path, and the query rows' lowest keys for it (None: their kv_starts):
+    the same for every layer with the same window and chunk, so built by the first such layer and kept in the
+    plan (``plan.derived``). A window or chunk shrinks each item's key range to the keys its rows may see, so a
+    decode row costs ~window keys at any context and keys below every row's window are never read."""
     host = plan.host
     assert host is not None, "the cpu backend needs a plan built for a CPU pool"
     group = num_q_heads // pool.num_kv_heads
     lens, starts, cu = host.context_lens, host.kv_starts, host.cu_seqlens_q
+    bounded = variant if variant is not None and variant.bounds_keys else None
+    lows = None
     if plan.is_decode:
-        items, splits = _decode_items(lens, starts, threads)
-        row_limits, long = lens, np.zeros(len(lens), bool)
+        first = starts if bounded is None else bounded.key_lows(lens - 1, starts)
+        items, splits = _decode_items(lens, first, threads)
+        bounds, long = np.stack([first, lens], axis=1), np.zeros(len(lens), bool)
     else:
-        items, row_limits = _prefill_items(cu, lens, starts, group)
+        items, bounds = _prefill_items(cu, lens, starts, group, bounded)
         splits = 1
         counts = cu[1:] - cu[:-1]
-        pairs = counts * (lens - counts) + counts * (counts + 1) // 2  # visible (query, key) pairs
+        if bounded is None:
+            pairs = counts * (lens - counts) + counts * (counts + 1) // 2  # visible (query, key) pairs
+        else:
+            lows = np.ascontiguousarray(bounds[:, 0])
+            seen = np.maximum(bounds[:, 1] - bounds[:, 0], 0)
+            pairs = np.bincount(np.repeat(np.arange(len(counts)), counts), seen, len(counts)).astype(np.int64)
         long = (counts >= FLASH_MIN_QUERIES) & (pairs >= FLASH_MIN_PAIRS)
-        if _sdpa_tile is None:
-            long[:] = False
+        if _sdpa_tile is None or (variant is not None and variant.softcap is not None):
+            long[:] = False  # torch's fused kernel has no hook on the scores: capped chunks stay on the numba kernel
         items = items[~long[items[:, 0]]]
     workers = max(1, min(threads, items.shape[0]))
     if items.shape[0]:
-        items, lists, pairs_total = _assign_items(items, row_limits, workers)
+        items, lists, pairs_total = _assign_items(items, bounds[:, 1], workers)
     else:
         lists, pairs_total = np.zeros(2, np.int64), 0
     integer_q = plan.precision == "int8" and pool.format.is_quantized
-    choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim))
-    work = (items, row_limits, splits, pairs_total, lists, plan.block_tables.numpy(), choice)
-    return work, np.flatnonzero(long)
+    capped = variant is not None and variant.softcap is not None  # tanh per score: another cost per unit
+    choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim, capped))
+    work = (items, np.ascontiguousarray(bounds), splits, pairs_total, lists, plan.block_tables.numpy(), choice)
+    return work, np.flatnonzero(long), lows
 
 
-def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape."""
+def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
+    """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape.
+    ``variant``: a window, chunk, softcap or sinks of this call (:class:`~.plan.AttentionVariant`)."""
     threads = numba.get_num_threads()
-    work, long = plan.derived(("cpu-work", q.shape[1], threads), lambda: _work(plan, pool, q.shape[1], threads))
-    out = _run(pool, layer, q, plan, work)
+    key: tuple = ("cpu-work", q.shape[1], threads)
+    cap, sinks = 0.0, _NO_SINKS
+    if variant is not None:
+        cap = 0.0 if variant.softcap is None else variant.softcap
+        sinks = _NO_SINKS if variant.sinks is None else variant.sinks.numpy()
+        if variant.bounds_keys or cap:  # sinks alone change no key range: the plain work serves them
+            key = (*key, variant.window, variant.chunk, cap > 0)
+    work, long, lows = plan.derived(key, lambda: _work(plan, pool, q.shape[1], threads, variant))
+    out = _run(pool, layer, q, plan, work, cap, sinks)
     if long.size:
-        _flash_prefill(pool, layer, q, plan, out, long)
+        _flash_prefill(pool, layer, q, plan, out, long, variant, lows)
     return out

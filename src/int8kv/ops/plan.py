@@ -25,6 +25,7 @@ sync per step on a GPU. A caller that built its metadata itself and wants no syn
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -89,6 +90,97 @@ class AttentionPlan:
         if key not in memo:
             memo[key] = build()
         return memo[key]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionVariant:
+    """What one attention call changes in the causal softmax, per call (per layer: one plan serves a model whose
+    layers mix sliding and full attention). Built and checked by :func:`check_variant`; None fields are unused.
+
+    With ``s`` the position of a stored key and ``p`` a query's position (both the kernels' stored positions,
+    0..context_len-1, left padding included) and ``start`` the sequence's kv_start (0 without kv_starts),
+    key ``s`` is visible to ``p`` iff ``start <= s <= p`` and
+      window   ``p - window < s``                                   (transformers' ``sliding_window``)
+      chunk    ``(s - start) // chunk == (p - start) // chunk``     (Llama 4 ``attention_chunk_size``; chunks
+                                                                     count from the first unpadded position)
+    so both only raise the lowest visible key of each query: ``low(p) = max(start, p - window + 1,
+    start + (p - start) // chunk * chunk)``. Keys below ``low`` of a step's first query are never read.
+      softcap  a score ``x = softmax_scale * q.k`` becomes ``softcap * tanh(x / softcap)``     (Gemma 2)
+      sinks    ``[num_q_heads]`` float32 logits, one per query head, that join the softmax denominator only:
+               ``out = sum_s e^x_s v_s / (sum_s e^x_s + e^sink)`` (gpt-oss ``s_aux``; not scaled, not capped).
+    A query with no visible key yields zeros, sink or not."""
+
+    window: int | None = None
+    chunk: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def bounds_keys(self) -> bool:
+        """Whether a query may see fewer keys than the causal range [start, p]."""
+        return self.window is not None or self.chunk is not None
+
+    def key_lows(self, positions: np.ndarray, starts: np.ndarray) -> np.ndarray:
+        """``low(p)`` (the class docs) of int64 query ``positions`` whose sequences start at ``starts``."""
+        low = starts.copy()
+        if self.window is not None:
+            low = np.maximum(low, positions - self.window + 1)
+        if self.chunk is not None:
+            low = np.maximum(low, starts + (positions - starts) // self.chunk * self.chunk)
+        return low
+
+
+def _positive_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or isinstance(value, bool) or n < 1:
+        raise ShapeMismatch(f"{name} must be a positive int or None, got {value!r}")
+    # Contexts stay below 2**31, so a longer window or chunk sees the same keys; clamped, it fits int32 kernels.
+    return min(n, INT32_MAX)
+
+
+def check_variant(
+    pool: Any,
+    num_q_heads: int,
+    *,
+    window: Any = None,
+    chunk: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+) -> AttentionVariant | None:
+    """The checked :class:`AttentionVariant` of one call, or None when every argument is None (plain causal).
+
+    ``window``, ``chunk``: positive ints; ``softcap``: a finite positive number; ``sinks``: a floating tensor
+    ``[num_q_heads]`` on the pool's device, finite (copied to float32, detached). Anything else is refused
+    (ShapeMismatch, NonFiniteError for NaN/inf); the check reads ``sinks`` back once (a device sync on a GPU)."""
+    if window is None and chunk is None and softcap is None and sinks is None:
+        return None
+    window = _positive_int(window, "window")
+    chunk = _positive_int(chunk, "chunk")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+            raise ShapeMismatch(f"softcap must be a positive number or None, got {softcap!r}")
+        softcap = float(softcap)
+        if not math.isfinite(softcap):
+            raise NonFiniteError(f"softcap must be finite, got {softcap}")
+        if softcap <= 0:
+            raise ShapeMismatch(f"softcap must be positive, got {softcap}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != num_q_heads:
+            got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ShapeMismatch(f"sinks must be a [{num_q_heads}] tensor (one logit per query head), got {got}")
+        if not sinks.dtype.is_floating_point:
+            raise ShapeMismatch(f"sinks must be a floating tensor, got {sinks.dtype}")
+        if sinks.device != pool.device:
+            raise ShapeMismatch(f"sinks is on {sinks.device} but the cache is on {pool.device}")
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        if not bool(torch.isfinite(sinks).all()):
+            raise NonFiniteError("sinks hold NaN or inf")
+    return AttentionVariant(window, chunk, softcap, sinks)
 
 
 def require_unit_stride(**tensors: torch.Tensor | None) -> None:

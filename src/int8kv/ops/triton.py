@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..errors import LayerOutOfRange, ShapeMismatch
-from .plan import AttentionPlan, require_unit_stride
+from .plan import AttentionPlan, AttentionVariant, require_unit_stride
 
 __all__ = [
     "Launch",
@@ -172,8 +172,30 @@ def _append_kernel(
 
 
 @triton.jit
+def _key_low(pos, kv_lo, window, att_chunk, WINDOW: tl.constexpr, CHUNKED: tl.constexpr):
+    """The lowest key a query at ``pos`` (a scalar or a vector) sees: kv_start, raised by a sliding window
+    (``pos - window < key``) and by chunked attention (chunks of ``att_chunk`` counted from kv_start). Queries
+    before kv_start see nothing whatever this returns (their causal limit is at or below it)."""
+    low = kv_lo + pos * 0
+    if WINDOW:
+        low = tl.maximum(low, pos - window + 1)
+    if CHUNKED:
+        low = tl.maximum(low, kv_lo + (tl.maximum(pos - kv_lo, 0) // att_chunk) * att_chunk)
+    return low
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 (libdevice's tanh is not in the interpreter): absolute error ~1e-7."""
+    e = tl.exp2(-2.885390081777927 * tl.abs(x))  # e^(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _kv_range(t0, n_q, ctx, kv_lo, pid_s, chunk, TOKENS: tl.constexpr, SPLIT: tl.constexpr):
-    """Keys ``[lo, hi)`` one program scans: its query block's causal reach, cut to its split.
+    """Keys ``[lo, hi)`` one program scans: its query block's causal reach from ``kv_lo`` (kv_start, or the block's
+    first query's window or chunk start), cut to its split.
 
     A query block past the sequence's last query (``t0 >= n_q``: a decoding sequence beside a long prefill
     chunk in one launch) gets the empty range instead of a full scan with every row masked.
@@ -232,11 +254,15 @@ def _attention_kernel(
     ctx_ptr,
     start_ptr,
     cu_ptr,
+    sinks_ptr,
     num_kv_heads,
     head_dim,
     chunk,
     m_blocks,
     qk_scale,
+    window,
+    att_chunk,
+    softcap,
     GROUP: tl.constexpr,
     TOKENS: tl.constexpr,
     PAGE: tl.constexpr,
@@ -248,6 +274,10 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     MAGIC: tl.constexpr,
     HILO: tl.constexpr,
+    WINDOW: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     # Axis 0 folds (sequence, KV head) with the query block, query block fastest so neighbouring programs
     # share K/V in L2; axis 1 is the KV split (<= _MAX_SPLITS). A separate query-block axis would be grid
@@ -293,8 +323,12 @@ def _attention_kernel(
     q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
     row_scale = q_max * qk_scale
 
-    # The queries are the last n_q positions: row token i sees keys < ctx - n_q + i + 1.
+    # The queries are the last n_q positions: row token i sees keys < ctx - n_q + i + 1, from its key_low.
     row_limit = ctx - n_q + t_local + 1
+    if WINDOW or CHUNKED:
+        row_low = _key_low(row_limit - 1, kv_lo, window, att_chunk, WINDOW, CHUNKED)
+        # Rows' lows rise with their positions: the block's first query has the lowest; no key below it is read.
+        kv_lo = _key_low(ctx - n_q + t0, kv_lo, window, att_chunk, WINDOW, CHUNKED)
     lo, hi = _kv_range(t0, n_q, ctx, kv_lo, pid_s, chunk, TOKENS, SPLIT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -323,7 +357,12 @@ def _attention_kernel(
         if IS_INT8:
             s_k = tl.load(ks_ptr + page * stride_sb + off * stride_so + scale_head_off, mask=n_ok, other=0.0)
             s = s * s_k[None, :]
-        s = tl.where(n_ok[None, :] & (n[None, :] < row_limit[:, None]), s, float("-inf"))
+        if SOFTCAP:  # softcap arrives in base-2 units too: c tanh(x / c) scales with the logit
+            s = softcap * _tanh(s / softcap)
+        seen = n_ok[None, :] & (n[None, :] < row_limit[:, None])
+        if WINDOW or CHUNKED:
+            seen = seen & (n[None, :] >= row_low[:, None])
+        s = tl.where(seen, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with every key masked so far keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
@@ -365,9 +404,23 @@ def _attention_kernel(
         tl.store(ml_ptr + ml_rows, m_i, mask=row_ok)
         tl.store(ml_ptr + ml_rows + 1, l_i, mask=row_ok)
     else:
+        if HAS_SINKS:
+            z = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0) * 1.4426950408889634
+            l_i, f = _with_sink(l_i, m_i, z)
+            acc = acc * f[:, None]
         # No visible key (kv_start at or past the limit) gives zeros rather than NaN.
         denom = tl.where(l_i > 0.0, l_i, 1.0)
         tl.store(out_ptr + out_rows[:, None] + d[None, :], acc / denom[:, None], mask=out_mask)
+
+
+@triton.jit
+def _with_sink(l_sum, m, z):
+    """(denominator, factor) once a sink logit ``z`` (base 2) joins a softmax state of sum ``l_sum`` at max
+    ``m``: both taken relative to max(m, z), the output is ``acc * factor / denominator``. A state that saw no
+    key (m = -inf, acc = 0) stays 0."""
+    big = tl.maximum(m, z)
+    f = tl.exp2(m - big)
+    return l_sum * f + tl.exp2(z - big), f
 
 
 @triton.jit
@@ -383,10 +436,12 @@ def _merge_kernel(
     out_ptr,
     stride_ot,
     stride_oh,
+    sinks_ptr,
     num_splits,
     head_dim,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -408,6 +463,9 @@ def _merge_kernel(
         other=0.0,
     )
     o = tl.sum(part * w[:, None], axis=0)
+    if HAS_SINKS:  # the sink joins the merged state once, never a split's
+        l_sum, f = _with_sink(l_sum, m_shift, tl.load(sinks_ptr + h) * 1.4426950408889634)
+        o = o * f
     denom = tl.where(l_sum > 0.0, l_sum, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o / denom, mask=d_ok)
 
@@ -633,6 +691,7 @@ def attention(
     magic: bool = False,
     hilo: bool = True,
     gpu: bool | None = None,
+    variant: AttentionVariant | None = None,
 ) -> torch.Tensor:
     """:func:`attend` with its tuning options (benchmarks, compile checks); reads nothing back from the device.
 
@@ -641,6 +700,8 @@ def attention(
     splits for the same result. ``magic`` and ``hilo`` pick the int8 -> float16 conversion and whether both
     products carry a float16 low part (see the kernel); ``gpu`` plans block sizes as for a GPU (or not)
     whatever the device (default: the device's kind). The other options override :func:`launch_plan`'s choice.
+    ``variant``: the call's window, chunk, softcap and sinks (checked by the dispatcher); a window or chunk
+    also bounds each program's key range, so the split count follows it rather than the context.
     """
     kc, vc, ks, vs = _layer_tensors(cache, layer)
     device = kc.device
@@ -654,6 +715,17 @@ def attention(
     # Without a host read the block table's width is the only bound on any sequence's KV range.
     width_bound = int(block_tables.shape[1]) * page
     kv_bound = width_bound if kv_bound is None else min(int(kv_bound), width_bound)
+    window = att_chunk = 0
+    softcap = 0.0
+    sinks = None
+    if variant is not None:
+        # A program's keys start at its first query's low: at most window (or chunk) + its queries - 1 of them.
+        for span in (variant.window, variant.chunk):
+            if span is not None:
+                kv_bound = min(kv_bound, span + max(plan.max_query_len, 1) - 1)
+        window, att_chunk = variant.window or 0, variant.chunk or 0
+        softcap = 0.0 if variant.softcap is None else variant.softcap * _LOG2E  # scores are in base 2
+        sinks = variant.sinks
     launch = _plan_launch(
         device, batch=batch, num_kv_heads=num_kv_heads, group=group, max_q=plan.max_query_len, kv_bound=kv_bound,
         is_int8=is_int8, block_m=block_m, block_n=block_n, num_splits=num_splits,
@@ -691,11 +763,13 @@ def attention(
         kc, vc, *kc.stride(),
         sk, sv, *s_strides,
         block_tables, block_tables.stride(0),
-        context_lens, starts, plan.cu_seqlens_q,
+        context_lens, starts, plan.cu_seqlens_q, context_lens if sinks is None else sinks,
         num_kv_heads, head_dim, launch.chunk, launch.m_blocks, plan.softmax_scale * _LOG2E,
+        window, att_chunk, softcap,
         GROUP=group, TOKENS=launch.tokens_per_prog, PAGE=page,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_D=_pow2(head_dim, 16),
         IS_INT8=is_int8, HAS_START=has_start, SPLIT=split, MAGIC=bool(magic and is_int8), HILO=bool(hilo),
+        WINDOW=window > 0, CHUNKED=att_chunk > 0, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         **launch_opts,
     )  # fmt: skip
     if split:
@@ -703,21 +777,23 @@ def attention(
             _merge_kernel, (total, num_q_heads),
             part, *part.stride()[:3],
             ml, *ml.stride()[:3],
-            out, *out.stride()[:2],
+            out, *out.stride()[:2], context_lens if sinks is None else sinks,
             launch.num_splits, head_dim,
-            BLOCK_S=_pow2(launch.num_splits), BLOCK_D=_pow2(head_dim),
+            BLOCK_S=_pow2(launch.num_splits), BLOCK_D=_pow2(head_dim), HAS_SINKS=sinks is not None,
         )  # fmt: skip
     return out
 
 
-def attend(cache, layer: int, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def attend(cache, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
     """Causal attention of ``q [num_queries, num_q_heads, head_dim]`` over a validated ``plan``.
 
     The ``n_b`` queries of sequence ``b`` (``cu_seqlens_q[b]:cu_seqlens_q[b+1]``) are its last ``n_b``
     positions; query ``i`` sees keys in ``[kv_start, context_len - n_b + i + 1)``; decode is ``n_b = 1``.
-    Returns float32 of q's shape; a query with no visible key gets zeros.
+    Returns float32 of q's shape; a query with no visible key gets zeros. ``variant``: a window, chunk, softcap
+    or sinks (:class:`~int8kv.ops.plan.AttentionVariant`): a lower bound on each row's keys, a cap on the
+    scores, a sink logit in the final denominator (in the merge kernel when the keys are split).
     """
-    return attention(cache, layer, q, plan)
+    return attention(cache, layer, q, plan, variant=variant)
 
 
 def launch_plan(device: torch.device, **shape) -> LaunchShape:
