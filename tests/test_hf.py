@@ -21,8 +21,9 @@ import warnings
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import DeepseekV3Config, DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.cache_utils import DynamicLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import int8kv.codec
 import int8kv.hf
@@ -248,7 +249,8 @@ def test_kernels_serve_every_step_without_dequantizing(monkeypatch):
 
     monkeypatch.setattr(int8kv.codec, "decode", forbidden)
     monkeypatch.setattr(int8kv.codec, "dequantize_int8", forbidden)
-    monkeypatch.setattr(int8kv.hf.attention, "sdpa_attention_forward", forbidden)
+    for name in ("sdpa", "eager"):  # the fallbacks for other caches
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, forbidden)
     ids, mask = left_padded([7, 4])
     cache = Int8KvCache(model.config)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, cache=cache)
@@ -446,9 +448,11 @@ def test_unsupported_patterns_raise_and_roll_back():
     with torch.no_grad():
         model(ids, cache=detached, use_cache=True)
     assert detached.get_seq_length() == 6
-    sliding = Qwen3Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)
-    with pytest.raises(UnsupportedAttention):
-        Int8KvCache(sliding)
+    mla = DeepseekV3Config(num_hidden_layers=2)
+    before = mla._attn_implementation
+    with pytest.raises(UnsupportedAttention, match="MLA"):
+        Int8KvCache(mla)
+    assert mla._attn_implementation == before  # refused before anything changed
 
 
 def test_memory_accounting():
@@ -489,3 +493,198 @@ def test_smollm2_int8_greedy_matches_dynamic_cache(smollm2):
     assert cache.attention_calls == model.config.num_hidden_layers * 16
     first_step = ref.logits[0]
     assert (got.logits[0] - first_step).abs().max() <= 0.05 * first_step.abs().max()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# per-layer attention from the config: windows, chunks, softcap, sinks, hybrids
+# ---------------------------------------------------------------------------------------------------------
+def _tiny(config_cls, **extra):
+    from transformers import AutoModelForCausalLM
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, initializer_range=0.2, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None,
+    )  # fmt: skip
+    common.update(extra)
+    return AutoModelForCausalLM.from_config(config_cls(**common)).eval()
+
+
+def test_layer_specs_follow_the_config():
+    from transformers import Gemma3TextConfig, Llama4TextConfig, Qwen2Config, Qwen3NextConfig
+
+    from int8kv.hf.layers import layer_specs
+
+    gemma = layer_specs(Gemma3TextConfig(num_hidden_layers=6, sliding_window=512))
+    assert [s.kind for s in gemma] == ["sliding"] * 5 + ["full"] and {s.window for s in gemma[:5]} == {512}
+    qwen = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    qwen = layer_specs(qwen)
+    assert [(s.kind, s.window) for s in qwen] == [("full", None)] * 2 + [("sliding", 64)] * 2
+    assert [s.kind for s in layer_specs(Qwen2Config(num_hidden_layers=2, sliding_window=64))] == ["full"] * 2
+    llama4 = layer_specs(Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=32))
+    assert [(s.kind, s.chunk) for s in llama4] == [("chunked", 32)] * 3 + [("full", None)]
+    nxt = layer_specs(Qwen3NextConfig(num_hidden_layers=4))
+    assert [(s.kind, s.state, s.has_kv) for s in nxt] == [("state", True, False)] * 3 + [("full", False, True)]
+    with pytest.raises(UnsupportedAttention, match="MLA"):
+        layer_specs(DeepseekV3Config(num_hidden_layers=2))
+
+
+def test_attention_options_from_the_kwargs():
+    from int8kv.hf.layers import LayerSpec, attention_options
+
+    spec = LayerSpec("sliding_attention", "sliding", window=8)
+    sinks = torch.randn(4)
+    opts = attention_options({"softcap": 30, "s_aux": sinks, "position_ids": torch.arange(3)}, spec)
+    assert (opts.window, opts.chunk, opts.softcap, opts.sinks) == (8, None, 30.0, sinks)
+    assert attention_options({"sliding_window": 5}, spec).window == 5  # the call's kwarg wins over the config
+    assert attention_options({}, LayerSpec("chunked_attention", "chunked", chunk=16)).as_kwargs() == dict(
+        window=None, chunk=16, softcap=None, sinks=None
+    )
+    for bad in ({"position_bias": torch.zeros(1)}, {"softcap": -1.0}, {"sliding_window": 0}, {"s_aux": 1.0}):
+        with pytest.raises(UnsupportedAttention):
+            attention_options(bad, spec)
+
+
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_sliding_window_generation_matches_and_storage_stays_bounded(fmt):
+    """Mistral with a 6-token window over 10 + 30 tokens, left-padded batch: the same greedy tokens and logits
+    as a DynamicCache holding the same rounded K/V, and the sliding layers never hold more than
+    window - 1 + slack + 1 rows."""
+    from transformers import MistralConfig
+
+    model = _tiny(MistralConfig, num_hidden_layers=2, sliding_window=6)
+    ids, mask = left_padded([10, 7])
+    cache = Int8KvCache(model.config, format=fmt)
+    held = []
+    hook = model.model.layers[1].register_forward_hook(lambda *a: held.append(cache.layers[1].held))
+    got = _generate(model, cache, ids, mask, max_new_tokens=30)
+    hook.remove()
+    ref_cache = DynamicCache(config=model.config)  # holding the values int8kv stores
+    for layer in ref_cache.layers:
+        layer.update = _fake_quant_update(layer.update, fmt)
+    ref = _generate(model, ref_cache, ids, mask, max_new_tokens=30)
+    _assert_same_greedy(ref, got, ids.shape[1])
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    layer = cache.layers[1]
+    assert layer.is_sliding and layer.window == 6 and layer.offset > 0
+    assert max(held[1:]) <= layer.window - 1 + layer.slack + 1  # after the prefill: trimmed between forwards
+    assert cache.get_seq_length() == 10 + 29 and layer.seq_len == layer.offset + layer.held
+
+
+def _fake_quant_update(update, fmt):
+    def roundtrip(x):
+        return int8kv.codec.decode(fmt, *int8kv.codec.encode(fmt, x)).to(x.dtype)
+
+    return lambda k, v, *a, **kw: update(roundtrip(k), roundtrip(v), *a, **kw)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("context", [8192, 32768])
+def test_gemma3_like_memory_is_bounded_by_the_window(head_dim, context):
+    """Five sliding layers (window 1,024) to one full, filled by 4,096-token prefill chunks then 3 decode
+    steps, directly through the layers: INT8 memory_bytes() <= 0.54x what DynamicCache holds in float16."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(num_hidden_layers=6, sliding_window=1024, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=head_dim)  # fmt: skip
+    ours = Int8KvCache(config, attach=False)
+    theirs = DynamicCache(config=config)
+    steps = [4096] * (context // 4096) + [1, 1, 1]
+    for n in steps:
+        k = torch.randn(1, 1, n, head_dim, dtype=torch.float16)
+        v = torch.randn(1, 1, n, head_dim, dtype=torch.float16)
+        for i in range(6):
+            ours.layers[i].update(k.float(), v.float())
+            theirs.layers[i].update(k, v)
+        for layer in ours.kv_layers():  # what finish_forward does between forwards
+            layer.trim()
+    dynamic = sum(la.keys.numel() * 2 + la.values.numel() * 2 for la in theirs.layers)
+    assert [la.held for la in ours.layers][-1] == context + 3
+    assert all(la.held < 1024 + la.slack for la in ours.layers[:5])
+    assert ours.memory_bytes() <= 0.54 * dynamic, ours.memory_bytes() / dynamic
+
+
+def test_softcap_and_sinks_reach_the_kernels():
+    """Gemma 2 (softcap 5, sliding and full layers) and gpt-oss (sinks, sliding layers): greedy tokens and
+    logits equal to DynamicCache with F16 storage, through the default (CPU) kernels."""
+    from transformers import Gemma2Config, GptOssConfig
+
+    gemma = _tiny(Gemma2Config, num_hidden_layers=2, sliding_window=4, attn_logit_softcapping=5.0,
+                  query_pre_attn_scalar=16)  # fmt: skip
+    oss = _tiny(GptOssConfig, num_hidden_layers=2, sliding_window=4, num_local_experts=2, num_experts_per_tok=1)
+    with torch.no_grad():
+        oss.model.layers[0].self_attn.sinks.normal_(0, 2)
+        oss.model.layers[1].self_attn.sinks.normal_(0, 2)
+    for model in (gemma, oss):
+        ids, mask = left_padded([9, 6])
+        ref = _generate(model, DynamicCache(config=model.config), ids, mask, max_new_tokens=8)
+        cache = Int8KvCache(model.config, format=F16)
+        got = _generate(model, cache, ids, mask, max_new_tokens=8)
+        _assert_same_greedy(ref, got, ids.shape[1])
+        assert (ref.logits[0] - got.logits[0]).abs().max() <= 1e-2 * ref.logits[0].abs().max()
+        assert cache.attention_calls == 2 * 8
+
+
+def test_hybrid_keeps_transformers_state_layers():
+    """Qwen3-Next: three linear-attention layers (transformers' own LinearAttentionLayer) and one full
+    attention layer in int8kv; greedy tokens equal to DynamicCache, attention memory at F16 = DynamicCache's."""
+    from transformers import Qwen3NextConfig
+    from transformers.cache_utils import LinearAttentionLayer
+
+    model = _tiny(Qwen3NextConfig, num_hidden_layers=4, num_experts=2, num_experts_per_tok=1,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=2,
+                  linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+    ids = torch.randint(3, VOCAB, (1, 10))
+    ref = _generate(model, DynamicCache(config=model.config), ids, max_new_tokens=8)
+    cache = Int8KvCache(model.config, format=F16)
+    got = _generate(model, cache, ids, max_new_tokens=8)
+    _assert_same_greedy(ref, got, ids.shape[1])
+    assert [type(la) for la in cache.layers[:3]] == [LinearAttentionLayer] * 3
+    assert len(cache.kv_layers()) == 1 and cache.attention_calls == 8
+
+
+@pytest.mark.parametrize("model_type", ["diffllama", "xglm", "bloom"])
+def test_refusal_leaves_the_model_as_it_was(model_type):
+    """diffllama reshapes V after cache.update and xglm runs its own attention on the returned tensors: both
+    refused at the first forward (AttentionBypassed); bloom (ALiBi) at construction. Either way the model's
+    implementation is put back and its output with the default cache is unchanged."""
+    from models_coverage import build, inputs
+
+    from int8kv.errors import AttentionBypassed
+
+    model = build(model_type)
+    ids, mask = inputs()
+    impl = model.config._attn_implementation
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+        error = AttentionBypassed if model_type != "bloom" else UnsupportedAttention
+        with pytest.raises(error, match="ALiBi" if model_type == "bloom" else "K/V handle"):
+            cache = Int8KvCache(model.config)
+            model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        assert model.config._attn_implementation == impl
+        assert torch.equal(model(ids, attention_mask=mask).logits, before)
+    if model_type != "bloom":
+        assert all(la.get_seq_length() == 0 for la in cache.kv_layers())  # the step was rolled back
+
+
+def test_written_but_not_read_and_handle_misuse_are_refused():
+    """A layer written without the int8kv attention reading it (the next layer written, or the next forward
+    starting) and any computation on the returned handles raise AttentionBypassed and roll the forward back."""
+    from int8kv.errors import AttentionBypassed
+
+    model = tiny_model("llama")
+    impl = model.config._attn_implementation
+    cache = Int8KvCache(model.config)
+    k = torch.randn(1, 2, 3, 16)
+    hk, hv = cache.update(k, k, 0)
+    assert hk.shape == (1, 2, 0, 16) and hk.dtype == k.dtype  # metadata is allowed
+    with pytest.raises(AttentionBypassed, match="layer 0's K/V were written"):
+        cache.update(k, k, 1)
+    assert [la.get_seq_length() for la in cache.layers] == [0, 0]
+    assert model.config._attn_implementation == impl  # a refusal puts the model's implementation back
+    cache = Int8KvCache(model.config)
+    hk, hv = cache.update(k, k, 0)
+    with pytest.raises(AttentionBypassed, match="'matmul'"):
+        torch.matmul(k, hk)
+    assert cache.layers[0].get_seq_length() == 0 and model.config._attn_implementation == impl

@@ -71,5 +71,14 @@ class UnsupportedAttention(KvCacheError, NotImplementedError):
     """The model asks for an attention variant the int8kv kernels do not implement."""
 
 
+class AttentionBypassed(UnsupportedAttention):
+    """A model computed attention around the int8kv attention function: it operated on the K/V handles a
+    cache returned, or wrote a layer's K/V without the int8kv attention reading them."""
+
+
 class UnknownBackend(KvCacheError, ValueError):
     """A kernel backend name that is not one of int8kv.ops.BACKENDS."""
+
+
+class UnsupportedModel(KvCacheError, NotImplementedError):
+    """A model (architecture, layer kind or config field) the engine does not implement, refused by name."""

@@ -155,12 +155,13 @@ class KvPool:
                 t[:, dst] = t[:, src]
 
     # -- whole-pool reshaping (the transformers layer: block = batch row, block_size = capacity) -----------
-    def resized(self, block_size: int, keep: int) -> KvPool:
-        """A new pool with ``block_size`` rows per block holding the first ``keep`` rows of every block."""
+    def resized(self, block_size: int, keep: int, start: int = 0) -> KvPool:
+        """A new pool with ``block_size`` rows per block holding rows ``[start, start + keep)`` of every block
+        as its first ``keep`` rows (``start > 0``: a sliding-window layer dropping the rows no query can see)."""
         out = KvPool(self.layout, self.num_blocks, block_size, self.device)
         for dst, src in ((out._k, self._k), (out._v, self._v), (out._ks, self._ks), (out._vs, self._vs)):
             if dst is not None and src is not None and keep:
-                dst[:, :, :keep] = src[:, :, :keep]
+                dst[:, :, :keep] = src[:, :, start : start + keep]
         return out
 
     def select_blocks(self, index: torch.Tensor) -> KvPool:

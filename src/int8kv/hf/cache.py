@@ -2,11 +2,22 @@
 
 Storage: each layer is a one-layer :class:`~int8kv.cache.pool.KvPool` in the layout of docs/design.md in
 which block ``b`` is batch row ``b`` and the block size is the allocated capacity (grown by reallocation in
-chunks). The kernels therefore see ``block_tables = arange(batch)[:, None]`` and ``context_lens = seq_len``
+chunks). The kernels therefore see ``block_tables = arange(batch)[:, None]`` and ``context_lens = held``
 for every row; left padding becomes ``kv_starts`` (see :mod:`int8kv.hf.attention`).
 
-A layer holds no reference to its cache (transformers' own split): what belongs to one forward (the plan
-built from the attention mask, the layers written so far for a rollback) lives in that forward's plan.
+A layer holds no reference to its cache (transformers' own split): what belongs to one forward (the plans
+built from the attention masks, the layers written so far for a rollback) lives in the cache's
+:class:`~int8kv.hf.attention.Book`, which every layer of the cache shares.
+
+Sliding-window layers keep only what a future query can still see: a layer of window ``W`` drops the rows
+before ``seq_len - W + 1`` once at least ``slack`` of them have piled up (between forwards, so a failed step
+can still be rolled back), and tracks the dropped prefix as :attr:`Int8KvLayer.offset`; the masks
+transformers builds start at that offset (:meth:`Int8KvLayer.get_mask_sizes`). Positions in the storage are
+all shifted by the same offset, so windows (relative) and left padding (``kv_starts`` read from the mask)
+stay right.
+
+Hybrid models keep their other layers as transformers keeps them: linear-attention, Mamba and conv layers are
+transformers' own layer classes, "hybrid" layers (a state and full K/V) an :class:`Int8KvHybridLayer`.
 """
 
 from __future__ import annotations
@@ -16,7 +27,13 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    LinearAttentionLayer,
+)
 
 from .. import codec
 from ..cache.pool import KvPool
@@ -24,9 +41,13 @@ from ..cache.state import KvLayout, KvState, as_format
 from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention
 from ..formats import KvStorageFormat
 from ..ops import resolve_backend, write
-from .attention import ATTN_IMPLEMENTATION, TAG, enable_int8kv_attention
+from .attention import ATTN_IMPLEMENTATION, Book, make_handle
+from .attention import attach as attach_config
+from .layers import LayerSpec, layer_specs
 
-__all__ = ["Int8KvCache", "Int8KvLayer"]
+__all__ = ["Int8KvCache", "Int8KvHybridLayer", "Int8KvLayer"]
+
+_FULL = LayerSpec("full_attention", "full")
 
 _DEFAULT_CHUNK = 256
 
@@ -48,7 +69,6 @@ class Int8KvLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_sliding = False
     is_croppable = True
 
     def __init__(
@@ -57,8 +77,12 @@ class Int8KvLayer(CacheLayerMixin):
         chunk_size: int = _DEFAULT_CHUNK,
         max_cache_len: int | None = None,
         backend: str | None = None,
+        *,
+        spec: LayerSpec = _FULL,
+        layer_idx: int = 0,
+        book: Book | None = None,
     ) -> None:
-        super().__init__()
+        CacheLayerMixin.__init__(self)
         if chunk_size <= 0:
             raise ShapeMismatch(f"chunk_size must be > 0, got {chunk_size}")
         if max_cache_len is not None and max_cache_len <= 0:
@@ -67,18 +91,43 @@ class Int8KvLayer(CacheLayerMixin):
         self.chunk_size = int(chunk_size)
         self.max_cache_len = max_cache_len
         self.backend = backend
-        self.seq_len = 0
+        self.seq_len = 0  # positions written (transformers' cumulative length)
+        self.offset = 0  # positions dropped from the front (sliding window): row i holds position offset + i
+        self.read_to = 0  # seq_len when the int8kv attention last read this layer
         self.attention_calls = 0  # int8kv kernel launches on this layer (counted by int8kv.hf.attention)
         self.pool: KvPool | None = None
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.book = book if book is not None else Book()
+        # The window a future query looks back over (sliding), or None: what bounds the storage.
+        self.window = spec.window
+        self.is_sliding = spec.kind in ("sliding", "chunked")  # transformers sizes their masks on sliding layers
+        # Rows dropped at once: a window's 1/16 (~6 % over the window at most; measured bound in test_hf), so a
+        # decode step moves W / slack ~ 16 rows on average instead of W.
+        self.slack = max(16, self.window // 16) if self.window else 0
 
     def __repr__(self) -> str:
+        kind = "" if self.spec.kind == "full" else f", {self.spec.kind} {self.spec.window or self.spec.chunk}"
         if self.pool is None:
-            return f"Int8KvLayer(format={self.format}, empty)"
+            return f"Int8KvLayer(format={self.format}{kind}, empty)"
         p = self.pool
         return (
-            f"Int8KvLayer(format={self.format}, batch={p.num_blocks}, seq_len={self.seq_len}, "
-            f"capacity={p.block_size}, num_kv_heads={p.num_kv_heads}, head_dim={p.head_dim})"
+            f"Int8KvLayer(format={self.format}{kind}, batch={p.num_blocks}, seq_len={self.seq_len}, "
+            f"offset={self.offset}, capacity={p.block_size}, num_kv_heads={p.num_kv_heads}, head_dim={p.head_dim})"
         )
+
+    @property
+    def held(self) -> int:
+        """Positions stored (``seq_len - offset``)."""
+        return self.seq_len - self.offset
+
+    def read_complete(self) -> bool:
+        """Whether the int8kv attention has read everything written (the forward's not-read check)."""
+        return self.read_to == self.seq_len
+
+    def mark_read(self) -> None:
+        self.read_to = self.seq_len
+        self.attention_calls += 1
 
     @property
     def batch_size(self) -> int:
@@ -93,6 +142,12 @@ class Int8KvLayer(CacheLayerMixin):
         return -(-n // self.chunk_size) * self.chunk_size
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() == 4 and value_states.dim() == 4 and key_states.shape[:3] == value_states.shape[:3]:
+            if key_states.shape[3] != value_states.shape[3]:
+                raise UnsupportedAttention(
+                    f"keys of head_dim {key_states.shape[3]} and values of head_dim {value_states.shape[3]}: the "
+                    "int8kv layout stores one head_dim for both"
+                )
         if key_states.dim() != 4 or tuple(key_states.shape) != tuple(value_states.shape):
             raise ShapeMismatch(
                 f"keys and values must both be [batch, kv_heads, tokens, head_dim], got "
@@ -101,7 +156,7 @@ class Int8KvLayer(CacheLayerMixin):
         batch, heads, _, dim = (int(d) for d in key_states.shape)
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.seq_len = 0
+        self.seq_len = self.offset = self.read_to = 0
         # A known final length is reserved exactly; otherwise start with one chunk.
         self.pool = self._new_pool(batch, heads, dim, self.max_cache_len or self.chunk_size, self.device)
         self.is_initialized = True
@@ -110,14 +165,28 @@ class Int8KvLayer(CacheLayerMixin):
         return KvPool(KvLayout(1, heads, dim, self.format), batch, capacity, device)
 
     def reserve(self, needed: int) -> None:
-        """Make room for ``needed`` positions (the stored prefix is kept; the old storage survives a failure)."""
+        """Make room for ``needed`` stored rows (the stored ones are kept; the old storage survives a failure)."""
         p = self.pool
         if p is None:
             raise ShapeMismatch("the layer holds no storage yet")
         if needed <= p.block_size:
             return
         # Grow by a quarter at least, so a long generation reallocates O(log n) times, not once per chunk.
-        self.pool = p.resized(self._round_up(max(needed, p.block_size + p.block_size // 4)), self.seq_len)
+        self.pool = p.resized(self._round_up(max(needed, p.block_size + p.block_size // 4)), self.held)
+
+    def trim(self) -> int:
+        """Sliding window: drop the stored rows no future query can see (positions before
+        ``seq_len - window + 1``) once ``slack`` of them have piled up, into storage sized to what remains plus
+        room for ``slack`` more; returns the rows dropped. Called between forwards, never inside one."""
+        if self.window is None or self.pool is None:
+            return 0
+        drop = self.seq_len - self.window + 1 - self.offset
+        if drop < self.slack:
+            return 0
+        keep = self.held - drop
+        self.pool = self.pool.resized(self._round_up(keep + self.slack), keep, start=drop)
+        self.offset += drop
+        return drop
 
 
     def storage_from(
@@ -141,7 +210,8 @@ class Int8KvLayer(CacheLayerMixin):
         self.device = pool.device
         if not self.is_initialized:
             self.dtype = torch.float32
-        self.seq_len = length
+        self.seq_len = self.read_to = length
+        self.offset = 0
         self.is_initialized = True
 
     # -- writing ---------------------------------------------------------------------------------------
@@ -164,54 +234,53 @@ class Int8KvLayer(CacheLayerMixin):
         n = int(key_states.shape[2])
         if value_states.shape[2] != n:
             raise ShapeMismatch(f"keys hold {n} tokens but values {value_states.shape[2]}")
-        start = self.seq_len
-        self.reserve(start + n)
+        row = self.held
+        self.reserve(row + n)
         p = self.pool
-        # [batch, heads, n, dim] -> rows [batch * n, heads, dim] in slot order (row b's block, positions start..).
+        # [batch, heads, n, dim] -> rows [batch * n, heads, dim] in slot order (row b's block, rows row..).
         k = key_states.transpose(1, 2).reshape(-1, p.num_kv_heads, p.head_dim)
         v = value_states.transpose(1, 2).reshape(-1, p.num_kv_heads, p.head_dim)
-        slots = _slots(p.num_blocks, p.block_size, start, n, p.device)
+        slots = _slots(p.num_blocks, p.block_size, row, n, p.device)
         # Raises (NonFiniteError, device, shape) before anything is stored: the layer stays as it was.
         write.append_rows(p, 0, k, v, slots, backend=resolve_backend(p, self.backend))
-        self.seq_len = start + n
-        return self._handle(key_states), self._handle(value_states)
-
-    def _handle(self, like: torch.Tensor) -> torch.Tensor:
-        # An empty tensor: if a model ever routes it to another attention function, that one sees zero keys and
-        # fails loudly instead of silently attending to something wrong.
-        handle = like.new_empty((like.shape[0], like.shape[1], 0, like.shape[3]))
-        setattr(handle, TAG, self)
-        return handle
+        self.seq_len += n
+        # Empty handles only the int8kv attention may read (any other operation raises AttentionBypassed).
+        return make_handle(key_states, self), make_handle(value_states, self)
 
     # -- reading ---------------------------------------------------------------------------------------
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Views of the stored positions: codes ``[batch, seq_len, heads, dim]``, scales ``[batch, seq_len, heads]``."""
         if self.pool is None:
             raise PositionOutOfRange("the layer holds no tokens yet")
-        n = self.seq_len
+        n = self.held
         return tuple(None if t is None else t[:, :n] for t in self.pool.layer_tensors(0))  # type: ignore[return-value]
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 ``[batch, kv_heads, seq_len, head_dim]`` copies of K and V, for inspection and tests only."""
+        """Float32 ``[batch, kv_heads, held, head_dim]`` copies of the stored K and V (positions from
+        :attr:`offset`), for inspection and tests only."""
         kc, vc, ks, vs = self.stored()
         k = codec.decode(self.format, kc, ks)
         v = codec.decode(self.format, vc, vs)
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seq_len + query_length, 0
+        return self.held + query_length, self.offset
 
     def get_seq_length(self) -> int:
         return self.seq_len
 
     def get_max_length(self) -> int:
-        return -1
+        return self.window if self.window is not None else -1
 
     # -- editing ---------------------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.seq_len:
-            raise PositionOutOfRange(f"cannot truncate to {n!r}: stored length is {self.seq_len}")
+        if isinstance(n, bool) or not isinstance(n, int) or not self.offset <= n <= self.seq_len:
+            raise PositionOutOfRange(
+                f"cannot truncate to {n!r}: positions [{self.offset}, {self.seq_len}) are stored"
+                + (" (the window dropped the ones before)" if self.offset else "")
+            )
         self.seq_len = n
+        self.read_to = min(self.read_to, n)
 
     def crop(self, tokens_to_remove: int) -> None:
         """``crop(-k)`` drops the last ``k`` tokens (transformers 5 semantics, ``crop(0)`` is a no-op);
@@ -224,8 +293,8 @@ class Int8KvLayer(CacheLayerMixin):
             self.truncate(self.seq_len + tokens_to_remove)
 
     def reset(self) -> None:
-        # Storage is kept for reuse; only the length goes back to zero.
-        self.seq_len = 0
+        # Storage is kept for reuse; only the lengths go back to zero.
+        self.seq_len = self.offset = self.read_to = 0
 
     def _select_rows(self, index: torch.Tensor) -> None:
         p = self.pool
@@ -259,10 +328,43 @@ class Int8KvLayer(CacheLayerMixin):
         p = self.pool
         if p is None:
             return 0
-        return p.num_blocks * self.seq_len * p.layout.bytes_per_token
+        return p.num_blocks * self.held * p.layout.bytes_per_token
 
     def allocated_bytes(self) -> int:
         return 0 if self.pool is None else self.pool.memory_bytes()
+
+
+class Int8KvHybridLayer(LinearAttentionLayer, Int8KvLayer):
+    """transformers' "hybrid" / "hybrid_sliding" layer: a linear-attention state (transformers' own code) and
+    the layer's K/V in int8kv."""
+
+    def __init__(self, *args: Any, number_of_states: int = 1, **kwargs: Any) -> None:
+        Int8KvLayer.__init__(self, *args, **kwargs)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        # transformers' convention: K/V with two positional args, the states with keyword args only.
+        if args:
+            Int8KvLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        Int8KvLayer.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        Int8KvLayer.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        Int8KvLayer.crop(self, tokens_to_remove)
+
+    offload = Int8KvLayer.offload
+    prefetch = Int8KvLayer.offload
+    get_max_length = Int8KvLayer.get_max_length
+    is_compileable = False
 
 
 class Int8KvCache(Cache):
@@ -278,6 +380,12 @@ class Int8KvCache(Cache):
         max_cache_len: tokens to reserve up front (avoids reallocation when the final length is known).
         backend: forwarded to the :mod:`int8kv.ops` dispatcher (None: chosen from the device).
         attach: whether to switch the config's attention implementation.
+
+    Layers follow the config (:func:`int8kv.hf.layers.layer_specs`): full, sliding-window (storage bounded by
+    the window) and chunked attention layers in int8kv; linear-attention, Mamba and conv layers as
+    transformers' own layer classes. A config whose attention int8kv does not implement (MLA, ALiBi, sparse
+    attention, ...) is refused here, by name, before anything changes; a refusal at the first forward (the
+    model's attention turns out to be something the kernels cannot serve) puts the config back as it was.
 
     ``crop(-k)`` drops the last ``k`` tokens and ``crop(n > 0)`` keeps the first ``n``. Beam search works
     through ``reorder_cache``. If encoding a step raises (``NonFiniteError`` on NaN/inf), or the attention
@@ -297,24 +405,43 @@ class Int8KvCache(Cache):
     ) -> None:
         self.format = as_format(format)
         self.backend = backend
+        self.book = Book(strict=config is not None)
         make_layer = functools.partial(
-            Int8KvLayer, self.format, chunk_size=chunk_size, max_cache_len=max_cache_len, backend=backend
-        )
+            Int8KvLayer, self.format, chunk_size=chunk_size, max_cache_len=max_cache_len, backend=backend,
+            book=self.book,
+        )  # fmt: skip
+        self._make_layer = make_layer
         self._text_config: PreTrainedConfig | None = None
+        self.specs: list[LayerSpec] | None = None
         if config is None:
-            super().__init__(layer_class_to_replicate=make_layer)
+            super().__init__(layer_class_to_replicate=self._next_layer)
             return
-        text_config = self._text_config = config.get_text_config(decoder=True)
-        num_layers = int(text_config.num_hidden_layers)
-        layer_types = list(getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers)
-        other = sorted({t for t in layer_types if t != "full_attention"})
-        if other:
-            raise UnsupportedAttention(
-                f"Int8KvCache stores full-attention layers only; this model also has {other} layers"
-            )
-        super().__init__(layers=[make_layer() for _ in range(num_layers)])
+        text_config = config.get_text_config(decoder=True)
+        if getattr(text_config, "is_encoder_decoder", False) or getattr(text_config, "is_causal", True) is False:
+            raise UnsupportedAttention("Int8KvCache serves causal decoders only")
+        specs = layer_specs(text_config)  # refuses unsupported attention by name, before anything changes
+        self.specs = specs
+        self._text_config = text_config
+        super().__init__(layers=[self._layer_for(i, spec) for i, spec in enumerate(specs)])
         if attach:
-            enable_int8kv_attention(config)
+            self.book.attached = attach_config(config)
+
+    def _next_layer(self, offset: int = 0) -> Int8KvLayer:
+        """A full-attention layer for caches built without a config (created as transformers asks for them)."""
+        return self._make_layer(layer_idx=len(self.layers) + offset)
+
+    def _layer_for(self, idx: int, spec: LayerSpec) -> Any:
+        kwargs = dict(spec.layer_kwargs)
+        if spec.kind == "shared":
+            return DummyLayer()
+        if spec.kind == "state":
+            return DYNAMIC_LAYER_TYPE_MAPPING[spec.layer_type](**kwargs)  # transformers' own state layer
+        if spec.state:
+            return Int8KvHybridLayer(
+                self.format, **self._make_layer.keywords, spec=spec, layer_idx=idx,
+                number_of_states=kwargs.get("number_of_states", 1),
+            )  # fmt: skip
+        return self._make_layer(spec=spec, layer_idx=idx)
 
     def __repr__(self) -> str:
         return (
@@ -325,11 +452,13 @@ class Int8KvCache(Cache):
     @property
     def attention_calls(self) -> int:
         """int8kv kernel launches over all layers, for checking the kernels really serve the model."""
-        return sum(getattr(layer, "attention_calls", 0) for layer in self.layers)
+        return sum(layer.attention_calls for layer in self.kv_layers())
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.book.broken:
+            raise UnsupportedAttention(self.book.broken)
         config = self._text_config
         if config is not None and config._attn_implementation != ATTN_IMPLEMENTATION:
             # Any other attention function would read the empty handles update() returns as zero keys.
@@ -337,30 +466,79 @@ class Int8KvCache(Cache):
                 f"the model attends with {config._attn_implementation!r}; Int8KvCache needs the int8kv attention: "
                 "call int8kv.hf.enable_int8kv_attention(model) (or construct the cache with attach=True)"
             )
-        start = self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+        if self.layer_class_to_replicate is not None:
+            while len(self.layers) <= layer_idx:
+                self.layers.append(self._next_layer())
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, Int8KvLayer):
+            raise UnsupportedAttention(
+                f"the model writes K/V to layer {layer_idx}, which its config declares as "
+                f"{self.specs[layer_idx].layer_type if self.specs is not None else 'no attention layer'}"
+            )
+        start = layer.get_seq_length()
+        self.book.written(layer, start)  # refuses if an earlier layer of this forward was not read
         try:
             # A KV cache stores values, not graphs: with autograd on, the keys carry a grad_fn.
-            return super().update(key_states.detach(), value_states.detach(), layer_idx, *args, **kwargs)
-        except Exception:
-            self.rollback_to(start)
+            return layer.update(key_states.detach(), value_states.detach(), *args, **kwargs)
+        except Exception as e:
+            self.book.abort(e)
             raise
 
-    def rollback_to(self, length: int) -> None:
-        """Truncate every layer holding more than ``length`` tokens to ``length`` (undo a partial step)."""
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        # Masks are built at the start of a forward: the previous one is over, so its layers must all have been
+        # read and the sliding layers can drop what no query will see again (before the masks are sized on them).
+        self.finish_forward()
+        return super().get_mask_sizes(query_length, layer_idx)
+
+    def finish_forward(self) -> None:
+        """End the forward in progress: refuse it if a layer it wrote was not read (AttentionBypassed), then let
+        the sliding-window layers drop the rows no future query can see. transformers calls this through
+        :meth:`get_mask_sizes` before each forward; call it yourself to trim after the last one."""
+        self.book.finish()
         for layer in self.layers:
-            if layer.get_seq_length() > length:
-                layer.truncate(length)
+            if isinstance(layer, Int8KvLayer):
+                layer.trim()
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._state_written()
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        self._state_written()
+        return super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
+
+    def _state_written(self) -> None:
+        if self.book.broken:
+            raise UnsupportedAttention(self.book.broken)
+        if self.book.forward is not None:
+            self.book.forward.state_written = True
+
+    def reset(self) -> None:
+        self.book.forward = None
+        self.book.broken = None
+        super().reset()
 
     def truncate(self, n: int) -> None:
-        for layer in self.layers:
+        for layer in self.kv_layers():
             layer.truncate(n)
+
+    def kv_layers(self) -> list[Int8KvLayer]:
+        """The layers holding K/V in int8kv (the others: transformers' state layers, shared layers)."""
+        return [la for la in self.layers if isinstance(la, Int8KvLayer)]
 
     # -- state (see int8kv/cache/state.py) ----------------------------------------------------------------
     def export_state(self) -> KvState:
         """Every layer's stored tokens (all batch rows) as a :class:`KvState` (CPU copies)."""
         layers = list(self.layers)
         if not layers or not all(isinstance(la, Int8KvLayer) and la.is_initialized for la in layers):
-            raise ShapeMismatch("the Int8KvCache holds nothing yet: run the prompt through the model first")
+            raise ShapeMismatch(
+                "the Int8KvCache holds nothing yet (run the prompt through the model first), or holds layers that "
+                "are not int8kv K/V (a hybrid model's states cannot be exported)"
+            )
+        if any(la.offset or type(la) is not Int8KvLayer for la in layers):
+            raise ShapeMismatch("a sliding-window layer has dropped its oldest tokens: the state is not exportable")
         lengths = {la.seq_len for la in layers}
         shapes = {(la.pool.num_blocks, la.pool.num_kv_heads, la.pool.head_dim) for la in layers}
         if len(lengths) != 1 or len(shapes) != 1:
@@ -385,7 +563,7 @@ class Int8KvCache(Cache):
         created = not self.layers
         if created and getattr(self, "layer_class_to_replicate", None) is None:
             raise ShapeMismatch("the Int8KvCache has no layers and cannot create any")
-        layers = [self.layer_class_to_replicate() for _ in range(state.layout.num_layers)] if created else list(
+        layers = [self._next_layer(i) for i in range(state.layout.num_layers)] if created else list(
             self.layers
         )
         if len(layers) != state.layout.num_layers:
@@ -413,9 +591,10 @@ class Int8KvCache(Cache):
             self.layers.extend(layers)
 
     def memory_bytes(self) -> int:
-        """Bytes of the stored tokens across layers (codes + scales, K and V, padding rows included)."""
-        return sum(layer.memory_bytes() for layer in self.layers)
+        """Bytes of the stored tokens across the int8kv layers (codes + scales, K and V, padding rows included;
+        transformers' own state layers are not counted)."""
+        return sum(layer.memory_bytes() for layer in self.kv_layers())
 
     def allocated_bytes(self) -> int:
         """Bytes actually allocated (capacity is grown in chunks, so this is >= memory_bytes())."""
-        return sum(layer.allocated_bytes() for layer in self.layers)
+        return sum(layer.allocated_bytes() for layer in self.kv_layers())

@@ -1,0 +1,359 @@
+"""Every decoder-only architecture of the installed transformers, built tiny, through Int8KvCache.
+
+    python tests/models_coverage.py            # classify them all and write docs/models.md
+
+Each model type of transformers' causal-LM mapping (the text config of a multimodal family where transformers
+has a ``*ForCausalLM`` for it; encoder-decoder, encoder-only and multimodal-only types skipped) is built with
+hidden 64, 2 layers (hybrids: up to 8, until an attention layer exists), vocab 256, 4 heads / 2 KV heads, its
+linear weights rescaled so attention is peaked and its biases non-zero. One left-padded batch of two prompts
+(16 tokens, and 12 after 4 padding) is generated greedily for 8 tokens:
+
+* with F16 storage against ``DynamicCache``: tokens equal (a divergence only where the reference's top-2
+  gap is within the logit perturbation) and every step's logits within 1 % of their range;
+* with INT8 storage against a ``DynamicCache`` whose K/V went through int8kv's own codec (fake-quantized),
+  so rounding is not mistaken for a bug: the same criteria;
+* the int8kv kernels really called: every int8kv layer read once per forward.
+
+Outcomes: ``works``; ``refused`` (an ``UnsupportedAttention`` naming what is missing, after which the model run
+with its default cache gives its original logits: no side effects); ``crash`` (any other error); ``wrong``
+(no error, wrong output, kernels not called, or a refusal that changed the model). The test
+(tests/test_models_coverage.py) fails on any crash or wrong and checks that docs/models.md is what this finds.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import int8kv.codec
+from int8kv.errors import UnsupportedAttention
+from int8kv.formats import KvStorageFormat
+from int8kv.hf import Int8KvCache, layer_specs
+
+F16 = KvStorageFormat.F16
+INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+VOCAB = 256
+PROMPT, PAD, NEW = 16, 4, 8
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+    eos_token_id=None, initializer_range=0.02,
+)  # fmt: skip
+# Mixture-of-experts sizes, for the configs that have these fields (defaults of up to 512 experts make a tiny
+# model slow to build).
+MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=32, n_shared_experts=1)  # fmt: skip
+DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+
+
+@dataclass
+class Outcome:
+    model_type: str
+    kind: str  # works | refused | crash | wrong | skipped
+    detail: str = ""
+
+
+# Variants of one model type whose attention differs (name -> (model type, config overrides)), and settings a
+# model type needs to be built this small.
+VARIANTS = {"falcon (alibi)": ("falcon", {"alibi": True})}
+NEEDS = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 8},
+    "codegen": {"rotary_dim": 8},
+    "gptj": {"rotary_dim": 8},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "zaya": {"num_experts_per_tok": 1},
+    "bamba": {"num_hidden_layers": 4, "attn_layer_indices": [1, 3]},
+    "granitemoehybrid": {"num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"]},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+}
+
+
+def candidate_types() -> list[str]:
+    """Model types of the causal-LM mapping, minus composite (multimodal) configs and encoder-decoders, plus
+    :data:`VARIANTS`."""
+    out = []
+    for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        cls = CONFIG_MAPPING[mt] if mt in CONFIG_MAPPING else None
+        if cls is None or cls.sub_configs:
+            continue  # multimodal families: their text configs are mapping entries of their own where they exist
+        out.append(mt)
+    return sorted(out + list(VARIANTS))
+
+
+class _Timeout(BaseException):  # not an Exception: classify() must not take it for the model's error
+    pass
+
+
+def _alarm(*_):
+    raise _Timeout("too slow to build")
+
+
+def _attempts(model_type: str) -> Iterator[dict]:
+    """Tiny settings to try, in order: as is; without ``head_dim`` (configs that derive it); with MLA's
+    dimensions (DeepSeek-like configs); more layers (hybrids whose first layers hold no attention)."""
+    cls = CONFIG_MAPPING[VARIANTS.get(model_type, (model_type,))[0]]
+    moe = {k: v for k, v in MOE.items() if hasattr(cls, k)}
+    base = {**TINY, **moe, **VARIANTS.get(model_type, ("", {}))[1], **NEEDS.get(model_type, {})}
+    yield base
+    yield {k: v for k, v in base.items() if k != "head_dim"}
+    if hasattr(cls, "kv_lora_rank"):
+        yield {**base, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+               "v_head_dim": 16, "head_dim": 8}  # fmt: skip
+    for layers in (4, 8):
+        yield {**base, "num_hidden_layers": layers}
+
+
+def _build_one(model_type: str, kwargs: dict) -> torch.nn.Module | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = CONFIG_MAPPING[model_type](**kwargs)
+    if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_decoder", True):
+        return None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    _rescale(model)
+    if not any(spec.has_kv for spec in layer_specs_or_empty(config)) and kwargs["num_hidden_layers"] < 8:
+        raise ValueError("only contain LinearAttention layers at this size")  # a hybrid: try more layers
+    model.reference = reference(model)  # also proves the model runs with DynamicCache at this size
+    return model
+
+
+def layer_specs_or_empty(config) -> list:
+    try:
+        return layer_specs(config)
+    except UnsupportedAttention:
+        return []
+
+
+def build(name: str) -> torch.nn.Module | None:
+    """The tiny model of model type (or variant) ``name`` (None where transformers cannot build or run one
+    this small)."""
+    model_type = VARIANTS.get(name, (name,))[0]
+    hybrid = False  # two layers held no attention layer: only the larger sizes can work
+    for kwargs in _attempts(name):
+        if hybrid and kwargs["num_hidden_layers"] == 2:
+            continue
+        try:
+            return _build_one(model_type, kwargs)
+        except Exception as e:  # noqa: BLE001 - this size does not build or run: try the next
+            hybrid = hybrid or "only contain LinearAttention layers" in str(e)
+    return None
+
+
+@torch.no_grad()
+def _rescale(model: torch.nn.Module) -> None:
+    """Peaked attention and non-zero biases: linear weights with std 1.5 / sqrt(fan_in), biases ~ N(0, 0.1),
+    norms' weights 1 +- 0.1, sink logits ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.copy_(torch.randn(module.weight.shape, generator=g) * 1.5 / math.sqrt(module.in_features))
+            if module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=g) * 0.1)
+        elif "norm" in type(module).__name__.lower() and isinstance(getattr(module, "weight", None), torch.Tensor):
+            w = module.weight
+            if w.dim() == 1:
+                w.copy_(w + torch.randn(w.shape, generator=g) * 0.1)
+    for name, p in model.named_parameters():
+        if name.endswith("sinks"):
+            p.copy_(torch.randn(p.shape, generator=g))
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, PROMPT), generator=g)
+    mask = torch.ones(2, PROMPT, dtype=torch.long)
+    mask[1, :PAD] = 0
+    return ids * mask, mask
+
+
+def _fake_quant(cache: DynamicCache, fmt: KvStorageFormat) -> DynamicCache:
+    """``cache`` storing decode(encode(x)) in every K/V layer: the values Int8KvCache holds, in float32."""
+
+    def roundtrip(x: torch.Tensor) -> torch.Tensor:
+        return int8kv.codec.decode(fmt, *int8kv.codec.encode(fmt, x)).to(x.dtype)
+
+    for layer in cache.layers:
+        if isinstance(layer, DynamicLayer):
+            original = layer.update
+            layer.update = lambda k, v, *a, _orig=original, **kw: _orig(roundtrip(k), roundtrip(v), *a, **kw)
+    return cache
+
+
+def generate(model: torch.nn.Module, cache) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    ids, mask = inputs()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, cache=cache, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
+            return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+        )  # fmt: skip
+    return out.sequences[:, PROMPT:], [t.float() for t in out.logits]
+
+
+def reference(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return generate(model, DynamicCache(config=model.config))
+
+
+def compare(ref, got) -> str:
+    """'' when ``got`` matches ``ref`` (tokens, logits within 1 % of their range), else what differs."""
+    (rt, rl), (gt, gl) = ref, got
+    if rt.shape != gt.shape:
+        return f"{gt.shape[1]} tokens instead of {rt.shape[1]}"
+    worst = 0.0
+    for step, (r, g) in enumerate(zip(rl, gl, strict=True)):
+        scale = float(r.abs().max()) or 1.0
+        dev = float((r - g).abs().max()) / scale
+        worst = max(worst, dev)
+        for row in range(rt.shape[0]):
+            if int(rt[row, step]) != int(gt[row, step]):
+                top2 = r[row].topk(2).values
+                if float(top2[0] - top2[1]) > 2 * float((r[row] - g[row]).abs().max()):
+                    return f"row {row} diverged at step {step} (a clear winner), logits off by {dev:.3g} of the range"
+        if dev > 0.01:
+            return f"logits off by {dev:.3g} of their range at step {step}"
+        if bool((rt[:, step] != gt[:, step]).any()):
+            break  # a near-tie flipped: later steps condition on other tokens
+    return ""
+
+
+def classify(model_type: str, model: torch.nn.Module) -> Outcome:
+    ref = model.reference
+    fake = generate(model, _fake_quant(DynamicCache(config=model.config), INT8))
+    for fmt, want in ((F16, ref), (INT8, fake)):
+        try:
+            cache = Int8KvCache(model.config, format=fmt)
+            got = generate(model, cache)
+        except UnsupportedAttention as e:
+            after = reference(model)  # the same model with its default cache, after the refusal
+            same = torch.equal(after[0], ref[0]) and all(map(torch.equal, after[1], ref[1]))
+            if not same:
+                return Outcome(model_type, "wrong", f"refused ({e}) but the model's output changed afterwards")
+            return Outcome(model_type, "refused", str(e).split("\n")[0])
+        except Exception as e:  # noqa: BLE001 - the point is to classify whatever happens
+            return Outcome(model_type, "crash", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        diff = compare(want, got)
+        if diff:
+            return Outcome(model_type, "wrong", f"{fmt.value}: {diff}")
+        layers = cache.kv_layers()
+        if layers and all(la.get_seq_length() == 0 for la in layers):
+            return Outcome(model_type, "no attention", "the model keeps a recurrent state of its own, no KV cache")
+        if not layers:
+            return Outcome(model_type, "no attention", "only " + ", ".join(sorted({s.layer_type for s in cache.specs})))
+        if any(la.attention_calls != NEW for la in layers):
+            calls = [la.attention_calls for la in layers]
+            return Outcome(model_type, "wrong", f"int8kv kernels not called once per forward: {calls}")
+    kinds = sorted({spec.kind for spec in cache.specs or []})
+    return Outcome(model_type, "works", ", ".join(kinds))
+
+
+def refused_by_config(name: str) -> Outcome | None:
+    """The refusal ``Int8KvCache(config)`` gives before any model exists (MLA, ALiBi, ... named from the
+    config alone, without building the model), or None; the config must be left as it was. Encoder-decoder
+    configs are "skipped" (not decoder-only architectures)."""
+    model_type = VARIANTS.get(name, (name,))[0]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = CONFIG_MAPPING[model_type](**next(_attempts(name)))
+    except Exception:  # noqa: BLE001 - no config at this size: build() decides
+        return None
+    if getattr(config, "is_encoder_decoder", False):
+        return Outcome(name, "skipped", "encoder-decoder")
+    try:
+        DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - transformers itself cannot build a cache for this config
+        return None
+    impl = config._attn_implementation
+    try:
+        Int8KvCache(config)
+    except UnsupportedAttention as e:
+        if config._attn_implementation != impl:
+            return Outcome(name, "wrong", f"refused ({e}) but the config's attention implementation changed")
+        return Outcome(name, "refused", str(e).split("\n")[0])
+    except Exception:  # noqa: BLE001 - classify() reports it on the built model
+        return None
+    return None
+
+
+def run_all(seconds_per_model: int = 30, start: str = "") -> Iterator[Outcome]:
+    transformers.logging.set_verbosity_error()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: waking a second thread costs more than the work (2-4x measured)
+    warm = build("llama")  # compiles the kernels (or loads them from numba's cache) outside any model's time
+    if warm is not None:
+        classify("llama", warm)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    try:
+        for mt in (t for t in candidate_types() if t >= start):
+            signal.alarm(seconds_per_model)
+            try:
+                early = refused_by_config(mt)
+                if early is not None:
+                    if early.kind != "skipped":
+                        yield early
+                    continue
+                model = build(mt)
+                if model is None:
+                    continue
+                yield classify(mt, model)
+            except _Timeout:
+                yield Outcome(mt, "skipped", f"over {seconds_per_model} s on this machine")
+            finally:
+                signal.alarm(0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        torch.set_num_threads(threads)
+
+
+def render(outcomes: list[Outcome]) -> str:
+    kinds = ("works", "refused", "no attention", "crash", "wrong", "skipped")
+    by = {k: [o for o in outcomes if o.kind == k] for k in kinds}
+    lines = [
+        "# Models: Int8KvCache across transformers' decoder architectures",
+        "",
+        f"Generated by `python tests/models_coverage.py` (transformers {transformers.__version__}); "
+        "tests/test_models_coverage.py checks that this page is what it finds. Each decoder-only model type is "
+        "built tiny (hidden 64, 2 layers or more until a hybrid has an attention layer, vocab 256, 4 heads / 2 "
+        f"KV heads, peaked attention, non-zero biases) and generates {NEW} greedy tokens for a left-padded batch "
+        f"of two {PROMPT}-token prompts: F16 storage against `DynamicCache`, INT8 against a `DynamicCache` "
+        "holding the same rounded K/V, the int8kv kernels called for every layer and step. A refused model "
+        "gets a typed `UnsupportedAttention` naming what is missing and is left exactly as it was.",
+        "",
+        "| outcome | model types |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {len(v)} |" for k, v in by.items() if v]
+    lines += ["", "## Works", "", "| model type | layer kinds |", "|---|---|"]
+    lines += [f"| `{o.model_type}` | {o.detail} |" for o in by["works"]]
+    titles = (
+        ("refused", "Refused"), ("no attention", "No attention layers at this size (nothing for int8kv to store)"),
+        ("crash", "Crash"), ("wrong", "Wrong"), ("skipped", "Skipped"),
+    )  # fmt: skip
+    for kind, title in titles:
+        if by[kind]:
+            lines += ["", f"## {title}", "", "| model type | why |", "|---|---|"]
+            lines += [f"| `{o.model_type}` | {o.detail.replace('|', '/')} |" for o in by[kind]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    found = []
+    start = sys.argv[sys.argv.index("--from") + 1] if "--from" in sys.argv else ""  # a partial run, not written
+    for outcome in run_all(start=start):
+        print(f"{outcome.model_type:28} {outcome.kind:8} {outcome.detail}", flush=True)
+        found.append(outcome)
+    if "--no-write" not in sys.argv and not start:
+        DOC.write_text(render(found))
