@@ -32,7 +32,7 @@ def main() -> None:
     url, namespace, seed, directory = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     store = open_block_store(url, namespace=namespace)
     keys = key_chain(N_BLOCKS, seed=0)  # the same prefix in both processes
-    _, values = blocks(small_spec(), N_BLOCKS, seed=seed)
+    _, values = blocks(small_spec(), N_BLOCKS, seed=seed, keys=keys)
     print("ready", flush=True)
     wait_for(directory / "go")
     won = [i for i, (k, v) in enumerate(zip(keys, values, strict=True)) if store.put(k, v)]

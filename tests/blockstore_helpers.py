@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 
 import torch
@@ -50,27 +51,42 @@ def small_spec(fmt: KvStorageFormat = INT8, block_size: int = 4, fingerprint: st
     return BlockSpec(KvLayout(2, 2, 8, fmt), block_size, fingerprint)
 
 
-def blocks(spec: BlockSpec, n: int, seed: int = 0) -> tuple[KvState, list[bytes]]:
-    """A state of ``n`` full blocks and the encoded value of each block."""
+def blocks(
+    spec: BlockSpec, n: int, seed: int = 0, keys: list[bytes] | None = None, secret: bytes | None = None
+) -> tuple[KvState, list[bytes]]:
+    """A state of ``n`` full blocks and the encoded value of each block, bound to ``keys`` (by default
+    ``key_chain(n, seed)``), with an HMAC tag of ``secret`` if given."""
     state = random_state(spec.layout, n * spec.block_size, seed)
+    keys = key_chain(n, seed) if keys is None else keys
     bs = spec.block_size
-    return state, [encode_block(spec, state.slice(i * bs, (i + 1) * bs)) for i in range(n)]
+    return state, [encode_block(spec, state.slice(i * bs, (i + 1) * bs), keys[i], secret) for i in range(n)]
 
 
 # The fixed header as docs/block_store.md states it, written out here independently of the codec.
-FIXED = struct.Struct("<8sHHHBBIIIIIIQ")
+FIXED = struct.Struct("<8sHHHBBIIIIIIQBB6x")
 FIELDS = [
     "magic", "version", "storage_version", "header_len", "name_len", "fp_len",
     "num_layers", "head_start", "head_end", "head_dim", "block_size", "tokens", "payload_len",
+    "key_len", "auth",
 ]
 
 
-def reframe(value: bytes, payload_patch=None, **fields) -> bytes:
-    """``value`` with header fields replaced and/or payload bytes patched, and a recomputed valid digest."""
-    buf = bytearray(value[:-16])
-    header = dict(zip(FIELDS, FIXED.unpack_from(buf, 0), strict=True))
-    header.update(fields)
+def header_fields(value: bytes) -> dict:
+    return dict(zip(FIELDS, FIXED.unpack_from(value, 0), strict=True))
+
+
+def reframe(value: bytes, payload_patch=None, secret: bytes | None = None, **fields) -> bytes:
+    """``value`` with header fields replaced and/or bytes after the header patched, and a recomputed valid
+    digest; an authenticated value gets a recomputed HMAC tag with ``secret`` (a forger who has it), or keeps
+    its old tag without (a forger who has not)."""
+    original = header_fields(value)
+    trailer = 16 + (32 if original["auth"] else 0)
+    buf = bytearray(value[:-trailer])
+    header = {**original, **fields}
     FIXED.pack_into(buf, 0, *(header[name] for name in FIELDS))
     if payload_patch is not None:
-        payload_patch(buf, dict(zip(FIELDS, FIXED.unpack_from(value, 0), strict=True))["header_len"])
-    return bytes(buf) + xxhash.xxh3_128_digest(bytes(buf))
+        payload_patch(buf, original["header_len"])
+    out = bytes(buf) + xxhash.xxh3_128_digest(bytes(buf))
+    if original["auth"]:
+        out += hmac.new(secret, out, hashlib.sha256).digest() if secret else value[-32:]
+    return out

@@ -1,16 +1,24 @@
 """What the server tests share: a tiny random Llama with a word-level tokenizer saved to a directory (built
-offline in a second), and a live `int8kv serve` process on a free loopback port, stopped by its own pid."""
+offline in a second), a live `int8kv serve` process on a free loopback port, stopped by its own pid, and an app
+served in this process by uvicorn on a thread (for tests that hand the server a component of their own)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from int8kv.server.launch import LocalServer, read_metric
 from int8kv.server.launch import http_get as get
+from int8kv.server.run import bind
 
-__all__ = ["ServerProcess", "get", "make_tiny_model", "metric"]
+__all__ = ["ServerProcess", "get", "in_process", "make_tiny_model", "metric", "read_reply"]
 
 WORDS = (
     "the a of to and in is it that was for on are with as his they be at one have this from or had by hot "
@@ -52,3 +60,39 @@ def make_tiny_model(path: Path, max_positions: int = 4096, seed: int = 0) -> Pat
 
 metric = read_metric  # one unlabelled sample from /metrics
 ServerProcess = LocalServer  # the server under test: `int8kv serve` as a child on a free loopback port
+
+
+@contextlib.contextmanager
+def in_process(app, timeout: float = 60.0) -> Iterator[str]:
+    """Serve `app` on a free loopback port from a thread of this process; yields its base URL. Stopped (the
+    lifespan's shutdown included) when the block ends."""
+    import uvicorn
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+
+
+def read_reply(sock: socket.socket) -> tuple[str, dict]:
+    """(status line, JSON body) of one HTTP response read from a raw socket (the body by its Content-Length)."""
+    reply = b""
+    while True:
+        head, sep, body = reply.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        if sep and len(body) >= length:
+            return head.split(b"\r\n")[0].decode(), json.loads(body[:length])
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {reply!r}"
+        reply += chunk

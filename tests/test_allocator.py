@@ -10,7 +10,14 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from int8kv.cache.allocator import BlockAllocator
 from int8kv.cache.prefix import PrefixHasher
 from int8kv.cache.state import KvLayout
-from int8kv.errors import KvCacheError, KvPoolExhausted, PrefixKeyError, ShapeMismatch, UnknownSequence
+from int8kv.errors import (
+    KvCacheError,
+    KvPoolExhausted,
+    PositionOutOfRange,
+    PrefixKeyError,
+    ShapeMismatch,
+    UnknownSequence,
+)
 
 
 def snapshot(a: BlockAllocator) -> tuple:
@@ -21,7 +28,7 @@ def snapshot(a: BlockAllocator) -> tuple:
         a.cached_blocks(),
         [a.refcount(b) for b in blocks],
         [a.block_key(b) for b in blocks],
-        {s: (a.block_table(s), a.context_len(s)) for s in a.sequences()},
+        {s: (a.block_table(s), a.context_len(s), a.num_released(s)) for s in a.sequences()},
         (a.queried_tokens, a.hit_tokens, a.evictions),
     )
 
@@ -333,8 +340,8 @@ TOKENS = st.one_of(
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random add (plain or with a prefix hit) / grow / register / fork / free / preempt-and-return over a pool
-    that remembers the token written at each slot.
+    """Random add (plain or with a prefix hit) / grow / register / fork / free / preempt-and-return / release
+    (a sliding window's head) over a pool that remembers the token written at each slot.
 
     Invariants: refcounts match the tables; every block is exactly one of referenced, cached (keyed) or free,
     so nothing leaks; a shared block sits at the same position in every table that holds it; every position
@@ -342,7 +349,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     block); a keyed block holds the tokens its key was computed from. Per rule: failures are atomic; writes go
     only to private unkeyed blocks; allocation never hands out a referenced block, and evicts (drops the key
     of) exactly the cached blocks it hands out; a hit returns the blocks registered under its keys, is the
-    longest run and leaves a token to compute; a preempted sequence that returns hits its own blocks.
+    longest run and leaves a token to compute; a preempted sequence that returns hits its own blocks. A released
+    head is no longer held (its stale table entries are never counted or read); its keyed blocks stay hits.
     """
 
     seqs = Bundle("seqs")
@@ -456,8 +464,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         assert self.a.num_free_blocks == len(before[0]) + len(before[1]) - need
         assert self.a.context_len(sid) == length + n
-        table = self.a.block_table(sid)
-        self._check_fresh([b for b in table if b not in before[4][sid][0]], before[2], before[3], before[5][2])
+        table, old = self.a.block_table(sid), before[4][sid][0]
+        # New tail blocks, and the private copy of a shared partial block (an id may be one this sequence released).
+        self._check_fresh(table[len(old) :] + [dst for _, dst in copies], before[2], before[3], before[5][2])
         for src, dst in copies:  # the copied block was shared; the writer now owns a private one
             assert self.a.refcount(dst) == 1 and self.a.refcount(src) >= 1
             self.pool[dst * BS : (dst + 1) * BS] = self.pool[src * BS : (src + 1) * BS]
@@ -475,11 +484,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         table = self.a.block_table(sid)
         held = [self.a.block_key(b) for b in table]
         added = self.a.register_blocks(sid, keys)
-        for i, key in enumerate(keys):
+        gone = self.a.num_released(sid)  # released blocks may belong to other sequences (and keys) now
+        for i, key in list(enumerate(keys))[gone:]:
             now = self.a.block_key(table[i])
             # Registered under its key, or left without one because another block already holds that key.
             assert now == key or (now is None and self.a.lookup(key) not in (None, table[i]))
-        assert added == sum(1 for i in range(len(keys)) if held[i] is None and self.a.block_key(table[i]))
+        assert added == sum(1 for i in range(gone, len(keys)) if held[i] is None and self.a.block_key(table[i]))
         assert self.a.register_blocks(sid, keys) == 0
 
     @rule(target=seqs, parent=seqs)
@@ -500,7 +510,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free(self, sid):
         if sid not in self.a:
             return
-        table = self.a.block_table(sid)
+        table = self.a.block_table(sid)[self.a.num_released(sid) :]
         cached = self.a.cached_blocks()
         self.a.free(sid)
         released = [b for b in reversed(table) if self.a.refcount(b) == 0]
@@ -532,13 +542,33 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert hit == expected
         self.pending[sid] = pending
 
+    @rule(sid=seqs, keep=st.integers(0, 9))
+    def release(self, sid, keep):
+        """A sliding window over the last `keep` positions: the blocks wholly before it are given back."""
+        if sid not in self.a:
+            with pytest.raises(UnknownSequence):
+                self.a.release_before(sid, 0)
+            return
+        length, gone = self.a.context_len(sid), self.a.num_released(sid)
+        table = self.a.block_table(sid)
+        cached = self.a.cached_blocks()
+        released = self.a.release_before(sid, length - keep)
+        now = self.a.num_released(sid)
+        assert now == max(gone, min(max(0, length - keep) // BS, length // BS)) and released == now - gone
+        assert self.a.block_table(sid) == table and self.a.context_len(sid) == length
+        dropped = [b for b in table[gone:now] if self.a.refcount(b) == 0]
+        assert self.a.cached_blocks() == cached + [b for b in dropped if self.a.block_key(b) is not None]
+        if now:
+            with pytest.raises(PositionOutOfRange):
+                self.a.slots(sid, 0, length)
+
     @invariant()
     def refcounts_match_tables(self):
         counts = [0] * self.a.num_blocks
         for sid in self.a.sequences():
             table = self.a.block_table(sid)
             assert len(table) == self.a.blocks_for_tokens(self.a.context_len(sid))
-            for block in table:
+            for block in table[self.a.num_released(sid) :]:
                 counts[block] += 1
         assert counts == [self.a.refcount(b) for b in range(self.a.num_blocks)]
         free, cached = self.a.free_blocks(), self.a.cached_blocks()
@@ -553,16 +583,17 @@ class AllocatorMachine(RuleBasedStateMachine):
     def shared_blocks_hold_the_same_positions(self):
         where: dict[int, set[int]] = {}
         for sid in self.a.sequences():
-            for i, block in enumerate(self.a.block_table(sid)):
+            gone = self.a.num_released(sid)
+            for i, block in list(enumerate(self.a.block_table(sid)))[gone:]:
                 where.setdefault(block, set()).add(i)
         assert all(len(positions) == 1 for positions in where.values())
 
     @invariant()
     def every_position_reads_back_its_token(self):
         for sid in self.a.sequences():
-            n = self.a.context_len(sid)
+            n, start = self.a.context_len(sid), self.a.num_released(sid) * BS
             assert len(self.tokens[sid]) == n
-            assert [self.pool[s] for s in self.a.slots(sid, 0, n)] == self.tokens[sid]
+            assert [self.pool[s] for s in self.a.slots(sid, start, n)] == self.tokens[sid][start:]
 
     @invariant()
     def keyed_blocks_hold_their_tokens(self):

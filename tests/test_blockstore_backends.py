@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import valkey_servers
 from blockstore_helpers import F16, INT8, blocks, key_chain, reframe, small_spec
 from valkey_servers import ValkeyCluster, assert_gone, node
 
-from int8kv.blockstore import BackgroundWriter, StoreUnavailable, open_block_store
+from int8kv.blockstore import BackgroundWriter, BlockStore, StoreUnavailable, open_block_store
 from int8kv.blockstore.disk import DiskBlockStore
 from int8kv.blockstore.embedded import EmbeddedValkeyStore, ValkeyProcess
 
@@ -114,20 +115,21 @@ def test_damaged_value_is_a_miss_and_is_replaced(store):
     assert store.get_prefix(keys, spec).equal(state)
 
 
-def test_wrong_version_or_fingerprint_is_a_miss_and_left_alone(store):
+def test_a_newer_version_is_left_alone_and_every_other_refused_value_deleted(store):
     spec = small_spec()
     _, values = blocks(spec, 2, seed=6)
     keys = key_chain(2, seed=6)
-    newer = reframe(values[0], version=2)
+    newer = reframe(values[0], version=3)
     store.put(keys[0], newer)
     assert store.get_prefix(keys, spec) is None
-    assert store.get([keys[0]]) == [newer]  # another reader may understand it
+    assert store.get([keys[0]]) == [newer]  # a newer reader sharing the store may understand it
     other = small_spec(fingerprint="another-model")
-    _, (theirs,) = blocks(other, 1, seed=6)
-    store.put(keys[1], theirs)
-    assert store.get_prefix(keys[1:], spec) is None
-    assert store.get_prefix(keys[1:], other).length == 4
-    assert store.stats().invalid == 2
+    _, (theirs,) = blocks(other, 1, seed=6, keys=keys[1:])
+    for refused in (reframe(values[1], version=1), theirs):  # an older (unbound) version, another model
+        store.put(keys[1], refused)
+        assert store.get_prefix(keys[1:], spec) is None
+        assert store.get([keys[1]]) == [None]  # deleted: under this key only this reader's blocks belong
+    assert store.stats().invalid == 3
 
 
 def test_background_writer_drains_into_the_store(store):
@@ -216,6 +218,7 @@ def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
     pid = server.pid
     try:
         store = open_block_store(server.url + "?timeout=1", namespace=_namespace())
+        store.read_deadline = BlockStore.read_deadline  # the design's 0.1 s, not the suite's (conftest)
         spec = small_spec()
         _, values = blocks(spec, 3, seed=16)
         keys = key_chain(3, seed=16)
@@ -233,6 +236,7 @@ def test_frozen_server_times_out_into_misses_and_the_full_writer_drops():
             os.kill(pid, signal.SIGCONT)
         stats = store.stats()
         assert stats.errors >= 1 and stats.dropped_writes == 12 and stats.puts == 1
+        assert stats.timeouts == 1  # the lookup gave up after its deadline, not after the 1 s socket timeout
         store.close()
     finally:
         server.stop()
@@ -386,3 +390,44 @@ def test_a_taken_port_is_a_typed_start_error_and_leaves_nothing():
         with pytest.raises(StoreUnavailable, match="in use"):
             server.start()
     assert server.pid is None and server.directory is None
+
+
+def test_disk_entries_that_are_not_regular_files_are_misses_that_never_block(tmp_path):
+    spec = small_spec()
+    state, values = blocks(spec, 6, seed=19)
+    keys = key_chain(6, seed=19)
+    store = DiskBlockStore(tmp_path / "store", namespace="hostile")
+    for k, v in zip(keys, values, strict=True):
+        store.put(k, v)
+    paths = [store.path_of(k) for k in keys]
+    fifo, target = tmp_path / "fifo", tmp_path / "target"
+    os.mkfifo(fifo)
+    target.write_bytes(values[0])  # a valid block of another key
+    for path in paths[1:5]:
+        path.unlink()
+    os.mkfifo(paths[1])
+    paths[2].symlink_to(fifo)
+    paths[3].symlink_to(target)
+    paths[4].mkdir()
+    result: dict = {}
+
+    def read() -> None:  # a plain open() of the FIFO never returned
+        result["get"] = store.get(keys)
+        result["prefix"] = store.get_prefix(keys, spec)
+        result["lookup"] = store.lookup(keys)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "a read of the disk store blocked"
+    assert result["get"] == [values[0], None, None, None, None, values[5]]
+    assert result["prefix"].equal(state.slice(0, 4)) and result["lookup"] == 1
+    assert store.stats().invalid == 4  # the FIFO, both links and the directory (which stays: not unlinked)
+    assert not any(p.exists() or p.is_symlink() for p in paths[1:4])
+    assert fifo.exists() and target.read_bytes() == values[0]  # what the links pointed to is untouched
+    # The fan-out directory itself replaced by a link: a miss, nothing read through it.
+    fanout = paths[0].parent
+    moved = tmp_path / "moved"
+    fanout.rename(moved)
+    fanout.symlink_to(moved)
+    assert store.get(keys[:1]) == [None] and (moved / paths[0].name).exists()

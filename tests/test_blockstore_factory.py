@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from int8kv.blockstore import InvalidBlockKey, InvalidStoreUrl, StoreUnavailable, open_block_store
+from int8kv.blockstore import InvalidBlockKey, InvalidStoreSecret, InvalidStoreUrl, StoreUnavailable, open_block_store
+from int8kv.blockstore.base import READ_DEADLINE_ENV, BlockStore
 from int8kv.blockstore.disk import DiskBlockStore, parse_size
+from int8kv.blockstore.factory import SECRET_ENV
 from int8kv.blockstore.redis import RedisBlockStore, parse_redis_url
 
 
@@ -101,3 +103,38 @@ def test_disk_store_on_an_unusable_path_is_a_typed_error(tmp_path):
     blocker.write_bytes(b"")
     with pytest.raises(StoreUnavailable):
         open_block_store(f"disk:{blocker}")
+
+
+def test_a_secret_from_the_argument_or_the_environment_names_keys_apart(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    key = bytes(range(32))
+    plain = open_block_store(f"disk:{tmp_path}")
+    given = open_block_store(f"disk:{tmp_path}", secret="sixteen bytes ok")
+    monkeypatch.setenv(SECRET_ENV, "sixteen bytes ok")
+    from_env = open_block_store("redis://127.0.0.1:1/0")
+    assert not plain.authenticated and given.authenticated and from_env.authenticated
+    assert plain.key_id(key) == key.hex()
+    assert given.key_id(key) == from_env.key_id(key) != key.hex() and len(given.key_id(key)) == 64
+    assert open_block_store(f"disk:{tmp_path}", secret="another secret!!").key_id(key) != given.key_id(key)
+    from_env.close()
+
+
+@pytest.mark.parametrize("secret", ["short", b"", b"fifteen bytes!!"])
+def test_a_short_secret_is_refused_before_anything_opens(secret, tmp_path, monkeypatch):
+    with pytest.raises(InvalidStoreSecret):
+        open_block_store("embedded", secret=secret)  # refused before a server starts
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(InvalidStoreSecret):
+        open_block_store(f"disk:{tmp_path}")
+    assert not (tmp_path / "int8kv").exists()
+
+
+def test_the_read_deadline_comes_from_the_environment_and_is_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv(READ_DEADLINE_ENV, "0.25")
+    assert open_block_store(f"disk:{tmp_path}").read_deadline == 0.25
+    monkeypatch.delenv(READ_DEADLINE_ENV)
+    assert open_block_store(f"disk:{tmp_path}").read_deadline == BlockStore.read_deadline == 0.1
+    for bad in ("0", "-1", "soon", "nan", "1e9"):
+        monkeypatch.setenv(READ_DEADLINE_ENV, bad)
+        with pytest.raises(InvalidStoreUrl, match=READ_DEADLINE_ENV):
+            open_block_store(f"disk:{tmp_path}")

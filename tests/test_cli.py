@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from int8kv.cli import main
 
@@ -40,11 +41,16 @@ def test_demo_on_packaged_model(capsys, tmp_path):
 # (argv, message, refused before the model loads)
 BAD_INPUT = [
     (["demo", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf", False),
-    (["demo", "--memory", "64KiB"], "smaller than one 16-token INT8 block", False),  # needs the model's sizes
+    (["demo", "--memory", "64KiB"], "smaller than one 16-token INT8 block", True),  # the model's config only
+    (["demo", "--memory", "5"], "smaller than one 16-token INT8 block", True),
+    (["serve", "--memory", "5"], "smaller than one 16-token INT8 block", True),
+    (["serve", "--kv-format", "f16", "--memory", "200KiB"], "smaller than one 16-token F16 block", True),
     (["demo", "--memory", "lots"], "cannot read a memory size", True),
     (["demo", "--formats", "fp8"], "accepted: ", True),
     (["demo", "--max-tokens", "0"], "--max-tokens must be >= 1", True),
     (["demo", "--kv-store", "ftp://host"], "unknown block store 'ftp://host'", True),
+    (["serve", "--kv-store", "embedded", "--kv-store-secret", "short"], "at least 16 bytes", True),
+    (["serve", "--kv-store-secret", "sixteen bytes ok"], "--kv-store-secret needs --kv-store", True),
     (["eval", "--text", "/nonexistent.txt"], "cannot read text file", True),
     (["eval", "--windows", "0"], "--windows", True),
     (["demo", "--bogus"], "unrecognized arguments: --bogus", True),
@@ -64,6 +70,7 @@ BAD_INPUT = [
     (["bench", "attention", "--q-heads", "4", "--kv-heads", "3"], "not a multiple of --kv-heads", True),
     (["bench", "codec", "--tokens", "x"], "argument --tokens: invalid int value: 'x'", True),
     (["bench", "codec", "--json", "/nonexistent/dir/c.json"], "does not exist", True),
+    (["bench", "engine_paths", "--steps", "0"], "--steps must be >= 1, got 0", True),
 ]
 
 
@@ -176,7 +183,7 @@ def help_text(capsys, entry, argv):
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["attention", "codec", "prefix", "e2e"])
+@pytest.mark.parametrize("name", ["attention", "codec", "prefix", "e2e", "engine_paths"])
 def test_bench_has_one_parser_for_both_entry_points(capsys, name):
     from int8kv.bench.__main__ import main as bench_main
 
@@ -255,3 +262,129 @@ def test_json_files_never_hold_nan_or_infinity(capsys, monkeypatch, tmp_path):
     result = strict_loads((tmp_path / "c.json").read_text())
     assert result["results"] == {"copy": {"ms": None, "gb_per_s": None, "vs_copy": 1.0},
                                  "quantize": {"ms": 0.5, "gb_per_s": None, "vs_copy": None}}
+
+
+def test_bench_plots_redraws_the_docs_plots_from_results(capsys, tmp_path):
+    import pathlib
+    import shutil
+
+    from int8kv.bench.plots import PLOTS
+
+    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
+    results, out = tmp_path / "results", tmp_path / "out"
+    results.mkdir()
+    out.mkdir()
+    for source in PLOTS.values():
+        shutil.copy(docs / "results" / source, results / source)
+    code, stdout, err = run(capsys, "bench", "plots", "--results", str(results), "--out", str(out), "--quiet")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == sorted(PLOTS)
+    assert all((out / png).read_bytes().startswith(PNG) for png in PLOTS)
+    assert all(f"{out / png} <- {results / source}" in stdout for png, source in PLOTS.items())
+    # every README/benchmarks plot is one of these, and each is drawn from a results file docs/ still has
+    assert all((docs / png).is_file() and (docs / "results" / source).is_file() for png, source in PLOTS.items())
+
+
+def test_bench_plots_checks_every_input_before_drawing(capsys, tmp_path):
+    from int8kv.bench.plots import PLOTS
+
+    (tmp_path / "demo.json").write_text("{}")
+    code, _, err = run(capsys, "bench", "plots", "--results", str(tmp_path), "--out", str(tmp_path), "--quiet")
+    assert code == 1 and "is not a file" in err
+    assert not any((tmp_path / png).exists() for png in PLOTS)
+    (tmp_path / "file").write_text("")
+    code, _, err = run(capsys, "bench", "plots", "--out", str(tmp_path / "file" / "under"), "--quiet")
+    assert code == 1 and "Not a directory" in err
+
+
+def test_version(capsys):
+    import int8kv
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"int8kv {int8kv.__version__}\n"
+
+
+def tiny_model(tmp_path):
+    from server_helpers import make_tiny_model
+
+    return str(make_tiny_model(tmp_path / "tiny"))
+
+
+def test_demo_and_eval_show_progress_and_the_demo_explains_its_figures(capsys, tmp_path):
+    model = tiny_model(tmp_path)
+    code, out, err = run(capsys, "demo", "--model", model, "--prompt", "the water", "--max-tokens", "3",
+                         "--memory", "1MiB")
+    assert code == 0, err
+    assert "loading model" in err and "model loaded in" in err
+    for name in ("F16", "INT8"):  # stderr is not a terminal here: the plain bar's lines, the last one at the end
+        assert f"{name}: warming up" in err and f"{name}: generating: 3/3 tok (" in err
+    head_dim = 16  # the tiny model's: F16 rows of 32 bytes against 16 codes + a 4-byte scale
+    assert "what these figures mean:" in out
+    assert f"the same memory holds {2 * head_dim / (head_dim + 4):.2f}x the tokens in INT8" in out
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["the water is hot and the day is long"] * 20))
+    code, out, err = run(capsys, "eval", "--model", model, "--text", str(text), "--ctx", "16", "--chunk", "8",
+                         "--windows", "2", "--prompts", "1", "--gen-tokens", "3", "--no-fp8")
+    assert code == 0, err
+    for i, kind in enumerate(("DynamicCache fp32 (baseline)", "int8kv f16", "int8kv int8"), 1):
+        assert f"[{i}/3] {kind}: perplexity: 32/32 tok (" in err and f"[{i}/3] {kind}: greedy: 3/3 tok (" in err
+
+
+def test_model_dir_prints_what_load_model_reads(capsys, tmp_path):
+    model = tiny_model(tmp_path)
+    code, out, err = run(capsys, "model-dir", "--model", model, "--quiet")
+    assert code == 0 and out == f"{model}\n"
+    code, out, err = run(capsys, "model-dir", "--model", str(tmp_path / "missing"), "--quiet")
+    assert code == 1 and "no model at" in err
+
+
+@pytest.mark.parametrize("where", ["file/x.json", "missing/x.json"])
+def test_cache_inspect_checks_its_output_before_any_work(capsys, tmp_path, where):
+    import torch
+
+    from int8kv import QuantizedKvCache, save_kv
+
+    cache = QuantizedKvCache(num_layers=1, capacity=4, num_kv_heads=1, head_dim=8)
+    cache.push_step([torch.randn(1, 8)], [torch.randn(1, 8)])
+    save_kv(tmp_path / "p.kv", cache)
+    (tmp_path / "file").write_text("a regular file")
+    code, out, err = run(capsys, "cache", "inspect", "--json", str(tmp_path / where), str(tmp_path / "p.kv"))
+    assert code == 1 and out == "" and "--json" in err  # refused before the report, not after it
+    assert (tmp_path / "file").read_text() == "a regular file" and not (tmp_path / "missing").exists()
+    code, out, err = run(capsys, "cache", "inspect", "--json", str(tmp_path / "r.json"), str(tmp_path / "p.kv"))
+    assert code == 0 and "tokens" in out and json.loads((tmp_path / "r.json").read_text())
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path):
+    import os
+    import socket
+
+    from int8kv.cli_common import output_problem
+
+    os.mkfifo(tmp_path / "fifo")  # writing the report into it would block forever
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "sock"))
+    sock.close()
+    for name in ("fifo", "sock"):
+        assert "is not a regular file" in output_problem(str(tmp_path / name))
+    assert "is a directory" in output_problem(str(tmp_path))
+    (tmp_path / "old.json").write_text("{}")
+    assert output_problem(str(tmp_path / "old.json")) is None and output_problem(str(tmp_path / "new.json")) is None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".int8kv-probe")] == []  # the probe is gone
+
+
+def test_bench_engine_paths_times_both_paths_on_one_cache(capsys, tmp_path):
+    from test_loader import _write_tiny_model
+
+    torch.manual_seed(0)
+    _write_tiny_model(tmp_path / "tiny")
+    code, out, _ = run(capsys, "bench", "engine_paths", "--model", str(tmp_path / "tiny"), "--context", "40",
+                       "--batches", "1,2", "--steps", "1", "--rounds", "2", "--json", str(tmp_path / "p.json"))
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert code == 0 and [c["batch"] for c in result["cells"]] == [1, 2]
+    for cell in result["cells"]:
+        ms = cell["step_ms"]
+        assert len(cell["step_ms_rounds"]["generic"]) == 2
+        assert cell["generic / fused"] == pytest.approx(ms["fused"] / ms["generic"])
+    assert "generic/fused" in out

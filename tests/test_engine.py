@@ -34,14 +34,15 @@ def hf_logits(model, ids):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("chunk", [256, 50, 7])
-def test_teacher_forced_logits_match_transformers(kind, chunk):
+@pytest.mark.parametrize("chunk, implementation", [(256, "transformers"), (50, "transformers"), (7, "transformers"),
+                                                   (50, "fused")])
+def test_teacher_forced_logits_match_transformers(kind, chunk, implementation):
     model = tiny(kind)
     ids = torch.randint(1, SMALL["vocab_size"], (256,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(model, ids)
     scale = ref.abs().max()
     for fmt, tol in ((F16, 2e-3), (INT8, 3e-2)):
-        llm = LLM(model, kv_format=fmt, memory="4MiB", block_size=16)
+        llm = LLM(model, kv_format=fmt, memory="4MiB", block_size=16, implementation=implementation)
         got = llm.score(ids, chunk_size=chunk).double()
         err = (got - ref).abs().max() / scale
         # F16 K/V storage adds ~2^-11 relative error per element; INT8 up to 1/254 of each row's max.
@@ -57,7 +58,8 @@ def hf_greedy(model, prompt, n):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_continuous_batching_matches_one_by_one_generation(kind):
+@pytest.mark.parametrize("implementation", ["transformers", "fused"])
+def test_continuous_batching_matches_one_by_one_generation(kind, implementation):
     model = tiny(kind, seed=1)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (3, 40, 17, 90, 1, 33)]
@@ -65,7 +67,7 @@ def test_continuous_batching_matches_one_by_one_generation(kind):
     want = [hf_greedy(model, p, 12) for p in prompts]
     # 48 blocks of 4 tokens cannot hold all six requests at once: admission waits and decode preempts.
     llm = LLM(model, kv_format=F16, memory=48 * LLM_block_bytes(model, 4, F16), block_size=4,
-              max_num_seqs=4, max_num_batched_tokens=32)
+              max_num_seqs=4, max_num_batched_tokens=32, implementation=implementation)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     assert llm.stats.preemptions > 0
@@ -129,11 +131,12 @@ def test_smollm2_engine_logits_and_text(smollm2):
     assert (got - ref).abs().max() / ref.abs().max() < 5e-3
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.99
     prompt = tokenizer("The capital of France is")["input_ids"]
-    for fmt in (F16, INT8):
-        out = LLM(model, kv_format=fmt, memory="64MiB", tokenizer=tokenizer).generate(
+    want = hf_greedy(model, prompt, 8)
+    for fmt, implementation in ((F16, "transformers"), (INT8, "transformers"), (INT8, "fused")):
+        out = LLM(model, kv_format=fmt, memory="64MiB", tokenizer=tokenizer, implementation=implementation).generate(
             [prompt], SamplingParams(max_tokens=8)
         )[0]
-        assert out.token_ids == hf_greedy(model, prompt, 8) and "Paris" in out.text
+        assert out.token_ids == want and "Paris" in out.text
 
 
 # Counters of four runs whose schedules are derived by hand (block size 4, prompts of known length, greedy,

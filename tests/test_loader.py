@@ -151,3 +151,25 @@ def test_packaged_smollm2_is_cached(request, monkeypatch, tmp_path):
     assert not hasattr(again.config, "quantization_config")
     assert torch.equal(model.model.embed_tokens.weight, again.model.embed_tokens.weight)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).count("<|im_start|>") >= 1
+
+
+def test_model_dir_and_config_without_loading_weights(tmp_path, fake_gguf, counting_converter, monkeypatch):
+    import transformers
+
+    from int8kv.models import model_config, model_dir
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    cache_dir = tmp_path / "models"
+    # a GGUF: its conversion's directory (converted once, then reused), and that directory's config
+    directory = model_dir(fake_gguf, cache_dir=cache_dir)
+    assert directory == gguf_cache_dir(fake_gguf, cache_dir) and (directory / "config.json").is_file()
+    config = model_config(fake_gguf, cache_dir=cache_dir, quiet=True)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.hidden_size) == (1, 2, 16)
+    assert counting_converter == [fake_gguf]
+    # a transformers directory is its own model_dir
+    assert model_dir(directory) == directory and model_config(directory).vocab_size == 4
+    with pytest.raises(ModelNotFoundError):
+        model_config(tmp_path / "missing")

@@ -181,11 +181,13 @@ def _tiny_llama(num_layers: int):
 
 
 @pytest.mark.parametrize("num_layers", [2, 6])
-def test_engine_step_validates_once_whatever_the_layers(num_layers, monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "transformers"])
+def test_engine_step_validates_once_whatever_the_layers(num_layers, path, monkeypatch):
     pytest.importorskip("transformers")
+    from int8kv.engine.hf_model import TransformersModel
     from int8kv.engine.model import Batch, DecoderModel
 
-    model = DecoderModel(_tiny_llama(num_layers))
+    model = (DecoderModel if path == "fused" else TransformersModel)(_tiny_llama(num_layers))
     cache = model.make_cache(16, 4, INT8)
     calls = counting_validations(monkeypatch)
     prompts = [5, 3]

@@ -11,7 +11,7 @@ import urllib.request
 
 import openai
 import pytest
-from server_helpers import ServerProcess, get, make_tiny_model, metric
+from server_helpers import ServerProcess, get, make_tiny_model, metric, read_reply
 
 from int8kv.engine import LLM, SamplingParams
 from int8kv.models import load_model
@@ -74,17 +74,23 @@ def test_chat_matches_the_offline_engine_on_the_chat_template(client, offline):
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want.token_ids)
 
 
+USAGE = {"include_usage": True}  # stream_options asking for the usage chunk
+
+
 def _streamed(stream, chat: bool) -> tuple[dict[int, str], dict[int, str], object]:
+    """Texts and finish reasons by choice index, and the usage (None unless asked for); each choice ends once."""
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     use = None
     for chunk in stream:
         assert use is None, "usage comes in the last chunk"
         use = chunk.usage
+        assert (use is None) == bool(chunk.choices), "the usage chunk (only) has choices: []"
         for c in chunk.choices:
             piece = (c.delta.content or "") if chat else c.text
             texts[c.index] = texts.get(c.index, "") + piece
             if c.finish_reason:
+                assert c.index not in reasons, f"choice {c.index} ended twice"
                 reasons[c.index] = c.finish_reason
     return texts, reasons, use
 
@@ -93,30 +99,44 @@ def test_streaming_equals_non_streaming_under_greedy(client):
     for prompt in PROMPTS[:3]:
         plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=15, temperature=0)
         texts, reasons, use = _streamed(
-            client.completions.create(model="tiny", prompt=prompt, max_tokens=15, temperature=0, stream=True), False
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=15, temperature=0, stream=True,
+                                      stream_options=USAGE), False
         )
         assert texts == {0: plain.choices[0].text} and reasons == {0: plain.choices[0].finish_reason}
         assert use.completion_tokens == plain.usage.completion_tokens
     messages = [{"role": "user", "content": "tell me about the people"}]
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0)
     texts, reasons, use = _streamed(
-        client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True),
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=9, temperature=0, stream=True,
+                                       stream_options=USAGE),
         True,
     )
     assert texts == {0: plain.choices[0].message.content}
     assert use.total_tokens == plain.usage.total_tokens
 
 
-def test_sse_wire_format_ends_with_done(served):
-    body = json.dumps({"model": "tiny", "prompt": "the a", "max_tokens": 3, "temperature": 0, "stream": True})
-    req = urllib.request.Request(served[0].base + "/v1/completions", body.encode(),
-                                 {"Content-Type": "application/json"})
+def _sse(base: str, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         events = [e for e in r.read().decode().split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 3
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def test_sse_wire_format_ends_with_done_and_usage_only_when_asked(served):
+    ask = {"model": "tiny", "prompt": "the a", "max_tokens": 3, "temperature": 0, "stream": True}
+    for path, extra in (("/v1/completions", {}), ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "the a"}]})):
+        if extra:
+            ask = {k: v for k, v in ask.items() if k != "prompt"} | extra
+        plain = _sse(served[0].base, path, ask)  # what a client reading chunk.choices[0] relies on
+        assert all(chunk["choices"] and "usage" not in chunk for chunk in plain)
+        asked = _sse(served[0].base, path, ask | {"stream_options": {"include_usage": True}})
+        assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] == 3
+        assert asked[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert all(chunk["choices"] for chunk in asked[:-1])
 
 
 def test_n_seeded_samples_are_the_offline_engine_with_seed_plus_index(client, offline):
@@ -154,7 +174,7 @@ def test_n_choices_are_forks_of_one_prefill_streamed_or_not(served, client, offl
         for stream in (False, True):
             before = metric(base, "int8kv_prompt_tokens_total")
             if stream:
-                texts, reasons, use = _streamed(create(**kwargs, stream=True), chat)
+                texts, reasons, use = _streamed(create(**kwargs, stream=True, stream_options=USAGE), chat)
             else:
                 r = create(**kwargs)
                 assert [c.index for c in r.choices] == [0, 1, 2]
@@ -197,7 +217,7 @@ def test_16_concurrent_streaming_clients_complete_and_free_every_block(served, c
 
     def run(i: int) -> None:
         stream = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=24, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+                                           stream=True, stream_options=USAGE, extra_body={"ignore_eos": True})
         results[i] = _streamed(stream, False)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
@@ -234,7 +254,10 @@ LONG_FOR_CONTEXT = " ".join(["the"] * 5000)
         ({"temperature": -1}, 400, "temperature"),
         ({"top_p": 0}, 400, "top_p"),
         ({"max_tokens": 1001}, 400, "max_tokens 1001 is more than this server allows (1000)"),
-        ({"prompt": LONG_FOR_CONTEXT}, 400, "exceed the model's 4096 positions"),
+        # Refused from a prefix: tokenizing stops once the prompt is known to exceed the context.
+        ({"prompt": LONG_FOR_CONTEXT}, 400, "exceeds the model's 4096 positions: its first 16,447 characters are"),
+        ({"prompt": [3] * 5000}, 400, "the prompt's 5,000 tokens exceed the model's 4096 positions"),
+        ({"prompt": " ".join(["the"] * 4090), "max_tokens": 10}, 400, "4090 prompt + 10 new tokens exceed the model"),
         ({"prompt": LONG_FOR_POOL}, 400, "does not fit in the whole KV cache pool"),
         ({"prompt": [3, 100000]}, 400, "token id 100000 is not an int in [0, "),
         ({"prompt": []}, 400, "empty"),
@@ -298,13 +321,6 @@ def test_a_client_that_disconnects_mid_stream_is_aborted_and_its_blocks_freed(se
     assert client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0).usage.prompt_tokens == 1
 
 
-def _content_length(reply: bytes) -> int:
-    for line in reply.partition(b"\r\n\r\n")[0].split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return int(line.split(b":")[1])
-    return 0
-
-
 def test_a_body_over_the_limit_gets_413_unread_and_the_server_goes_on(served, client):
     import socket
 
@@ -312,14 +328,9 @@ def test_a_body_over_the_limit_gets_413_unread_and_the_server_goes_on(served, cl
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:  # headers only: the body never comes
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
                      f"\r\nContent-Length: {12 << 20}\r\n\r\n".encode())
-        reply = b""
-        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _content_length(reply):
-            chunk = sock.recv(65536)
-            assert chunk, f"connection closed after {reply!r}"
-            reply += chunk
-        head, _, payload = reply.decode().partition("\r\n\r\n")
-    assert head.startswith("HTTP/1.1 413")
-    assert "larger than this server reads (8,388,608 bytes)" in json.loads(payload)["error"]["message"]
+        status, body = read_reply(sock)
+    assert status.startswith("HTTP/1.1 413")
+    assert "larger than this server reads (8,388,608 bytes)" in body["error"]["message"]
     assert client.completions.create(model="tiny", prompt="the", max_tokens=2, temperature=0).usage.prompt_tokens == 1
 
 

@@ -1,8 +1,11 @@
 """`int8kv serve` refuses bad arguments in one line, exit status 1, before any model is loaded."""
 
+import socket
+
 import pytest
 
 from int8kv import cli
+from int8kv.server.launch import free_port
 
 
 @pytest.mark.parametrize(
@@ -16,14 +19,50 @@ from int8kv import cli
         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0"),
         (["--kv-format", "int3"], "unsupported KV cache dtype 'int3'"),
         (["--memory", "lots"], "cannot read a memory size from 'lots'"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+        (["/models/a", "--model", "/models/b"], "two models given: '/models/a' and --model '/models/b'"),
+        (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:"),  # not an address of this machine
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["/nonexistent/positional"], "/nonexistent/positional"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_1(capsys, monkeypatch, argv, message):
     import int8kv.models
 
-    if "--model" not in argv:  # everything else must be refused before the model loads
+    if not any("nonexistent" in a for a in argv):  # everything else must be refused before the model loads
         monkeypatch.setattr(int8kv.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
-    assert cli.main(["serve", "--quiet", *argv]) == 1
+    port = [] if "--port" in argv else ["--port", str(free_port())]  # 8000 may be taken on a test machine
+    assert cli.main(["serve", "--quiet", *port, *argv]) == 1
     err = capsys.readouterr().err
     assert err.startswith("int8kv: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_port_already_taken_fails_before_the_model_loads(capsys, monkeypatch):
+    import int8kv.models
+
+    monkeypatch.setattr(int8kv.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--quiet", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"int8kv: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err, err
+
+
+def test_the_api_key_from_the_environment_is_not_shown_by_help(capsys, monkeypatch):
+    monkeypatch.setenv("INT8KV_API_KEY", "sk-very-secret")
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--api-key" in out and "sk-very-secret" not in out
+
+
+def test_a_max_model_len_beyond_the_model_is_one_line(capsys, tmp_path):
+    from server_helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", max_positions=256)
+    capsys.readouterr()  # the model's saving noise
+    assert cli.main(["serve", "--quiet", str(model), "--port", str(free_port()), "--max-model-len", "300"]) == 1
+    err = capsys.readouterr().err
+    assert "max_model_len 300 must lie in [1, 256]" in err and err.count("\n") == 1, err

@@ -30,7 +30,7 @@ def replicas(tmp_path_factory, valkey):
     try:
         b = ServerProcess(*args, log_path=root / "b.log")
         try:
-            yield a, b, valkey[1]
+            yield a, b, valkey[1], valkey[0]
         finally:
             assert b.stop() == 0, b.output()
     finally:
@@ -38,7 +38,7 @@ def replicas(tmp_path_factory, valkey):
 
 
 def test_replica_b_loads_the_prefix_replica_a_computed(replicas):
-    a, b, store = replicas
+    a, b, store, store_url = replicas
     prompt = " ".join(["the water of people"] * 40)  # 160 tokens: ten full 16-token blocks
     ask = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
     client_a = openai.OpenAI(base_url=a.base + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -52,6 +52,14 @@ def test_replica_b_loads_the_prefix_replica_a_computed(replicas):
         assert time.monotonic() < deadline, f"A wrote {store.dbsize()} of 10 blocks to the store"
         time.sleep(0.2)
     second = client_b.completions.create(**ask)
-    assert metric(b.base, "int8kv_prefix_cache_hit_rate") > 0
     assert second.choices[0].text == first.choices[0].text
-    assert second.usage == first.usage
+    assert (second.usage.prompt_tokens, second.usage.completion_tokens) == (160, first.usage.completion_tokens)
+    # B found nine blocks in the store (the tenth holds the last prompt token, which is always computed).
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)]
+    assert cached == [0, 144]
+    assert metric(b.base, "int8kv_prefix_cache_hit_rate") == 144 / 160
+    assert metric(b.base, "int8kv_kv_store_hit_tokens_total") == 144
+    assert metric(b.base, "int8kv_kv_store_miss_tokens_total") == 16
+    assert metric(a.base, "int8kv_kv_store_miss_tokens_total") == 160  # A had nothing to find
+    assert metric(a.base, "int8kv_kv_store_faults_total") == metric(b.base, "int8kv_kv_store_faults_total") == 0
+    assert f"KV store {store_url}" in a.output()  # the startup line names the store

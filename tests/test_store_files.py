@@ -7,6 +7,8 @@ was taken as a file descriptor and closed, a save killed with SIGKILL left its t
 from __future__ import annotations
 
 import os
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -18,8 +20,23 @@ import pytest
 from store_helpers import INT8, assert_unchanged, filled_cache, refuses, snapshot
 
 from int8kv.cli import main
-from int8kv.store import KvFileUnreadable, KvPathError, SaveError, inspect_kv, load_kv, save_kv
-from int8kv.store.files import STALE_TEMP_AGE_S, remove_stale_temporaries
+from int8kv.errors import StoreError
+from int8kv.store import (
+    KvFileUnreadable,
+    KvFileUnwritable,
+    KvPathError,
+    SaveError,
+    inspect_kv,
+    load_kv,
+    save_kv,
+)
+from int8kv.store.files import (
+    STALE_TEMP_AGE_S,
+    refuse_irregular,
+    refuse_unwritable,
+    remove_stale_temporaries,
+    write_atomic,
+)
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 
@@ -97,13 +114,105 @@ def test_a_fifo_swapped_in_after_the_stat_does_not_block(tmp_path, monkeypatch) 
 
 def test_devices_and_directories_are_refused(tmp_path) -> None:
     target = filled_cache(INT8, tokens=5)
-    if os.path.exists("/dev/null"):
-        err = refuses(Path("/dev/null"), target, KvFileUnreadable)
-        assert "character device" in str(err)
-        with pytest.raises(KvFileUnreadable):
-            inspect_kv("/dev/null")
     err = refuses(tmp_path, target, KvFileUnreadable)
     assert "directory" in str(err)
+    for mode, kind in ((stat.S_IFCHR | 0o666, "character device"), (stat.S_IFBLK | 0o660, "block device")):
+        with pytest.raises(KvFileUnreadable, match=kind):  # the reader's mode check, without making a device
+            refuse_irregular(mode, "x.kv")
+
+
+def _node(tmp_path: Path, kind: str) -> tuple[Path, list]:
+    """A non-regular node at tmp_path/<kind>.kv, made without root, and what must stay as it is."""
+    path = tmp_path / f"{kind}.kv"
+    regular = tmp_path / "regular.kv"
+    regular.write_bytes(b"the file a link points to")
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        sock.close()
+    elif kind == "directory":
+        path.mkdir()
+        (path / "inside").write_text("kept")
+    elif kind == "link to a file":
+        path.symlink_to(regular)
+    elif kind == "link to a directory":
+        path.symlink_to(tmp_path)
+    elif kind == "dangling link":
+        path.symlink_to(tmp_path / "nowhere.kv")
+    return path, [regular.read_bytes()]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not hasattr(socket, "AF_UNIX"), reason="needs FIFOs, sockets")
+@pytest.mark.parametrize(
+    "kind", ["fifo", "socket", "directory", "link to a file", "link to a directory", "dangling link"]
+)
+def test_save_never_replaces_what_is_not_a_regular_file(tmp_path, kind) -> None:
+    path, _ = _node(tmp_path, kind)
+    before = os.lstat(path)
+    with pytest.raises(KvFileUnwritable, match="not a regular file") as info:
+        save_kv(path, filled_cache(INT8))
+    assert isinstance(info.value, StoreError) and isinstance(info.value, OSError)
+    after = os.lstat(path)  # the same node, untouched, and no temporary left beside it
+    assert (after.st_ino, after.st_mode, after.st_mtime_ns) == (before.st_ino, before.st_mode, before.st_mtime_ns)
+    assert (tmp_path / "regular.kv").read_bytes() == b"the file a link points to"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    if kind == "directory":
+        assert [p.name for p in path.iterdir()] == ["inside"]
+
+
+def test_save_refuses_device_modes() -> None:
+    # The check save_kv applies to an lstat of the target, on the modes of devices (made without mknod).
+    for mode, kind in ((stat.S_IFCHR | 0o666, "character device"), (stat.S_IFBLK | 0o660, "block device"),
+                       (stat.S_IFLNK | 0o777, "symbolic link")):
+        with pytest.raises(KvFileUnwritable, match=kind):
+            refuse_unwritable(mode, "x.kv")
+    refuse_unwritable(stat.S_IFREG | 0o644, "x.kv")  # a regular file is replaced
+
+
+@pytest.mark.parametrize("where, message", [
+    ("missing/s.kv", "No such file or directory"),
+    ("file/s.kv", "Not a directory"),
+    ("missing/", "names a directory"),
+    ("file/", "names a directory"),
+])
+def test_save_into_a_folder_that_is_not_one_is_a_typed_error(tmp_path, where, message) -> None:
+    (tmp_path / "file").write_bytes(b"a regular file")
+    with pytest.raises(KvFileUnwritable, match=message):
+        save_kv(f"{tmp_path}/{where}", filled_cache(INT8))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert (tmp_path / "file").read_bytes() == b"a regular file"
+
+
+@needs_fifo
+def test_a_fifo_put_at_the_target_during_the_write_is_not_replaced(tmp_path) -> None:
+    path = tmp_path / "s.kv"
+    path.write_bytes(b"old")
+
+    def chunks():
+        yield b"new bytes"
+        path.unlink()
+        os.mkfifo(path)  # swapped in after the first check, before the rename
+        yield b"more"
+
+    with pytest.raises(KvFileUnwritable, match="FIFO"):
+        write_atomic(path, chunks())
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["s.kv"]
+
+
+def test_a_failed_write_is_a_typed_error_and_leaves_the_old_file(tmp_path) -> None:
+    path = tmp_path / "s.kv"
+    path.write_bytes(b"old")
+
+    def chunks():
+        yield b"new"
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(KvFileUnwritable, match="No space left"):
+        write_atomic(path, chunks())
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["s.kv"]
 
 
 def test_a_path_that_is_not_a_path_is_refused(tmp_path) -> None:

@@ -9,13 +9,14 @@ ValkeyProcess); ``assert_gone`` checks that a pid no longer exists after teardow
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 
 from int8kv.blockstore.embedded import ValkeyCluster, ValkeyProcess
 
-__all__ = ["ValkeyCluster", "assert_gone", "node", "valkey_cluster", "valkey_node"]
+__all__ = ["StoreFault", "ValkeyCluster", "assert_gone", "node", "valkey_cluster", "valkey_node"]
 
 
 def node(**kwargs) -> ValkeyProcess:
@@ -33,6 +34,48 @@ def assert_gone(pid: int, timeout: float = 5.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"valkey-server pid {pid} is still running after teardown")
+
+
+class StoreFault:
+    """A real server to break, for the fault tests and tests/store_faults.py.
+
+    ``fault`` is ``<valkey|embedded|cluster-node>-<paused|killed>``: open a store on ``url``, then
+    ``make(store)`` pauses (SIGSTOP: it accepts connections and never answers) or kills the server behind it (a
+    node of its own, the embedded store's server, or the last node of a 3-node cluster); ``resume()`` sends
+    SIGCONT to a paused one and ``stop()`` resumes and stops what this object started, by its own pids.
+    """
+
+    def __init__(self, fault: str) -> None:
+        self.fault, self.server, self.cluster, self.paused = fault, None, None, None
+        if fault.startswith("valkey"):
+            self.server = node()
+            self.url = self.server.url
+        elif fault.startswith("cluster"):
+            self.cluster = ValkeyCluster(3)
+            self.url = self.cluster.url
+        else:
+            self.url = "embedded"
+
+    def make(self, store) -> None:
+        target = self.cluster.nodes[-1] if self.cluster else self.server or store.server
+        pid = target.pid
+        if self.fault.endswith("killed"):
+            target.kill()
+            assert_gone(pid)
+        else:
+            self.paused = pid
+            os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.paused is not None:
+            os.kill(self.paused, signal.SIGCONT)
+            self.paused = None
+
+    def stop(self) -> None:
+        self.resume()
+        for owned in (self.cluster, self.server):
+            if owned is not None:
+                owned.stop()
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from .errors import (
     UnknownBackend,
     UnknownSequence,
     UnsupportedAttention,
+    UnsupportedModel,
 )
 from .formats import KvStorageFormat
 from .ops import (
@@ -76,6 +77,7 @@ __all__ = [
     "UnknownBackend",
     "UnknownSequence",
     "UnsupportedAttention",
+    "UnsupportedModel",
     "append_paged_kv",
     "attention",
     "dequantize_int8",

@@ -14,7 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import progress
+from . import __version__, progress
+from .bench import BENCHMARKS
 from .cache.paged import PagedKvCache
 from .cli_common import (
     COMMON_FLAGS,
@@ -35,7 +36,6 @@ DEMO_PROMPTS = (
     "Write a haiku about the sea.",
     "Give me three tips for learning a new language.",
 )
-BENCHES = ("attention", "codec", "e2e", "prefix", "serve", "slope", "store", "store_io")
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 KV_STORE_HELP = (
@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="int8kv", description="INT8 KV-cache storage for LLM inference", formatter_class=HelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"int8kv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(parent: Any, name: str, text: str) -> argparse.ArgumentParser:  # parent: add_subparsers()
@@ -85,15 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Everything after the name goes to the benchmark's own parser (`int8kv bench <name> --help` shows it).
     bench = command(sub, "bench", "benchmarks: int8kv bench <name> [options] runs python -m int8kv.bench <name>")
-    bench.add_argument("name", choices=BENCHES, help="the benchmark")
+    bench.add_argument("name", choices=tuple(BENCHMARKS), help="the benchmark")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options (see <name> --help)")
     _common(bench)
 
     serve = command(sub, "serve", "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", help=f"{MODEL_HELP}; or --model")
     serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--kv-format", default="int8", help="KV storage format: int8 or f16")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
     serve.add_argument("--kv-store", help="shared KV block store (disk:PATH, redis://..., embedded)")
+    serve.add_argument("--kv-store-secret", metavar="SECRET",
+                       help="authenticate the store's blocks with this shared secret (>= 16 bytes; prefer the "
+                            "INT8KV_KV_STORE_SECRET variable: a command line is visible to other users)")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together in one step")
@@ -103,7 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds SIGTERM lets running requests finish before aborting them")
     serve.add_argument("--served-model-name", help="the model name clients use (default: from --model)")
+    serve.add_argument("--max-model-len", type=int,
+                       help="the most tokens (prompt + new) one request may use (default: the model's context)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                                          "(default: $INT8KV_API_KEY, which keeps the key out of the process list)")
+    serve.add_argument("--no-log-requests", action="store_true",
+                       help="no log line per request (id, tokens, finish reason, seconds)")
     _common(serve)
+
+    where = command(sub, "model-dir", "the transformers directory a model loads from (the packaged SmolLM2's: "
+                    "converted from its GGUF on first use), for AutoModelForCausalLM.from_pretrained")
+    where.add_argument("--model", help=MODEL_HELP)
+    _common(where)
 
     cache = command(sub, "cache", "saved KV files")
     cache_sub = cache.add_subparsers(dest="cache_command", required=True)
@@ -126,17 +142,41 @@ def _formats(text: str) -> list[KvStorageFormat]:
 
 
 def _chat(tokenizer, prompt: str) -> list[int]:
+    from .engine.chat import chat_prompt_ids
+
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer(prompt)["input_ids"])
+
+
+def _load(args: argparse.Namespace):
+    """(model, tokenizer) of --model, with a line before and after: the first use of a GGUF converts it."""
+    from .models import load_model
+
+    progress.note(f"loading model {args.model or '(packaged SmolLM2-135M-Instruct)'} ...")
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    progress.note(f"model loaded in {time.perf_counter() - start:.1f} s")
+    return model, tokenizer
+
+
+def _check_memory_holds_a_block(args: argparse.Namespace, budget: int, fmt: KvStorageFormat, what: str) -> None:
+    """Refuse --memory below one 16-token block of the model in ``fmt``, reading only the model's config."""
+    from .models import kv_dims, model_config
+
+    config = model_config(args.model, progress=progress.note, quiet=progress.is_quiet())
+    block = PagedKvCache.bytes_per_block(16, *kv_dims(config), fmt)
+    if budget < block:
+        name = fmt.as_str().split("_")[0].upper()
+        raise CliError(f"--memory {args.memory} is smaller than one 16-token {name} block of this model "
+                       f"({block:,} B): {what}")
 
 
 def run_demo(args: argparse.Namespace) -> dict:
     check_minimums(args, {"max_tokens": 1})
     budget = memory_budget(args.memory)
     formats = _formats(args.formats)
+    _check_memory_holds_a_block(args, budget, INT8, "the capacity table counts whole blocks")
     store = None
     if args.kv_store:
         from .blockstore import open_block_store
@@ -151,24 +191,22 @@ def run_demo(args: argparse.Namespace) -> dict:
 
 def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvStorageFormat]) -> dict:
     from .engine import LLM, SamplingParams
-    from .models import kv_dims, load_model
+    from .models import kv_dims
 
-    progress.note("loading model ...")
-    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    model, tokenizer = _load(args)
     dims = kv_dims(model.config)
-    block = PagedKvCache.bytes_per_block(16, *dims, INT8)
-    if budget < block:
-        raise CliError(f"--memory {args.memory} is smaller than one 16-token INT8 block of this model ({block:,} B)")
     prompts = args.prompt or list(DEMO_PROMPTS)
     prompt_ids = [_chat(tokenizer, p) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens)
     runs = {}
     for fmt in formats:
+        name = fmt.as_str().split("_")[0].upper()
         engine = dict(kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts), kv_store=store)
         llm = LLM(model, **engine)
+        progress.note(f"{name}: warming up (the first run compiles the kernels, cached afterwards) ...")
         llm.generate([prompt_ids[0][:8]], SamplingParams(max_tokens=2))  # compile kernels before timing
         start = time.perf_counter()
-        outs = llm.generate(prompt_ids, params)
+        outs = _generate_with_bar(llm, prompt_ids, params, f"{name}: generating")
         seconds = time.perf_counter() - start
         tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
         runs[fmt.as_str()] = {
@@ -183,7 +221,7 @@ def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvSto
             llm.flush_kv_store(timeout=30)
             fresh = LLM(model, **engine)  # an empty pool: the prompts' full blocks can only come from the store
             start = time.perf_counter()
-            again = fresh.generate(prompt_ids, params)
+            again = _generate_with_bar(fresh, prompt_ids, params, f"{name}: a fresh engine on the store")
             runs[fmt.as_str()]["store_rerun"] = {
                 "seconds": time.perf_counter() - start,
                 "prompt_tokens": sum(map(len, prompt_ids)),
@@ -196,6 +234,14 @@ def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvSto
     name = os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
     return {"model": name, "prompts": prompts, "runs": runs, "kv_store": args.kv_store,
             "memory_budget": budget, "dims": dims, "capacity_tokens": capacity}
+
+
+def _generate_with_bar(llm: Any, prompt_ids: list[list[int]], params: Any, desc: str) -> list:
+    """`llm.generate`, its generated tokens counted on a progress bar after every step."""
+    with progress.Bar(desc, total=len(prompt_ids) * params.max_tokens, unit="tok") as bar:
+        first = llm.stats.generated_tokens
+        return llm.generate(prompt_ids, params,
+                            on_step=lambda stats: bar.update(stats.generated_tokens - first - bar.done))
 
 
 def format_demo(result: dict) -> str:
@@ -230,6 +276,29 @@ def format_demo(result: dict) -> str:
     lines.append(f"\ncontext that fits in {gib:g} GiB of KV memory (all layers, K and V):")
     for name, tokens in result["capacity_tokens"].items():
         lines.append(f"  {name:<36}{tokens:>14,} tokens")
+    lines.append(_demo_summary(result))
+    return "\n".join(lines)
+
+
+def _demo_summary(result: dict) -> str:
+    """What the demo's figures mean, in a few lines."""
+    layers, heads, head_dim = result["dims"]
+    runs, capacity = result["runs"], result["capacity_tokens"]
+    lines = [
+        "\nwhat these figures mean:",
+        f"  B/token    bytes the KV cache stores per token: {layers} layers x {heads} KV heads x K and V x one row"
+        f" of {head_dim} values (F16: {2 * head_dim} bytes a row; INT8: {head_dim} one-byte codes + a 4-byte scale)",
+        "  KV bytes   B/token x the tokens these prompts and answers hold (prompt + generated)",
+        f"  tok/s      generated tokens per second, {len(result['prompts'])} prompt(s) decoded together after a "
+        "warm-up: a demo on a small model, not a benchmark (python -m int8kv.bench e2e measures decode speed)",
+    ]
+    if "f16" in runs and INT8.as_str() in runs:
+        lines.append("  identical  whether INT8 storage changed any greedy (temperature 0) token against F16; a "
+                     "long answer may part after a near-tie (docs/benchmarks.md, Quality)")
+    if "f16" in capacity and INT8.as_str() in capacity:
+        more = capacity[INT8.as_str()] / capacity["f16"]
+        lines.append(f"  fits       the same memory holds {more:.2f}x the tokens in INT8: longer contexts or more "
+                     "requests at once")
     return "\n".join(lines)
 
 
@@ -257,19 +326,18 @@ def plot_memory(result: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # -- eval ----------------------------------------------------------------------------------------------
 def run_eval(args: argparse.Namespace) -> dict:
     from .eval import DEFAULT_PROMPTS, MIN_CTX, cache_kinds, evaluate, read_text
-    from .models import load_model
 
     check_minimums(args, {"ctx": MIN_CTX, "chunk": 1, "windows": 1, "gen_tokens": 1, "prompts": 0})
     if args.prompts > len(DEFAULT_PROMPTS):
         raise CliError(f"--prompts must be in [0, {len(DEFAULT_PROMPTS)}] (0: no greedy run), got {args.prompts}")
     text = read_text(args.text)
-    progress.note("loading model ...")
-    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    model, tokenizer = _load(args)
     return evaluate(
         model, tokenizer, text, ctx=args.ctx, chunk=args.chunk, max_windows=args.windows,
         gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts], kinds=cache_kinds(not args.no_fp8),
@@ -298,6 +366,7 @@ def plot_eval(result: dict, path: str) -> None:
     ax.margins(y=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # -- serve ---------------------------------------------------------------------------------------------
@@ -305,34 +374,52 @@ def run_serve(args: argparse.Namespace) -> int:
     import inspect
 
     from .engine import LLM
-    from .models import load_model
 
     check_minimums(args, {"port": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "max_queue": 0,
                           "max_tokens": 1})
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise CliError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.model_path and args.model and args.model_path != args.model:
+        raise CliError(f"two models given: {args.model_path!r} and --model {args.model!r}")
+    args.model = args.model or args.model_path
     if args.port > 65535:
         raise CliError(f"--port must be <= 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    memory_budget(args.memory)
     fmt = _formats(args.kv_format)
     if len(fmt) != 1:
         raise CliError(f"--kv-format takes one format, got {args.kv_format!r}")
+    _check_memory_holds_a_block(args, memory_budget(args.memory), fmt[0], "the KV pool would hold no block")
     extra = {}
     if args.kv_store:
         if "kv_store" not in inspect.signature(LLM).parameters:
             raise CliError("--kv-store needs an engine with a shared KV block store (LLM(kv_store=...)), "
                            "which this build does not have")
         extra["kv_store"] = args.kv_store
-    from .server import Limits, serve
+    if args.kv_store_secret is not None:
+        if not args.kv_store:
+            raise CliError("--kv-store-secret needs --kv-store")
+        from .blockstore import check_secret
 
-    progress.note("loading model ...")
-    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+        try:
+            check_secret(args.kv_store_secret)  # before the model loads
+        except ValueError as exc:
+            raise CliError(f"--kv-store-secret: {exc}") from None
+        extra["kv_store_secret"] = args.kv_store_secret
+    from .server import Limits, serve
+    from .server.run import bind
+
+    sock = bind(args.host, args.port)  # a port already taken fails now, not after the model has loaded
+    model, tokenizer = _load(args)
     llm = LLM(model, kv_format=fmt[0], memory=args.memory, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **extra)
     name = args.served_model_name or (
         os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
-    limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
-    return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning")
+    limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                    max_model_len=args.max_model_len)
+    key = args.api_key or os.environ.get("INT8KV_API_KEY") or None  # not a parser default: --help would show it
+    return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning",
+                 api_key=key, sock=sock, kv_store=args.kv_store, log_requests=not args.no_log_requests)
 
 
 # -- entry point -----------------------------------------------------------------------------------------
@@ -342,6 +429,11 @@ def _dispatch(args: argparse.Namespace, extra: list[str]) -> int | None:
     check_outputs(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "model-dir":
+        from .models import model_dir
+
+        print(model_dir(args.model, progress=progress.note))
+        return 0
     if args.command == "demo":
         result = run_demo(args)
         print(format_demo(result))

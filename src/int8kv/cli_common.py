@@ -11,7 +11,9 @@ import json
 import math
 import numbers
 import os
+import stat
 import sys
+import tempfile
 from collections.abc import Callable
 
 from .errors import KvCacheError
@@ -57,14 +59,30 @@ def bench_parser(name: str, description: str) -> Parser:
 
 def output_problem(path: str) -> str | None:
     """Why the command could not write ``path`` (--json, --plot), or None: checked before any work is done, so
-    a long run does not end in an unwritable file."""
+    a long run does not end in an unwritable file. An existing path must be a writable regular file (a FIFO
+    would block the write, a device would swallow it); a new one needs a folder in which a file can be
+    created, which is tried (a probe file, removed at once: some folders accept no new file whatever their
+    permission bits say)."""
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{path!r} is a directory, not a file to write"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:  # ENOTDIR: under a regular file
+        return f"cannot write {path!r}: {exc.strerror}"
+    if mode is not None:
+        if stat.S_ISDIR(mode):
+            return f"{path!r} is a directory, not a file to write"
+        if not stat.S_ISREG(mode):
+            return f"{path!r} is not a regular file: outputs are written to regular files"
+        return None if os.access(path, os.W_OK) else f"cannot write {path!r}: the file is not writable"
     if not os.path.isdir(folder):
         return f"cannot write {path!r}: folder {folder!r} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"cannot write {path!r}: folder {folder!r} is not writable"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".int8kv-probe-"):
+            pass
+    except OSError as exc:
+        return f"cannot write {path!r}: no file can be created in folder {folder!r} ({exc.strerror})"
     return None
 
 

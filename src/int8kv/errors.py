@@ -78,3 +78,7 @@ class AttentionBypassed(UnsupportedAttention):
 
 class UnknownBackend(KvCacheError, ValueError):
     """A kernel backend name that is not one of int8kv.ops.BACKENDS."""
+
+
+class UnsupportedModel(KvCacheError, NotImplementedError):
+    """A model (architecture, layer kind or config field) the engine does not implement, refused by name."""

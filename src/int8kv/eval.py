@@ -19,7 +19,7 @@ import torch
 from .errors import KvCacheError
 from .formats import KvStorageFormat
 from .models.config import kv_dims
-from .progress import progress
+from .progress import Bar
 
 DEFAULT_TEXT_GLOB = "/usr/share/common-licenses/*"
 DEFAULT_PROMPTS = (
@@ -112,12 +112,14 @@ def windows(ids: list[int], ctx: int, max_windows: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def window_nll(model, kind: CacheKind, window: list[int], chunk: int) -> tuple[float, int]:
+def window_nll(model, kind: CacheKind, window: list[int], chunk: int, bar: Bar | None = None) -> tuple[float, int]:
     cache = kind.make(model.config)
     logits = []
     for start in range(0, len(window), chunk):
         ids = torch.tensor([window[start : start + chunk]])
         logits.append(model(input_ids=ids, cache=cache, use_cache=True).logits[0].double())
+        if bar is not None:
+            bar.update(ids.shape[1])
     half = len(window) // 2
     lp = torch.log_softmax(torch.cat(logits)[half - 1 : -1], dim=-1)
     target = torch.tensor(window[half:])
@@ -125,13 +127,29 @@ def window_nll(model, kind: CacheKind, window: list[int], chunk: int) -> tuple[f
 
 
 @torch.inference_mode()
-def greedy(model, tokenizer, kind: CacheKind, prompt: str, new_tokens: int) -> list[int]:
+def greedy(model, tokenizer, kind: CacheKind, prompt: str, new_tokens: int, bar: Bar | None = None) -> list[int]:
     inputs = tokenizer(prompt, return_tensors="pt")
     out = model.generate(
         **inputs, cache=kind.make(model.config), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=tokenizer.eos_token_id,
+        do_sample=False, pad_token_id=tokenizer.eos_token_id, streamer=None if bar is None else _Counter(bar),
     )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+class _Counter:
+    """A transformers streamer that counts the generated tokens on a progress bar (its first `put` is the
+    prompt)."""
+
+    def __init__(self, bar: Bar) -> None:
+        self.bar, self.prompt_seen = bar, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.bar.update(value.numel())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, int]:
@@ -157,13 +175,15 @@ def evaluate(
     nll: dict[str, float] = {}
     generated: dict[str, list[list[int]]] = {}
     scored = 0
-    for kind in kinds:
+    for i, kind in enumerate(kinds, 1):
         total, scored = 0.0, 0
-        for w in progress(wins, f"perplexity [{kind.name}]"):
-            s, n = window_nll(model, kind, w, chunk)
-            total, scored = total + s, scored + n
+        with Bar(f"[{i}/{len(kinds)}] {kind.name}: perplexity", total=sum(map(len, wins)), unit="tok") as bar:
+            for w in wins:
+                s, n = window_nll(model, kind, w, chunk, bar)
+                total, scored = total + s, scored + n
         nll[kind.name] = total / scored
-        generated[kind.name] = [greedy(model, tokenizer, kind, p, gen_tokens) for p in progress(prompts, "greedy")]
+        with Bar(f"[{i}/{len(kinds)}] {kind.name}: greedy", total=len(prompts) * gen_tokens, unit="tok") as bar:
+            generated[kind.name] = [greedy(model, tokenizer, kind, p, gen_tokens, bar) for p in prompts]
     base = kinds[0].name
     f16_bytes = KvStorageFormat.F16.bytes_per_token(*kv_dims(model.config))
     rows = []

@@ -7,9 +7,12 @@ BENCHMARKS = {
     "attention": "int8kv.bench.attention",
     "codec": "int8kv.bench.codec",
     "e2e": "int8kv.bench.e2e",
+    "engine_paths": "int8kv.bench.engine_paths",
     "prefix": "int8kv.bench.prefix",
     "store": "int8kv.bench.store",
     "store_io": "int8kv.bench.store_io",
     "serve": "int8kv.bench.serve",
     "slope": "int8kv.bench.slope",
+    "plots": "int8kv.bench.plots",
+    "window": "int8kv.bench.window",
 }

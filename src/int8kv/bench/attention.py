@@ -328,33 +328,36 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """Latency versus context per method, with the INT8 bandwidth floor, as a PNG (the first preset's)."""
-    if "presets" in result:
-        result = result["presets"][0]
+    """Latency (median of the timed calls where recorded, else best) versus context per method, with the INT8
+    bandwidth floor, as a PNG: one panel per preset of a `--preset all` run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = result["results"]
-    contexts = [p["context"] for p in points]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    for method in points[0]["ms"]:
-        ax.plot(contexts, [p["ms"][method] for p in points], marker="o", label=method)
-    ax.plot(contexts, [p["floor_ms"] for p in points], "k--", label="INT8 bandwidth floor")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context per sequence (tokens)")
-    ax.set_ylabel("decode attention, one layer (ms)")
-    c = result["config"]
-    ax.set_title(
-        f"decode attention, batch {c['batch']}, {c['q_heads']} q / {c['kv_heads']} kv heads, head_dim "
-        f"{c['head_dim']}, {result['machine']['numba_threads']} threads", fontsize=9,
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = result.get("presets", [result])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        points = panel["results"]
+        contexts = [p["context"] for p in points]
+        key = "median_ms" if "median_ms" in points[0] else "ms"
+        for method in points[0][key]:
+            ax.plot(contexts, [p[key][method] for p in points], marker="o", label=method)
+        ax.plot(contexts, [p["floor_ms"] for p in points], "k--", label="INT8 bandwidth floor")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context per sequence (tokens)")
+        ax.set_ylabel(f"decode attention, one layer (ms, {'median' if key == 'median_ms' else 'best'})")
+        c = panel["config"]
+        ax.set_title(
+            f"batch {c['batch']}, {c['q_heads']} q / {c['kv_heads']} kv heads, head_dim {c['head_dim']}, "
+            f"{panel['machine']['numba_threads']} threads", fontsize=9,
+        )
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict:

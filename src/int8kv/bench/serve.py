@@ -69,7 +69,8 @@ def _drive(base: str, model: str, prompts: list[list[int]], clients: int, max_to
             sent, first, used = time.perf_counter(), None, 0
             try:
                 stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True})
+                                                   stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True})
                 for chunk in stream:
                     if first is None and chunk.choices and chunk.choices[0].text:
                         first = time.perf_counter() - sent

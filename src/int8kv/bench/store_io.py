@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..blockstore import BlockSpec, assemble_blocks, encode_block, open_block_store, verify_block
+from ..blockstore import BlockSpec, assemble_blocks, open_block_store, verify_block
 from ..blockstore.redis import RedisBlockStore
 from ..cache.state import KvLayout, KvState
 from ..formats import KvStorageFormat
@@ -57,6 +57,7 @@ def run(
     repeat: int = 15,
 ) -> dict[str, Any]:
     store = open_block_store(url, namespace=f"bench-{uuid.uuid4().hex[:8]}")
+    store.read_deadline = 60.0  # this measures throughput: a slow get on a loaded machine must not be a miss
     if not isinstance(store, RedisBlockStore):
         store.close()
         raise SystemExit("store_io compares against a raw GET: give a redis://, valkey:// or embedded store")
@@ -68,8 +69,9 @@ def run(
         for fmt in FORMATS:
             spec = BlockSpec(KvLayout(num_layers, num_kv_heads, head_dim, fmt), block_size, "bench-model")
             state = random_state(spec.layout, blocks * block_size)
-            values = [encode_block(spec, state.slice(i * block_size, (i + 1) * block_size)) for i in range(blocks)]
             keys = _keys(blocks, fmt.value)
+            values = [store.encode(spec, k, state.slice(i * block_size, (i + 1) * block_size))
+                      for i, k in enumerate(keys)]  # fmt: skip
             for k, v in zip(keys, values, strict=True):
                 store.put(k, v)
             names = [store.key_name(k) for k in keys]
@@ -88,9 +90,9 @@ def run(
 
             if raw_get() != values or not store_get().equal(state):
                 raise RuntimeError("the store did not return the stored bytes and state")
-            def decode_only(values: list[bytes] = values, spec: BlockSpec = spec) -> KvState:
-                for v in values:
-                    verify_block(spec, v)
+            def decode_only(values: list[bytes] = values, spec: BlockSpec = spec, keys: list[bytes] = keys) -> KvState:
+                for k, v in zip(keys, values, strict=True):
+                    verify_block(spec, v, k)
                 return assemble_blocks(spec, values)
 
             # Interleaved best-of-N of each: the shared 2-core machine makes single timings noisy.

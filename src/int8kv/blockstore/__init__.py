@@ -3,7 +3,7 @@
     store = open_block_store("embedded" | "disk:/path" | "redis://host:6379/0" | "redis+cluster://h:p,h:p")
     n = store.lookup(keys)                      # longest cached prefix of a 32-byte key chain
     state = store.get_prefix(keys[:n], spec)    # one verified KvState of the blocks; stops at the first miss
-    BackgroundWriter(store).submit(key, encode_block(spec, state.slice(a, b)))
+    BackgroundWriter(store).submit(key, store.encode(spec, key, state.slice(a, b)))  # bound to key (+ HMAC)
 
 Store faults are misses (counted in ``store.stats()``, logged once per interval), never exceptions.
 The value format is specified in docs/block_store.md.
@@ -15,6 +15,7 @@ from .codec import (
     BlockHeader,
     BlockSpec,
     assemble_blocks,
+    check_secret,
     decode_block,
     encode_block,
     read_header,
@@ -28,8 +29,12 @@ from .errors import (
     IncompatibleBlock,
     InvalidBlockKey,
     InvalidBlockValues,
+    InvalidStoreSecret,
     InvalidStoreUrl,
+    MisplacedBlock,
+    NewerBlock,
     StoreUnavailable,
+    UnauthenticatedBlock,
     UnsupportedBlock,
 )
 from .factory import open_block_store
@@ -48,11 +53,16 @@ __all__ = [
     "IncompatibleBlock",
     "InvalidBlockKey",
     "InvalidBlockValues",
+    "InvalidStoreSecret",
     "InvalidStoreUrl",
+    "MisplacedBlock",
+    "NewerBlock",
     "StoreStats",
     "StoreUnavailable",
+    "UnauthenticatedBlock",
     "UnsupportedBlock",
     "assemble_blocks",
+    "check_secret",
     "decode_block",
     "encode_block",
     "open_block_store",

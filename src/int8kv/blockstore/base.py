@@ -11,24 +11,37 @@ anything; the wrappers here turn failures into misses, so the policy is written 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from ..cache.state import KvState
-from .codec import BlockSpec, assemble_blocks, verify_block
-from .errors import BlockValueError, CorruptBlock, InvalidBlockKey
+from .codec import MAX_KEY_BYTES, BlockSpec, assemble_blocks, check_secret, encode_block, verify_block
+from .errors import BlockValueError, CorruptBlock, InvalidBlockKey, InvalidStoreUrl, NewerBlock, UnauthenticatedBlock
 
-__all__ = ["BlockStore", "StoreStats", "check_key", "check_namespace"]
+__all__ = [
+    "MAX_VALUE_BYTES", "READ_DEADLINE_ENV", "BlockStore", "StoreStats", "StoreTimeout", "check_key", "check_namespace",
+]
 
 logger = logging.getLogger("int8kv.blockstore")
 
-MAX_KEY_BYTES = 64
+# A value larger than this is not an int8kv block (a 16-token block of a 70B model is ~10 MB): the raw
+# ``get`` fetches at most this + 1 bytes of a value; ``get_prefix`` at most the expected size + 1.
+MAX_VALUE_BYTES = 256 << 20
 _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+READ_DEADLINE_ENV = "INT8KV_KV_STORE_READ_DEADLINE"
+
+
+class StoreTimeout(TimeoutError):
+    """A read that did not finish within its deadline (the call goes on in the store's reader thread)."""
 
 
 @dataclass
@@ -36,16 +49,20 @@ class StoreStats:
     """Counters of one store (read with :meth:`BlockStore.stats`, a copy).
 
     hits / misses: keys asked of ``get`` that came back with a value / without one (absent, or the call
-    failed). invalid: values returned but refused by the codec in ``get_prefix`` (damaged, other version or
-    model). errors: store calls that failed (connection, timeout, I/O). puts: values this store wrote;
-    existing: puts skipped because the key was already set (first writer wins). dropped_writes: blocks not
-    written (the background writer's queue was full, or the put failed).
+    failed). invalid: values returned but refused in ``get_prefix`` (damaged, oversized, of another
+    version, model or key, of the wrong type, unauthenticated); unauthenticated: those of them whose HMAC
+    tag was missing or wrong. errors: store calls that failed (connection, timeout, I/O, a refused command);
+    timeouts: reads of them that missed their deadline. puts: values this store wrote; existing: puts
+    skipped because the key was already set (first writer wins). dropped_writes: blocks not written (the
+    background writer's queue was full, or the put failed).
     """
 
     hits: int = 0
     misses: int = 0
     invalid: int = 0
+    unauthenticated: int = 0
     errors: int = 0
+    timeouts: int = 0
     puts: int = 0
     existing: int = 0
     dropped_writes: int = 0
@@ -68,6 +85,77 @@ def _check_ttl(ttl: float | None) -> int | None:
     return int(ttl)
 
 
+class _Reader:
+    """One daemon thread that runs a store's reads, so that their caller waits at most a deadline.
+
+    A read that misses its deadline goes on in the thread (a socket timeout or the disk ends it); callers
+    meanwhile wait for the thread at most their own deadline, so a stuck store costs each caller one deadline
+    (and, through the store's back-off, most callers nothing).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cv = threading.Condition()
+        self._busy = False
+        self._job: list[Any] | None = None  # [function, done event, result, error]
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def call(self, fn: Callable[[], Any], deadline: float) -> Any:
+        end = time.monotonic() + deadline
+        job: list[Any] = [fn, threading.Event(), None, None]
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._busy, deadline):
+                raise StoreTimeout(f"the previous read is still running after {deadline:.3f} s")
+            if self._closed:
+                raise StoreTimeout("the store is closed")
+            self._busy, self._job = True, job
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        if not job[1].wait(max(0.0, end - time.monotonic())):
+            raise StoreTimeout(f"no answer within {deadline:.3f} s")
+        if job[3] is not None:
+            raise job[3]
+        return job[2]
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._job is not None or self._closed)
+                if self._job is None:
+                    return
+                job, self._job = self._job, None
+            try:
+                job[2] = job[0]()
+            except BaseException as exc:  # handed to the caller (if it still waits)
+                job[3] = exc
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+                job[1].set()
+
+
+def _env_seconds(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 3600:
+        raise InvalidStoreUrl(f"{name} must be a number of seconds in (0, 3600], got {text!r}")
+    return value
+
+
 def check_key(key: object) -> bytes:
     if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= MAX_KEY_BYTES:
         raise InvalidBlockKey(f"a block key is 1..{MAX_KEY_BYTES} bytes, got {type(key).__name__} {key!r:.80}")
@@ -77,60 +165,84 @@ def check_key(key: object) -> bytes:
 class BlockStore(ABC):
     """Longest-prefix lookup, batched get and set-if-absent put of block values, faults counted as misses.
 
-    Thread-safe: the background writer puts from its own thread while the engine looks up and gets.
+    Thread-safe: the background writer puts from its own thread while the engine looks up and gets. Reads
+    (``lookup``, ``get``, ``get_prefix``) run on the store's reader thread and hold their caller at most a
+    deadline (``read_deadline``, plus the time the expected bytes take at ``read_rate`` for a get).
     """
 
     #: URL scheme(s) of the backend, for messages.
     scheme: str = ""
     #: Seconds between two log lines about faults of one store (the count of the silenced ones is logged).
     log_interval: float = 10.0
-    #: After a fault, seconds during which calls are misses without contacting the store: a dead or
-    #: blackholed server then costs one timeout per interval, not one per request.
+    #: After a fault that says the store is unreachable (refused connection, timeout), seconds during which
+    #: calls are misses without contacting it: a dead or stuck server then costs one deadline per interval.
+    #: A command the server refused (out of memory, a key of the wrong type) does not start the interval.
     retry_after: float = 1.0
+    #: Seconds a lookup may hold its caller; a get may take this plus its expected bytes at ``read_rate``.
+    #: A loopback lookup takes 3-15 ms on this loaded machine (docs/block_store.md, "Faults"). Each store
+    #: starts with ``INT8KV_KV_STORE_READ_DEADLINE`` if set (a remote store, a heavily loaded machine).
+    read_deadline: float = 0.1
+    #: Bytes per second a healthy get is allowed: 4x below the slowest measured here (`get_prefix` of 128
+    #: SmolLM2 blocks, 25 MB, at 90 MB/s under a load average of ~11; 0.2-0.6 GB/s on a quieter machine), so a
+    #: 2,048-token prefix may take 1.1 s before it is given up, which is still less than recomputing it.
+    read_rate: float = 25e6
 
-    def __init__(self, namespace: str = "int8kv", ttl: float | None = None) -> None:
+    def __init__(self, namespace: str = "int8kv", ttl: float | None = None, secret: str | bytes | None = None) -> None:
         self.namespace = check_namespace(namespace)
         self.ttl = _check_ttl(ttl)
+        self._secret = check_secret(secret)
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self._last_log = float("-inf")
         self._silenced = 0
         self._closed = False
         self._down_until = float("-inf")
+        self._reader = _Reader(f"int8kv-store-reader-{self.namespace}")
+        self.read_deadline = _env_seconds(READ_DEADLINE_ENV, type(self).read_deadline)
 
     # ----------------------------------------------------------------------------------------------- public
+    @property
+    def authenticated(self) -> bool:
+        """True if this store's values carry (and must carry) an HMAC tag of its shared secret."""
+        return self._secret is not None
+
+    def key_id(self, key: bytes) -> str:
+        """The name of ``key`` in the store: its hex, or with a secret the hex of an HMAC of it (so stores
+        with different secrets never share a name, and a name does not reveal which prefix it holds)."""
+        key = check_key(key)
+        if self._secret is None:
+            return key.hex()
+        return hmac.new(self._secret, b"int8kv block name\0" + key, hashlib.sha256).hexdigest()
+
+    def encode(self, spec: BlockSpec, key: bytes, state: KvState) -> bytes:
+        """The value of ``state`` (one block of ``spec``) to store under ``key``, with this store's HMAC tag."""
+        return encode_block(spec, state, key, self._secret)
+
+    def value_bytes(self, spec: BlockSpec, key: bytes) -> int:
+        """The size of a full block of ``spec`` stored under ``key`` in this store."""
+        return spec.value_bytes(key_bytes=len(key), authenticated=self.authenticated)
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Length of the longest run of ``keys`` (a prefix chain) present in the store, from the start.
 
         Network stores ask in one pipelined round trip; a fault counts and returns 0.
         """
         checked = [check_key(k) for k in keys]
-        if not checked or not self._available():
-            return 0
-        try:
-            present = self._exists(checked)
-        except Exception as exc:  # any backend fault is a miss
-            self._fault("lookup", exc)
-            return 0
+        present = self._read("lookup", lambda: self._exists(checked), self.read_deadline) if checked else None
         n = 0
-        while n < len(present) and present[n]:
+        while present is not None and n < len(present) and present[n]:
             n += 1
         return n
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The stored value of each key, None where absent; a failed call returns all None."""
+    def get(self, keys: Sequence[bytes], max_bytes: int = MAX_VALUE_BYTES) -> list[bytes | None]:
+        """The stored value of each key, None where absent, longer than ``max_bytes`` (of which at most
+        ``max_bytes + 1`` bytes are fetched) or not a string value; a failed call returns all None."""
         checked = [check_key(k) for k in keys]
         if not checked:
             return []
-        values: list[bytes | None]
-        if not self._available():
-            values = [None] * len(checked)
-        else:
-            try:
-                values = list(self._get(checked))
-            except Exception as exc:
-                self._fault("get", exc)
-                values = [None] * len(checked)
+        deadline = self.read_deadline + len(checked) * max_bytes / self.read_rate
+        got = self._read("get", lambda: self._get(checked, max_bytes), deadline)
+        values = [v if isinstance(v, bytes) and len(v) <= max_bytes else None for v in got or [None] * len(checked)]
         hits = sum(v is not None for v in values)
         self._count(hits=hits, misses=len(values) - hits)
         return values
@@ -156,24 +268,18 @@ class BlockStore(ABC):
         """The batch-1 state of the longest run of ``keys`` whose values are present and pass every check
         (``n * spec.block_size`` tokens for n blocks), or None if the first block is already a miss.
 
-        Stops at the first miss: absent (e.g. evicted since :meth:`lookup`), failed, or refused by the codec.
-        A damaged value (framing, checksum, values) is deleted so a later writer can replace it; a valid value
-        of another version or model is left alone (another reader may want it).
+        Each value is fetched up to its expected size + 1 bytes (an oversized value costs no more than a
+        block) and every fetched value is verified: every refused one (damaged, oversized, of the wrong type,
+        key, model, layout or an older version, unauthenticated) is deleted so a later writer can replace it,
+        except a value of a newer format version (a newer reader may share the store). The run stops at the
+        first miss: absent (e.g. evicted since :meth:`lookup`), failed, or refused.
         """
-        good: list[bytes] = []
-        for key, value in zip(keys, self.get(keys), strict=True):
-            if value is None:
-                break
-            try:
-                verify_block(spec, value)
-            except BlockValueError as exc:
-                self._count(invalid=1)
-                self._log(f"{self!r}: refused block {bytes(key).hex()[:16]}: {exc}")
-                if isinstance(exc, CorruptBlock):
-                    self.delete(key)
-                break
-            good.append(value)
-        return assemble_blocks(spec, good) if good else None
+        checked = [check_key(k) for k in keys]
+        if not checked:
+            return None
+        limit = max(self.value_bytes(spec, k) for k in checked)
+        deadline = self.read_deadline + len(checked) * limit / self.read_rate
+        return self._read("get", lambda: self._fetch_prefix(checked, spec, limit), deadline)
 
     def delete(self, key: bytes) -> None:
         """Remove ``key`` if present (a fault is counted and ignored)."""
@@ -181,7 +287,7 @@ class BlockStore(ABC):
         if not self._available():
             return
         try:
-            self._delete(key)
+            self._delete([key])
         except Exception as exc:
             self._fault("delete", exc)
 
@@ -198,6 +304,7 @@ class BlockStore(ABC):
         if self._closed:
             return
         self._closed = True
+        self._reader.close()
         try:
             self._close()
         except Exception as exc:
@@ -218,22 +325,81 @@ class BlockStore(ABC):
         """Presence of each key (network stores: one round trip; may stop early after the first False)."""
 
     @abstractmethod
-    def _get(self, keys: list[bytes]) -> Sequence[bytes | None]:
-        """Value of each key or None (network stores: one round trip)."""
+    def _get(self, keys: list[bytes], limit: int) -> Sequence[bytes | None | Exception]:
+        """For each key its value (at most ``limit + 1`` bytes of it, so a longer one shows), None if absent,
+        or an exception if the key holds something that is not a value (network stores: one round trip)."""
 
     @abstractmethod
     def _put_if_absent(self, key: bytes, value: bytes) -> bool:
         """Set ``key`` if absent (with ``self.ttl``); True if it was set by this call."""
 
     @abstractmethod
-    def _delete(self, key: bytes) -> None:
-        """Remove ``key`` if present."""
+    def _delete(self, keys: list[bytes]) -> None:
+        """Remove each of ``keys`` that is present (network stores: one round trip)."""
 
     def _close(self) -> None:
         """Release resources (nothing by default)."""
         return None
 
+    def _unreachable(self, exc: BaseException) -> bool:
+        """True if ``exc`` says the store cannot be reached now (starts the back-off); backends refine it."""
+        return True
+
+    def _connect(self) -> None:
+        """Get ready for a read, on the caller's thread (a cluster client learns its topology here, once):
+        bounded by the backend's own timeouts, not by the read deadline. Nothing by default."""
+        return None
+
     # ---------------------------------------------------------------------------------------- helpers
+    def _read(self, operation: str, fn: Callable[[], Any], deadline: float) -> Any:
+        """``fn()`` on the reader thread within ``deadline`` seconds; None (a counted fault) otherwise."""
+        if not self._available():
+            return None
+        try:
+            self._connect()
+            return self._reader.call(fn, deadline)
+        except Exception as exc:  # any backend fault is a miss
+            if isinstance(exc, StoreTimeout):
+                self._count(timeouts=1)
+            self._fault(operation, exc)
+            return None
+
+    def _fetch_prefix(self, keys: list[bytes], spec: BlockSpec, limit: int) -> KvState | None:
+        """get_prefix's work, on the reader thread."""
+        values = self._get(keys, limit)
+        hits = sum(v is not None for v in values)
+        self._count(hits=hits, misses=len(values) - hits)
+        good: list[bytes] = []
+        header_len, bad, run = None, [], True
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                run = False
+                continue
+            try:
+                if isinstance(value, Exception):
+                    raise CorruptBlock(f"not a block value: {value}")
+                if len(value) > limit:
+                    raise CorruptBlock(f"a value of more than {limit} bytes, the most this reader expects")
+                header = verify_block(spec, value, key, secret=self._secret)
+            except BlockValueError as exc:
+                self._count(invalid=1, unauthenticated=int(isinstance(exc, UnauthenticatedBlock)))
+                self._log(f"{self!r}: refused block {self.key_id(key)[:16]}: {exc}")
+                if not isinstance(exc, NewerBlock):
+                    bad.append(key)
+                run = False
+                continue
+            if run and header_len in (None, header.header_len):
+                header_len = header.header_len
+                good.append(value)
+            else:
+                run = False
+        if bad:
+            try:
+                self._delete(bad)
+            except Exception as exc:
+                self._fault("delete", exc)
+        return assemble_blocks(spec, good, header_len=header_len) if good else None
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
@@ -244,7 +410,8 @@ class BlockStore(ABC):
 
     def _fault(self, operation: str, exc: BaseException) -> None:
         self._count(errors=1)
-        self._down_until = time.monotonic() + self.retry_after
+        if isinstance(exc, StoreTimeout) or self._unreachable(exc):
+            self._down_until = time.monotonic() + self.retry_after
         self._log(f"{self!r}: {operation} failed, treated as a miss: {type(exc).__name__}: {exc}")
 
     def _log(self, message: str) -> None:

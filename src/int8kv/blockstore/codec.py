@@ -1,20 +1,25 @@
 """The block value format: one store value per KV block, every layer's K and V for ``block_size`` tokens.
 
 The byte layout, the order of the checks and the versioning rules are specified once, in docs/block_store.md
-("Block value format, version 1"). In short: a 48-byte little-endian header (magic, versions, header length,
-layer count, KV head range, head_dim, block size, token count, payload length), the storage format name and
-model fingerprint, zero padding to a multiple of 8, the payload (``[L, T, Hk]`` float32 K then V scales for
-INT8, then ``[L, T, Hk, D]`` K then V codes), and an XXH3-128 digest of everything before it.
+("Block value format, version 2"). In short: a 56-byte little-endian header (magic, versions, header length,
+layer count, KV head range, head_dim, block size, token count, payload length, key length, authentication
+kind), the storage format name, the model fingerprint and the block key the value is stored under, zero
+padding to a multiple of 8, the payload (``[L, T, Hk]`` float32 K then V scales for INT8, then
+``[L, T, Hk, D]`` K then V codes), an XXH3-128 digest of everything before it and, with a shared secret, an
+HMAC-SHA256 of everything before that. The key inside the digested header binds a value to its key (a value
+copied under another key is refused); the HMAC binds it to the secret (a value forged without it is refused).
 
 XXH3-128 rather than CRC-32 or SHA-256 (measured over 128 SmolLM2 blocks on this shared 2-core machine):
 zlib's CRC-32 ran at 1.1-4.9 GB/s and SHA-256 at 1.7 GB/s against a loopback Valkey GET at 0.2-0.6 GB/s, so
 they added 20-90 % to a get; XXH3-128 runs at ~26 GB/s. The digest catches accidental damage, not forgery,
-which is why values are range-checked too (docs/block_store.md, "What is trusted").
+which is why values are range-checked too and can carry an HMAC (docs/block_store.md, "Threat model").
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import math
 import struct
 import sys
@@ -36,7 +41,11 @@ from .errors import (
     CorruptBlock,
     IncompatibleBlock,
     InvalidBlockValues,
+    InvalidStoreSecret,
+    MisplacedBlock,
+    NewerBlock,
     StoreUnavailable,
+    UnauthenticatedBlock,
     UnsupportedBlock,
 )
 
@@ -46,6 +55,7 @@ __all__ = [
     "BlockHeader",
     "BlockSpec",
     "assemble_blocks",
+    "check_secret",
     "decode_block",
     "encode_block",
     "read_header",
@@ -53,9 +63,13 @@ __all__ = [
 ]
 
 MAGIC = b"I8KVBLK\x00"
-VALUE_VERSION = 1
-_FIXED = struct.Struct("<8sHHHBBIIIIIIQ")  # the 48 bytes before the strings
+VALUE_VERSION = 2
+_FIXED = struct.Struct("<8sHHHBBIIIIIIQBB6x")  # the 56 bytes before the strings
 _DIGEST = 16  # XXH3-128
+_TAG = 32  # HMAC-SHA256, with a shared secret
+_AUTH_NONE, _AUTH_HMAC = 0, 1
+MAX_KEY_BYTES = 64
+MIN_SECRET_BYTES = 16
 _NUMPY = {torch.int8: np.int8, torch.float16: np.float16, torch.float32: np.float32}
 _ALIGN = 8
 # The largest scale the V1 encoder can produce: float32(max |x16| / 127) with max |x16| = 65504, computed the
@@ -101,13 +115,15 @@ class BlockSpec:
     def payload_bytes(self, tokens: int) -> int:
         return tokens * self.layout.bytes_per_token
 
-    def value_bytes(self, tokens: int | None = None) -> int:
-        """Size of an encoded block of ``tokens`` tokens (a full block by default)."""
-        return self.header_len() + self.payload_bytes(self.block_size if tokens is None else tokens) + _DIGEST
+    def value_bytes(self, tokens: int | None = None, key_bytes: int = 32, authenticated: bool = False) -> int:
+        """Size of an encoded block of ``tokens`` tokens (a full block by default) stored under a key of
+        ``key_bytes`` bytes, with an HMAC tag if ``authenticated``."""
+        tokens = self.block_size if tokens is None else tokens
+        return self.header_len(key_bytes) + self.payload_bytes(tokens) + _DIGEST + (_TAG if authenticated else 0)
 
-    def header_len(self) -> int:
-        """Bytes before the payload in a value of this spec (fixed fields, strings, padding)."""
-        n = _FIXED.size + len(self.format.value.encode()) + len(self.fingerprint.encode())
+    def header_len(self, key_bytes: int = 32) -> int:
+        """Bytes before the payload in a value of this spec (fixed fields, strings, key, padding)."""
+        n = _FIXED.size + len(self.format.value.encode()) + len(self.fingerprint.encode()) + key_bytes
         return n + (-n % _ALIGN)
 
 
@@ -127,13 +143,33 @@ class BlockHeader:
     tokens: int
     header_len: int
     payload_len: int
+    key: bytes
+    authenticated: bool
 
 
-def encode_block(spec: BlockSpec, state: KvState) -> bytes:
-    """One block value for ``state``: batch 1, ``1 <= length <= block_size`` tokens of the spec's layout.
+def check_secret(secret: str | bytes | None) -> bytes | None:
+    """The shared secret as bytes (a str is UTF-8), or None; refuses secrets shorter than 16 bytes."""
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
+        raise InvalidStoreSecret(
+            f"a KV store secret is a str or bytes of at least {MIN_SECRET_BYTES} bytes, got "
+            f"{type(secret).__name__} of {len(secret) if isinstance(secret, (bytes, bytearray)) else '?'} bytes"
+        )  # never the secret itself
+    return bytes(secret)
+
+
+def encode_block(spec: BlockSpec, state: KvState, key: bytes, secret: bytes | None = None) -> bytes:
+    """One block value for ``state`` stored under ``key``: batch 1, ``1 <= length <= block_size`` tokens of
+    the spec's layout; with ``secret`` (see :func:`check_secret`) the value ends with an HMAC-SHA256 tag.
 
     ``state`` is typically ``full_state.slice(i * block_size, (i + 1) * block_size)`` of a batch-1 export.
     """
+    secret = check_secret(secret)
+    if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= MAX_KEY_BYTES:
+        raise BlockEncodeError(f"a block key is 1..{MAX_KEY_BYTES} bytes, got {type(key).__name__}")
     if sys.byteorder != "little":
         raise BlockEncodeError("block values are little-endian; this platform is big-endian")
     if not isinstance(state, KvState):
@@ -145,66 +181,98 @@ def encode_block(spec: BlockSpec, state: KvState) -> bytes:
             f"a block holds one sequence of 1..{spec.block_size} tokens, got batch {state.batch} x {state.length}"
         )
     tokens = state.length
-    name, fp = spec.format.value.encode(), spec.fingerprint.encode()
-    header_len = spec.header_len()
+    name, fp, key = spec.format.value.encode(), spec.fingerprint.encode(), bytes(key)
+    header_len = spec.header_len(len(key))
     payload_len = spec.payload_bytes(tokens)
-    buf = bytearray(header_len + payload_len + _DIGEST)
+    buf = bytearray(header_len + payload_len + _DIGEST + (_TAG if secret else 0))
     lay = spec.layout
     _FIXED.pack_into(
         buf, 0, MAGIC, VALUE_VERSION, spec.format.version, header_len, len(name), len(fp),
         lay.num_layers, spec.head_start, spec.head_end, lay.head_dim, spec.block_size, tokens, payload_len,
+        len(key), _AUTH_HMAC if secret else _AUTH_NONE,
     )
-    buf[_FIXED.size : _FIXED.size + len(name) + len(fp)] = name + fp
+    strings = name + fp + key
+    buf[_FIXED.size : _FIXED.size + len(strings)] = strings
     for (offset, dtype, shape), group in zip(_payload_layout(spec, tokens), _groups(state), strict=True):
         dst = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=header_len + offset).view(shape)
         for layer, src in enumerate(group):
             dst[layer].copy_(src[0])
     end = header_len + payload_len
-    buf[end:] = _digest(memoryview(buf)[:end])
+    buf[end : end + _DIGEST] = _digest(memoryview(buf)[:end])
+    if secret:
+        buf[end + _DIGEST :] = _tag(secret, memoryview(buf)[: end + _DIGEST])
     return bytes(buf)
 
 
-def read_header(value: bytes | bytearray | memoryview) -> BlockHeader:
-    """Parse and check the framing of a value: magic, version, sizes and checksum (no spec needed)."""
+def read_header(value: bytes | bytearray | memoryview, secret: bytes | None = None) -> BlockHeader:
+    """Parse and check the framing of a value: magic, version, sizes, checksum and, with ``secret``, its HMAC
+    tag (a value without a tag, or with one, is refused when the reader has no secret, or has one)."""
     view = memoryview(value).cast("B")
     if len(view) < _FIXED.size + _DIGEST:
         raise CorruptBlock(f"a block value has at least {_FIXED.size + _DIGEST} bytes, got {len(view)}")
-    magic, version, storage_version, header_len, n, m, layers, h0, h1, dim, bs, tokens, payload_len = (
+    version = int.from_bytes(view[8:10], "little")  # where every version keeps it, before the rest is read
+    if view[:8] != MAGIC:
+        raise CorruptBlock("not an int8kv block value (bad magic)")
+    if version > VALUE_VERSION:  # kept in the store for newer readers
+        raise NewerBlock(f"block value version {version}; this reader knows {VALUE_VERSION}")
+    if version != VALUE_VERSION:
+        raise UnsupportedBlock(f"block value version {version} (not bound to its key); needs {VALUE_VERSION}")
+    _, _, storage_version, header_len, n, m, layers, h0, h1, dim, bs, tokens, payload_len, k, auth = (
         _FIXED.unpack_from(view, 0)
     )
-    if magic != MAGIC:
-        raise CorruptBlock("not an int8kv block value (bad magic)")
-    if version != VALUE_VERSION:
-        raise UnsupportedBlock(f"block value version {version}; this reader knows {VALUE_VERSION}")
-    if header_len != _FIXED.size + n + m + (-(_FIXED.size + n + m) % _ALIGN):
-        raise CorruptBlock(f"header length {header_len} does not fit its strings ({n} + {m} bytes)")
-    if header_len + payload_len + _DIGEST != len(view):
+    if auth not in (_AUTH_NONE, _AUTH_HMAC) or any(view[50:56]):
+        raise CorruptBlock(f"unknown authentication kind {auth} or non-zero reserved bytes")
+    if not 0 < k <= MAX_KEY_BYTES:
+        raise CorruptBlock(f"key length {k} outside [1, {MAX_KEY_BYTES}]")
+    strings = _FIXED.size + n + m + k
+    if header_len != strings + (-strings % _ALIGN):
+        raise CorruptBlock(f"header length {header_len} does not fit its strings ({n} + {m} + {k} bytes)")
+    trailer = _DIGEST + (_TAG if auth == _AUTH_HMAC else 0)
+    if header_len + payload_len + trailer != len(view):
         raise CorruptBlock(
-            f"the header announces {header_len + payload_len + _DIGEST} bytes, the value has {len(view)}"
+            f"the header announces {header_len + payload_len + trailer} bytes, the value has {len(view)}"
         )
     end = header_len + payload_len
-    if _digest(view[:end]) != view[end:]:
+    if _digest(view[:end]) != view[end : end + _DIGEST]:
         raise CorruptBlock("checksum mismatch: the block value was damaged")
+    if secret is None and auth == _AUTH_HMAC:
+        raise UnauthenticatedBlock("an authenticated block value, and this reader has no secret")
+    if secret is not None:
+        if auth != _AUTH_HMAC:
+            raise UnauthenticatedBlock("a block value without an HMAC tag, and this reader needs one")
+        if not hmac.compare_digest(_tag(secret, view[: end + _DIGEST]), view[end + _DIGEST :]):
+            raise UnauthenticatedBlock("HMAC mismatch: the value was not written with this secret")
     try:
         format_name = bytes(view[_FIXED.size : _FIXED.size + n]).decode("ascii")
         fingerprint = bytes(view[_FIXED.size + n : _FIXED.size + n + m]).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptBlock(f"undecodable header string: {exc}") from exc
-    if any(view[_FIXED.size + n + m : header_len]):
+    if any(view[strings:header_len]):
         raise CorruptBlock("non-zero header padding")
+    key = bytes(view[_FIXED.size + n + m : strings])
     return BlockHeader(
-        version, storage_version, format_name, fingerprint, layers, h0, h1, dim, bs, tokens, header_len, payload_len
+        version, storage_version, format_name, fingerprint, layers, h0, h1, dim, bs, tokens, header_len,
+        payload_len, key, auth == _AUTH_HMAC,
     )
 
 
-def verify_block(spec: BlockSpec, value: bytes | bytearray | memoryview, tokens: int | None = None) -> BlockHeader:
-    """Every check of ``value`` against ``spec``, allocating nothing: framing, checksum, version, format,
-    fingerprint, layout and sizes, then the values (no code -128, scales in (0, 65504/127], F16 finite).
+def verify_block(
+    spec: BlockSpec,
+    value: bytes | bytearray | memoryview,
+    key: bytes,
+    tokens: int | None = None,
+    secret: bytes | None = None,
+) -> BlockHeader:
+    """Every check of ``value``, read under ``key``, against ``spec``, allocating nothing: framing, checksum,
+    HMAC (with ``secret``), the key, version, format, fingerprint, layout and sizes, then the values (no code
+    -128, scales in (0, 65504/127], F16 finite).
 
     ``tokens`` is the expected token count (default: a full block). Raises a
     :class:`~int8kv.blockstore.errors.BlockValueError` subclass.
     """
-    header = read_header(value)
+    header = read_header(value, check_secret(secret))
+    if not hmac.compare_digest(header.key, bytes(key)):
+        raise MisplacedBlock(f"a block of key {header.key.hex()[:16]}... stored under {bytes(key).hex()[:16]}...")
     try:
         fmt = KvStorageFormat.parse(header.format_name)
     except ValueError as exc:
@@ -230,17 +298,27 @@ def verify_block(spec: BlockSpec, value: bytes | bytearray | memoryview, tokens:
     return header
 
 
-def decode_block(spec: BlockSpec, value: bytes | bytearray | memoryview, tokens: int | None = None) -> KvState:
+def decode_block(
+    spec: BlockSpec,
+    value: bytes | bytearray | memoryview,
+    key: bytes,
+    tokens: int | None = None,
+    secret: bytes | None = None,
+) -> KvState:
     """The batch-1 state of one block value after :func:`verify_block` (the state owns its memory)."""
-    header = verify_block(spec, value, tokens)
-    return assemble_blocks(spec, [value], header.tokens)
+    header = verify_block(spec, value, key, tokens, secret)
+    return assemble_blocks(spec, [value], header.tokens, header.header_len)
 
 
 def assemble_blocks(
-    spec: BlockSpec, values: Sequence[bytes | bytearray | memoryview], tokens: int | None = None
+    spec: BlockSpec,
+    values: Sequence[bytes | bytearray | memoryview],
+    tokens: int | None = None,
+    header_len: int | None = None,
 ) -> KvState:
     """One batch-1 state of ``len(values) * tokens`` tokens from block values that passed :func:`verify_block`
-    (each of ``tokens`` tokens, a full block by default), in order.
+    (each of ``tokens`` tokens, a full block by default, under keys of equal length: ``header_len`` is their
+    header's length, that of 32-byte keys by default), in order.
 
     Each group (K/V codes, K/V scales) is copied block by block into one ``[L, total, Hk, (D)]`` array, so a
     prefix of n blocks costs 4n copies and one state, not one state of 4L tensors per block (measured on
@@ -251,7 +329,7 @@ def assemble_blocks(
     n = len(values)
     if n == 0:
         raise BlockEncodeError("assemble_blocks needs at least one block value")
-    header_len = spec.header_len()
+    header_len = spec.header_len() if header_len is None else header_len
     groups = []
     for offset, dtype, shape in _payload_layout(spec, tokens):
         # numpy allocates, torch wraps: torch.empty handed back fresh pages on every call here (page faults:
@@ -274,6 +352,10 @@ def _digest(data: memoryview) -> bytes:
     if xxhash is None:
         raise StoreUnavailable("block values need the xxhash package: pip install 'int8kv[store]'")
     return xxhash.xxh3_128_digest(data)
+
+
+def _tag(secret: bytes, data: memoryview) -> bytes:
+    return hmac.new(secret, data, hashlib.sha256).digest()
 
 
 def _groups(state: KvState) -> list[tuple[torch.Tensor, ...]]:

@@ -12,13 +12,20 @@ time, set explicitly on every read (``os.utime``; ``relatime`` mounts would not 
 processes on one directory each keeps its own running total, corrected by each scan, so the bound holds to
 within what the others wrote since. TTL: a block older than ``ttl`` seconds (by its write time) is a miss and
 is deleted on read.
+
+Hostile entries: a block is read through ``open(O_NONBLOCK | O_NOFOLLOW)`` relative to its fan-out directory
+(itself opened with ``O_NOFOLLOW``), the opened descriptor is checked to be a regular file, and at most the
+expected size + 1 bytes are read. A FIFO, device node, socket, directory or symbolic link under a block's name
+is a miss that never blocks, and the entry (never what a link points to) is removed so a writer can replace it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -26,13 +33,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .base import BlockStore
-from .errors import InvalidStoreUrl, StoreUnavailable
+from .errors import CorruptBlock, InvalidStoreUrl, StoreUnavailable
 
 __all__ = ["DiskBlockStore", "parse_size"]
 
 DEFAULT_MAX_BYTES = 10 << 30
-# A value larger than this is not an int8kv block (a 16-token block of a 70B model is ~10 MB): refused unread.
-MAX_VALUE_BYTES = 256 << 20
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _STALE_TMP_SECONDS = 60.0
 _LOW_WATER = 0.9
 _SIZE = re.compile(r"(\d+)\s*([kmgt]?)i?b?", re.IGNORECASE)
@@ -60,8 +68,9 @@ class DiskBlockStore(BlockStore):
         namespace: str = "int8kv",
         ttl: float | None = None,
         max_bytes: int | str = DEFAULT_MAX_BYTES,
+        secret: str | bytes | None = None,
     ) -> None:
-        super().__init__(namespace, ttl)
+        super().__init__(namespace, ttl, secret)
         self.root = Path(path) / self.namespace
         self.max_bytes = parse_size(max_bytes)
         self._evict_lock = threading.Lock()
@@ -73,7 +82,7 @@ class DiskBlockStore(BlockStore):
 
     # --------------------------------------------------------------------------------------- layout
     def path_of(self, key: bytes) -> Path:
-        name = bytes(key).hex()
+        name = self.key_id(key)
         return self.root / name[:2] / name[2:]
 
     def total_bytes(self) -> int:
@@ -89,8 +98,8 @@ class DiskBlockStore(BlockStore):
                 break
         return present
 
-    def _get(self, keys: list[bytes]) -> Sequence[bytes | None]:
-        return [self._read(self.path_of(key)) for key in keys]
+    def _get(self, keys: list[bytes], limit: int) -> Sequence[bytes | None | Exception]:
+        return [self._read_file(self.path_of(key), limit) for key in keys]
 
     def _put_if_absent(self, key: bytes, value: bytes) -> bool:
         final = self.path_of(key)
@@ -118,39 +127,65 @@ class DiskBlockStore(BlockStore):
             self._evict()
         return True
 
-    def _delete(self, key: bytes) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path_of(key))
+    def _delete(self, keys: list[bytes]) -> None:
+        for key in keys:
+            _unlink_entry(self.path_of(key))
+
+    def _unreachable(self, exc: BaseException) -> bool:
+        return False  # a local call fails fast: no back-off needed (a stuck disk misses its read deadline)
 
     # --------------------------------------------------------------------------------------- helpers
     def _fresh(self, path: Path) -> bool:
-        """The block exists and has not outlived the TTL (an expired one is deleted)."""
+        """A regular file is at ``path`` and has not outlived the TTL (an expired block, and anything that is
+        not a regular file, is removed)."""
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return False
-        if self.ttl is not None and time.time() - st.st_mtime > self.ttl:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        if not stat.S_ISREG(st.st_mode) or (self.ttl is not None and time.time() - st.st_mtime > self.ttl):
+            _unlink_entry(path)
             return False
         return True
 
-    def _read(self, path: Path) -> bytes | None:
+    def _read_file(self, path: Path, limit: int) -> bytes | None | Exception:
+        """At most ``limit + 1`` bytes of the block at ``path``; None if absent or expired (removed); a
+        CorruptBlock (for the caller to count and remove) if it is not a regular file. Never blocks on a FIFO."""
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if st.st_size > MAX_VALUE_BYTES:
-                    return None
-                if self.ttl is not None and time.time() - st.st_mtime > self.ttl:
-                    os.unlink(path)
-                    return None
-                data = f.read(MAX_VALUE_BYTES + 1)
+            parent = os.open(path.parent, _DIR_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # the fan-out directory is a link or not a directory
+            return CorruptBlock(f"{path.parent.name} is not a directory: {exc}")
+        try:
+            fd = os.open(path.name, _READ_FLAGS, dir_fd=parent)
         except FileNotFoundError:  # evicted or deleted since lookup
             return None
-        # Mark as used for LRU: atime = now, mtime (the write time, for TTL) kept.
-        with contextlib.suppress(OSError):
-            os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
-        return data
+        except OSError as exc:  # ELOOP: a symbolic link (O_NOFOLLOW); ENXIO: a socket or a writer-less device
+            if exc.errno in (errno.ELOOP, errno.ENXIO):
+                return CorruptBlock(f"not a regular file: {exc.strerror}")
+            raise
+        finally:
+            os.close(parent)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO opened without blocking, a device node
+                return CorruptBlock(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+            if self.ttl is not None and time.time() - st.st_mtime > self.ttl:
+                _unlink_entry(path)
+                return None
+            chunks, left = [], min(limit + 1, st.st_size + 1)
+            while left > 0:
+                chunk = os.read(fd, left)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            # Mark as used for LRU: atime = now, mtime (the write time, for TTL) kept; on the descriptor.
+            with contextlib.suppress(OSError):
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+        finally:
+            os.close(fd)
+        return b"".join(chunks)
 
     def _scan(self, remove_stale: bool = False) -> tuple[int, list[tuple[float, int, str]]]:
         """Total block bytes and (atime, size, path) of every block; optionally removes stale temp files."""
@@ -189,6 +224,12 @@ class DiskBlockStore(BlockStore):
 
     def __repr__(self) -> str:
         return f"DiskBlockStore({str(self.root)!r}, namespace={self.namespace!r}, max_bytes={self.max_bytes})"
+
+
+def _unlink_entry(path: Path) -> None:
+    """Remove the directory entry ``path`` (a link itself, never its target); gone already is fine."""
+    with contextlib.suppress(OSError):  # a directory under a block's name stays (and stays a miss)
+        os.unlink(path)
 
 
 def _fsync_dir(directory: Path) -> None:

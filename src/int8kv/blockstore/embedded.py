@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import StoreUnavailable
-from .redis import DEFAULT_CONNECT_TIMEOUT, DEFAULT_TIMEOUT, RedisBlockStore
+from .redis import RedisBlockStore, RedisTarget, client_factory
 
 __all__ = ["EmbeddedValkeyStore", "ValkeyCluster", "ValkeyProcess", "free_port", "valkey_binaries"]
 
@@ -319,18 +319,19 @@ class EmbeddedValkeyStore(RedisBlockStore):
         ttl: float | None = None,
         tcp: bool = False,
         maxmemory: str = DEFAULT_MAXMEMORY,
+        secret: str | bytes | None = None,
     ) -> None:
-        try:
-            import redis
-        except ImportError as exc:  # pragma: no cover - the store extra is installed in development
-            raise StoreUnavailable("the embedded store needs the redis package: pip install 'int8kv[store]'") from exc
         server = ValkeyProcess(unix_socket=not tcp, maxmemory=maxmemory).start()
-        options = {"socket_timeout": DEFAULT_TIMEOUT, "socket_connect_timeout": DEFAULT_CONNECT_TIMEOUT}
-        if tcp:
-            factory: Any = lambda: redis.Redis(host=server.host, port=server.port, **options)  # noqa: E731
-        else:
-            factory = lambda: redis.Redis(unix_socket_path=str(server.socket_path), **options)  # noqa: E731
-        super().__init__(factory, namespace=namespace, ttl=ttl, description=f"embedded {server!r}")
+        try:  # the same client options as redis:// (timeouts, no retries)
+            if tcp:
+                target = RedisTarget(((server.host, server.port),))
+            else:
+                target = RedisTarget((), unix_socket=str(server.socket_path))
+            factory = client_factory(target)
+            super().__init__(factory, namespace=namespace, ttl=ttl, description=f"embedded {server!r}", secret=secret)
+        except BaseException:
+            server.stop()
+            raise
         self.server = server
 
     def _close(self) -> None:

@@ -23,6 +23,10 @@ class InvalidBlockKey(BlockStoreError, ValueError):
     """A block key that is not non-empty bytes of at most 64 bytes, or a malformed namespace or TTL."""
 
 
+class InvalidStoreSecret(BlockStoreError, ValueError):
+    """A KV store secret that is not a str or bytes of at least 16 bytes."""
+
+
 class StoreUnavailable(BlockStoreError, ConnectionError):
     """A store could not be opened at all (the embedded server did not start, a client package is missing)."""
 
@@ -37,6 +41,19 @@ class CorruptBlock(BlockValueError):
 
 class UnsupportedBlock(BlockValueError):
     """A block value format version or storage format this reader does not know."""
+
+
+class NewerBlock(UnsupportedBlock):
+    """A block of a newer value format version: left in the store for the newer readers sharing it."""
+
+
+class UnauthenticatedBlock(BlockValueError):
+    """A value whose HMAC tag is missing or wrong for this reader's secret (or that has a tag and the reader
+    has no secret): forged, or written by an engine with another secret."""
+
+
+class MisplacedBlock(BlockValueError):
+    """A well-formed value stored under another block's key (copied, or moved by a forger)."""
 
 
 class IncompatibleBlock(BlockValueError):

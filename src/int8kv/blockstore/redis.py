@@ -8,12 +8,16 @@ URLs::
     rediss+cluster://...                                         a cluster over TLS
     valkey://, valkeys://, valkey+cluster://, valkeys+cluster://  aliases of the above
 
-Options (query string): ``timeout`` (socket timeout in seconds, default 2), ``connect_timeout`` (default 1),
-and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` (none, optional,
+Options (query string): ``timeout`` (socket read/write timeout in seconds, default 2), ``connect_timeout``
+(default 1), and for TLS ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs`` (none, optional,
 required). The password is percent-decoded (``%40`` for ``@``).
 
-Keys are ``namespace:hex(key)``; values are written with ``SET key value NX [EX ttl]`` (first writer wins).
-Lookups and gets are one pipelined round trip (one per node in a cluster).
+Keys are ``namespace:`` + :meth:`BlockStore.key_id` (the key's hex, or an HMAC of it with a secret); values
+are written with ``SET key value NX [EX ttl]`` (first writer wins). Lookups (``EXISTS``) and gets (``EXISTS``
++ ``GETRANGE 0 limit``: never more than the expected size + 1 bytes of a value) are one pipelined round trip
+(one per node in a cluster); a key of another type fails only its own command (``WRONGTYPE``), which is one
+refused value. Every client, the embedded store's included, is built by :func:`client_options`: socket
+timeouts and no retries (a fault is a miss; the store's back-off decides when to ask again).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from urllib.parse import parse_qsl, unquote
 from .base import BlockStore
 from .errors import InvalidStoreUrl, StoreUnavailable
 
-__all__ = ["REDIS_SCHEMES", "RedisBlockStore", "RedisTarget", "parse_redis_url"]
+__all__ = ["REDIS_SCHEMES", "RedisBlockStore", "RedisTarget", "client_factory", "client_options", "parse_redis_url"]
 
 # scheme -> (tls, cluster)
 REDIS_SCHEMES = {
@@ -48,7 +52,7 @@ DEFAULT_CONNECT_TIMEOUT = 1.0
 class RedisTarget:
     """A parsed Redis/Valkey URL: where to connect and how (the password is kept out of ``repr``)."""
 
-    hosts: tuple[tuple[str, int], ...]
+    hosts: tuple[tuple[str, int], ...]  # empty with unix_socket
     tls: bool = False
     cluster: bool = False
     db: int = 0
@@ -57,6 +61,7 @@ class RedisTarget:
     timeout: float = DEFAULT_TIMEOUT
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
     ssl: dict[str, str] = field(default_factory=dict)
+    unix_socket: str | None = None
 
     def describe(self) -> str:
         """The URL without its password, for logs."""
@@ -143,31 +148,47 @@ def _redact(url: str) -> str:
     return f"{scheme}{sep}***@{tail}" if at else url
 
 
-def _client_factory(target: RedisTarget) -> Callable[[], Any]:
-    """A function that builds the redis-py client (a cluster client contacts the cluster when built)."""
+def _redis() -> Any:
     try:
         import redis
-        from redis.backoff import NoBackoff
-        from redis.cluster import ClusterNode, RedisCluster
-        from redis.retry import Retry
+        import redis.cluster
     except ImportError as exc:  # pragma: no cover - the store extra is installed in development
         raise StoreUnavailable("the redis:// store needs the redis package: pip install 'int8kv[store]'") from exc
-    common: dict[str, Any] = {
+    return redis
+
+
+def client_options(target: RedisTarget) -> dict[str, Any]:
+    """The redis-py options of every client of the store (node, cluster, embedded): the target's socket
+    timeouts and no retries. Measured before this: redis-py's default retry policy (3 retries with backoff,
+    10 in the cluster client) made a paused embedded server cost 26 s per fault, and one retry of a 2 s
+    timeout 4.1 s per fault on redis://; the store's reader deadline and back-off now bound a fault instead."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    options: dict[str, Any] = {
         "username": target.username,
         "password": target.password,
         "socket_timeout": target.timeout,
         "socket_connect_timeout": target.connect_timeout,
-        # A cache fails fast: one immediate retry (a pooled connection the server closed), no backoff sleeps.
-        "retry": Retry(NoBackoff(), 1),
+        "retry": Retry(NoBackoff(), 0),
     }
     if target.tls:
-        common["ssl"] = True
-        common.update(target.ssl)
+        options["ssl"] = True
+        options.update(target.ssl)
+    return options
+
+
+def client_factory(target: RedisTarget) -> Callable[[], Any]:
+    """A function that builds the redis-py client (a cluster client contacts the cluster when built)."""
+    redis = _redis()
+    options = client_options(target)
     if target.cluster:
-        nodes = [ClusterNode(host, port) for host, port in target.hosts]
-        return lambda: RedisCluster(startup_nodes=nodes, require_full_coverage=False, **common)
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in target.hosts]
+        return lambda: redis.cluster.RedisCluster(startup_nodes=nodes, require_full_coverage=False, **options)
+    if target.unix_socket is not None:
+        return lambda: redis.Redis(unix_socket_path=target.unix_socket, db=target.db, **options)
     host, port = target.hosts[0]
-    return lambda: redis.Redis(host=host, port=port, db=target.db, **common)
+    return lambda: redis.Redis(host=host, port=port, db=target.db, **options)
 
 
 class RedisBlockStore(BlockStore):
@@ -188,8 +209,9 @@ class RedisBlockStore(BlockStore):
         ttl: float | None = None,
         cluster: bool = False,
         description: str = "redis",
+        secret: str | bytes | None = None,
     ) -> None:
-        super().__init__(namespace, ttl)
+        super().__init__(namespace, ttl, secret)
         self._factory = client_factory
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -198,11 +220,13 @@ class RedisBlockStore(BlockStore):
         self._prefix = f"{self.namespace}:".encode()
 
     @classmethod
-    def from_url(cls, url: str, *, namespace: str = "int8kv", ttl: float | None = None) -> RedisBlockStore:
+    def from_url(
+        cls, url: str, *, namespace: str = "int8kv", ttl: float | None = None, secret: str | bytes | None = None
+    ) -> RedisBlockStore:
         target = parse_redis_url(url)
         return cls(
-            _client_factory(target), namespace=namespace, ttl=ttl, cluster=target.cluster,
-            description=target.describe(),
+            client_factory(target), namespace=namespace, ttl=ttl, cluster=target.cluster,
+            description=target.describe(), secret=secret,
         )
 
     @property
@@ -215,12 +239,17 @@ class RedisBlockStore(BlockStore):
         return self._client
 
     def key_name(self, key: bytes) -> bytes:
-        """The Redis key of a block key: ``namespace:hex``."""
-        return self._prefix + bytes(key).hex().encode()
+        """The Redis key of a block key: ``namespace:`` + :meth:`key_id`."""
+        return self._prefix + self.key_id(key).encode()
 
     def pipeline(self) -> Any:
         """A non-transactional pipeline of the client (a cluster pipeline splits it per node)."""
         return self.client.pipeline() if self.cluster else self.client.pipeline(transaction=False)
+
+    def _connect(self) -> None:
+        # Building a cluster client asks a startup node for the slot map (~0.1 s on loopback here, more than
+        # a read deadline); a node client connects lazily, inside the read.
+        self.client  # noqa: B018 - builds it
 
     def _exists(self, keys: list[bytes]) -> Sequence[bool]:
         pipe = self.pipeline()
@@ -228,17 +257,39 @@ class RedisBlockStore(BlockStore):
             pipe.exists(self.key_name(key))
         return [bool(n) for n in pipe.execute()]
 
-    def _get(self, keys: list[bytes]) -> Sequence[bytes | None]:
+    def _get(self, keys: list[bytes], limit: int) -> Sequence[bytes | None | Exception]:
         pipe = self.pipeline()
         for key in keys:
-            pipe.get(self.key_name(key))
-        return pipe.execute()
+            pipe.exists(self.key_name(key))
+            pipe.getrange(self.key_name(key), 0, limit)  # inclusive end: at most limit + 1 bytes
+        replies = pipe.execute(raise_on_error=False)
+        response_error = _redis().ResponseError
+        out: list[bytes | None | Exception] = []
+        for present, value in zip(replies[::2], replies[1::2], strict=True):
+            for reply in (present, value):
+                if isinstance(reply, Exception) and not isinstance(reply, response_error):
+                    raise reply  # the connection failed: the whole call is a fault
+            # GETRANGE of a missing key is b"" too: EXISTS tells it from an empty value (refused, removed).
+            out.append(value if isinstance(value, Exception) else (bytes(value) if present else None))
+        return out
 
     def _put_if_absent(self, key: bytes, value: bytes) -> bool:
         return bool(self.client.set(self.key_name(key), value, nx=True, ex=self.ttl))
 
-    def _delete(self, key: bytes) -> None:
-        self.client.delete(self.key_name(key))
+    def _delete(self, keys: list[bytes]) -> None:
+        if self.cluster:  # one DEL per key: a cluster DEL of several keys must stay within one slot
+            pipe = self.pipeline()
+            for key in keys:
+                pipe.delete(self.key_name(key))
+            pipe.execute()
+        else:
+            self.client.delete(*(self.key_name(k) for k in keys))
+
+    def _unreachable(self, exc: BaseException) -> bool:
+        # A reply error (OOM under maxmemory/noeviction, WRONGTYPE) comes from a server that answers; a cluster
+        # that is down or moving slots does not count as answering.
+        redis = _redis()
+        return not isinstance(exc, redis.ResponseError) or isinstance(exc, redis.exceptions.ClusterError)
 
     def _close(self) -> None:
         if self._client is not None:

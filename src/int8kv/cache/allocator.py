@@ -17,6 +17,11 @@ free blocks first and then evicts cached ones, least recently freed first; so ca
 allocatable in `num_free_blocks`, and a block is never evicted while referenced. A registered block is full
 and a sequence only writes at positions >= its length, so a block with a key is never written again;
 copy-on-write only ever concerns a partial last block, which has no key.
+
+Sliding windows (`release_before`): a sequence whose model attends only to its last `window` positions drops
+its references to the blocks wholly before the window, oldest first; they become cached (keyed) or free like
+freed blocks, while the sequence keeps their (stale) ids in its table, which attention never reads again.
+`free`, `fork` and `register_blocks` skip the released head; `slots` refuses positions in it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ BlockCopy = tuple[int, int]  # (source block, destination block)
 class _Sequence:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    released: int = 0  # blocks[:released] are no longer referenced (outside a sliding window)
 
 
 class BlockAllocator:
@@ -132,6 +138,10 @@ class BlockAllocator:
     def context_len(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).length
 
+    def num_released(self, seq_id: SeqId) -> int:
+        """Leading blocks of the sequence's table it no longer holds (`release_before`): their ids are stale."""
+        return self._seq(seq_id).released
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -146,10 +156,20 @@ class BlockAllocator:
     def slots(self, seq_id: SeqId, start: int, end: int) -> list[int]:
         """Slot ids of positions [start, end) of a sequence."""
         seq = self._seq(seq_id)
-        if not 0 <= start <= end <= seq.length:
-            raise PositionOutOfRange(f"positions [{start}, {end}) outside stored [0, {seq.length})")
+        self.check_positions(seq_id, start, end)
         bs = self.block_size
         return [seq.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def check_positions(self, seq_id: SeqId, start: int, end: int) -> None:
+        """PositionOutOfRange unless ``[start, end)`` lies in the stored positions still held (not released)."""
+        seq = self._seq(seq_id)
+        if not 0 <= start <= end <= seq.length:
+            raise PositionOutOfRange(f"positions [{start}, {end}) outside stored [0, {seq.length})")
+        if start < end and start < seq.released * self.block_size:
+            raise PositionOutOfRange(
+                f"positions [{start}, {seq.released * self.block_size}) of sequence {seq_id!r} were released "
+                "(outside its sliding window): their blocks may hold other tokens now"
+            )
 
     def match_prefix(self, block_keys: Sequence[bytes], num_tokens: int) -> int:
         """Tokens of a sequence of `num_tokens` tokens, with full-block keys `block_keys`, that the pool already
@@ -215,12 +235,13 @@ class BlockAllocator:
         full = seq.length // self.block_size
         if len(block_keys) > full:
             raise PrefixKeyError(f"{len(block_keys)} keys but sequence {seq_id!r} has {full} full block(s)")
-        for block, key in zip(seq.blocks, block_keys, strict=False):
+        for block, key in zip(seq.blocks[seq.released :], block_keys[seq.released :], strict=False):
             held = self._key_of.get(block)
             if held is not None and held != key:
                 raise PrefixKeyError(f"block {block} of sequence {seq_id!r} is registered under another key")
         added = 0
-        for block, key in zip(seq.blocks, block_keys, strict=False):
+        # Released blocks were registered (or not) while held; another sequence may own them now.
+        for block, key in zip(seq.blocks[seq.released :], block_keys[seq.released :], strict=False):
             if block not in self._key_of and key not in self._block_of:
                 self._key_of[block] = key
                 self._block_of[key] = block
@@ -250,22 +271,36 @@ class BlockAllocator:
         if child in self._seqs:
             raise KvCacheError(f"sequence {child!r} is already registered")
         src = self._seq(parent)
-        for block in src.blocks:
+        for block in src.blocks[src.released :]:
             self._refcounts[block] += 1
-        self._seqs[child] = _Sequence(list(src.blocks), src.length)
+        self._seqs[child] = _Sequence(list(src.blocks), src.length, src.released)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop a sequence. Its unshared blocks become cached (those with a key) or free."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         # Last block first: a sequence's tail is the least likely part to be shared, so it is evicted first.
-        for block in reversed(seq.blocks):
-            self._refcounts[block] -= 1
-            if self._refcounts[block] == 0:
-                if block in self._key_of:
-                    self._cached[block] = None
-                else:
-                    self._free.append(block)
+        for block in reversed(seq.blocks[seq.released :]):
+            self._unref(block)
+
+    def release_before(self, seq_id: SeqId, position: int) -> int:
+        """Drop the sequence's references to its blocks holding only positions < `position` (a sliding window's
+        first visible key), oldest first; returns how many were released now. They become cached (keyed) or free
+        as on `free`; the sequence keeps their stale ids in its table (never read again) and its length."""
+        seq = self._seq(seq_id)
+        upto = min(max(0, position) // self.block_size, seq.length // self.block_size)
+        for block in seq.blocks[seq.released : upto]:
+            self._unref(block)
+        released, seq.released = max(0, upto - seq.released), max(seq.released, upto)
+        return released
+
+    def _unref(self, block: int) -> None:
+        self._refcounts[block] -= 1
+        if self._refcounts[block] == 0:
+            if block in self._key_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
 
     # -- internals ----------------------------------------------------------------
     def _new_blocks(self, seq: _Sequence, num_tokens: int) -> int:

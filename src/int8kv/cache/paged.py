@@ -143,6 +143,11 @@ class PagedKvCache:
     def free(self, seq_id: SeqId) -> None:
         self.allocator.free(seq_id)
 
+    def release_before(self, seq_id: SeqId, position: int) -> int:
+        """Give back the sequence's blocks holding only positions < `position` (outside a sliding window that
+        starts there); BlockAllocator.release_before. Returns how many blocks went back to the pool."""
+        return self.allocator.release_before(seq_id, position)
+
     def block_table(self, seq_id: SeqId) -> list[int]:
         return self.allocator.block_table(seq_id)
 
@@ -150,10 +155,8 @@ class PagedKvCache:
         return self.allocator.context_len(seq_id)
 
     def slots(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> torch.Tensor:
-        length = self.context_len(seq_id)
-        stop = length if end is None else end
-        if not 0 <= start <= stop <= length:
-            raise PositionOutOfRange(f"positions [{start}, {stop}) outside stored [0, {length})")
+        stop = self.context_len(seq_id) if end is None else end
+        self.allocator.check_positions(seq_id, start, stop)  # stored, and not released
         # Vectorised: a long prompt has thousands of slots, too many for a Python loop per step.
         pos = torch.arange(start, stop)
         blocks = torch.tensor(self.allocator.block_table(seq_id), dtype=torch.int64)

@@ -24,24 +24,44 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from ..blockstore import BlockSpec, BlockStore
+from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
 from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
 from ..formats import KvStorageFormat
+from ..ops import BACKENDS
+from .chat import chat_prompt_ids
 from .model import DecoderModel
 from .runner import ModelRunner
-from .sampler import make_generator, sample
+from .sampler import TokenLogprob, make_generator, sample, token_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
 from .store_tier import StoreTier
+
+# "transformers" serves every model by default: on SmolLM2 (decode, 2,048 tokens of context, INT8, one thread)
+# it runs at 0.94x / 0.91x the fused forward's speed at batch 1 and 1.06x / 0.97x at batch 8 (loads 3.3 / 6.5;
+# docs/benchmarks.md, `python -m int8kv.bench engine_paths`), and it is exact for every config field.
+IMPLEMENTATIONS = ("transformers", "fused")
+
+
+def engine_model(hf_model: torch.nn.Module, implementation: str = "transformers", backend: str | None = None):
+    """The engine's model for `hf_model`: a `TransformersModel` (the model's own forward over the paged cache)
+    or, with "fused", the fused Llama/Qwen3 `DecoderModel`. Refusals are typed (UnsupportedModel /
+    UnsupportedAttention) and leave the model as it was."""
+    if implementation == "fused":
+        return DecoderModel(hf_model, backend)  # refuses (UnsupportedModel) what it does not implement
+    from .hf_model import TransformersModel
+
+    return TransformersModel(hf_model, backend)
+
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -78,6 +98,8 @@ class RequestOutput:
     num_preemptions: int
     finish_reason: str = "length"  # "stop" (EOS), "length" (max_tokens) or "error"
     error: str | None = None  # with finish_reason "error": the exception, as "Type: message"
+    logprobs: list[TokenLogprob] | None = None  # per output token, with SamplingParams.logprobs
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (Sequence.num_cached_prompt)
 
 
 @dataclass
@@ -91,6 +113,8 @@ class RequestUpdate:
     error: str | None
     num_prompt_tokens: int
     num_output_tokens: int  # all generated so far, new_token_ids included
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, with SamplingParams.logprobs
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (Sequence.num_cached_prompt)
 
 
 @dataclass
@@ -161,10 +185,19 @@ class LLM:
         kv_store: str | BlockStore | bool | None = None,
         kv_namespace: str = "int8kv",
         model_id: str | None = None,
+        kv_store_secret: str | bytes | None = None,
+        implementation: str = "transformers",
+        backend: str | None = None,
     ) -> None:
         """`kv_store`: a block store URL (`True` is "embedded") or an open BlockStore (left open); it needs
-        prefix caching. `model_id` replaces the weights' SHA-256 in the key root (the model fingerprint,
-        int8kv.store.model_fingerprint): equal ids must mean equal K/V."""
+        prefix caching. `kv_store_secret` (at least 16 bytes; default: the INT8KV_KV_STORE_SECRET variable)
+        authenticates the store's values with an HMAC, for a URL (an open store has its own). `model_id`
+        replaces the weights' SHA-256 in the key root (the model fingerprint, int8kv.store.model_fingerprint):
+        equal ids must mean equal K/V. `implementation`: "transformers" (the default) runs the model's own
+        forward over the paged cache (any decoder whose attention goes through transformers' attention
+        interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py, refusing
+        every config field it does not implement). `backend`: the attention kernels (int8kv.ops.BACKENDS;
+        None: "cpu" or "triton" from the pool's device)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -178,6 +211,13 @@ class LLM:
             if not prefix_caching:
                 raise InvalidEngineConfig("kv_store needs prefix_caching=True (blocks are found by their keys)")
             check_namespace(kv_namespace)  # InvalidBlockKey
+            check_secret(kv_store_secret)  # InvalidStoreSecret
+            if kv_store_secret is not None and isinstance(kv_store, BlockStore):
+                raise InvalidEngineConfig("kv_store_secret is for a store URL; an open BlockStore has its own secret")
+        if implementation not in IMPLEMENTATIONS:
+            raise InvalidEngineConfig(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        if backend is not None and backend not in BACKENDS:
+            raise InvalidEngineConfig(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
@@ -196,9 +236,9 @@ class LLM:
             tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
-        self.model = DecoderModel(hf_model)
-        self.vocab_size = self.model.embed.shape[0]
-        self.max_positions = int(self.model.config.max_position_embeddings)
+        self.model = engine_model(hf_model, implementation, backend)
+        self.vocab_size = self.model.vocab_size
+        self.max_positions = self.model.max_positions
         m = self.model
         layout = KvLayout(m.num_layers, m.num_kv_heads, m.head_dim, self.format)
         num_blocks = layout.blocks_for_memory(budget, block_size)
@@ -219,10 +259,10 @@ class LLM:
             hasher = PrefixHasher(self.cache.layout, self.fingerprint, block_size)
             if kv_store:
                 spec = BlockSpec(self.cache.layout, block_size, self.fingerprint)
-                tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace)
+                tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self.model.window)
         self.runner = ModelRunner(self.model, self.cache)
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).
@@ -268,6 +308,20 @@ class LLM:
                         self.scheduler.fail(seq, "aborted: generate() was interrupted")
             return [self._output(s) for s in seqs]
 
+    def chat(
+        self,
+        messages: Seq[Mapping[str, Any]] | Seq[Seq[Mapping[str, Any]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
+    ) -> list[RequestOutput]:
+        """The assistant's reply to one conversation (a list of ``{"role", "content"}`` messages) or to each
+        of a list of conversations, through the tokenizer's chat template: one output per conversation, as
+        `generate` returns them. InvalidRequest (nothing queued) without a chat template or for a bad message."""
+        many = isinstance(messages, Seq) and not isinstance(messages, str) and messages and not isinstance(
+            messages[0], Mapping)
+        conversations = messages if many else [messages]
+        return self.generate([chat_prompt_ids(self.tokenizer, c) for c in conversations], params, on_step)
+
     def step(self) -> int:
         """Schedule, run the packed batch, sample, retire finished or failed requests; returns the batch size."""
         with self._lock:
@@ -277,6 +331,9 @@ class LLM:
                 return 0
             used = self.cache.num_blocks - self.cache.num_free_blocks  # the step's peak: before anyone finishes
             decode_phase = self.scheduler.in_decode_phase(batch)
+            for item in batch:  # only an admission has hits; counted for the first one (before any preemption)
+                if item.seq.num_preemptions == 0:
+                    item.seq.num_cached_prompt += item.hit_tokens + item.store_tokens
             logits, errors = self.runner.run(batch)
             generated = self._retire(batch, logits, errors)
             self._record(batch, errors, generated, decode_phase, preempted, used, time.perf_counter() - start)
@@ -291,22 +348,40 @@ class LLM:
         with self._lock:
             chunk_size = positive_int(chunk_size, "chunk_size")
             ids = self._token_ids(token_ids)
-            if len(ids) > self.max_positions:
-                raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
-            if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
-                raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
-            seq = Sequence(ids, SamplingParams(max_tokens=1))
-            self.cache.add_sequence(seq.seq_id, 0)
-            try:
-                out = []
-                while seq.num_uncached:
-                    n = min(chunk_size, seq.num_uncached)
-                    seq.slots = self.cache.grow(seq.seq_id, n)
-                    out.append(self.runner.forward([Scheduled(seq, n)], all_logits=True))
-                    seq.num_cached += n
-                return torch.cat(out)
-            finally:
-                self.cache.free(seq.seq_id)
+            return torch.cat(list(self._score_chunks(ids, chunk_size)))
+
+    def prompt_logprobs(self, token_ids: Seq[int], k: int = 0, chunk_size: int = 256) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability given the tokens before it, and the `k` (0-20) most likely
+        alternatives there, from `score`'s teacher-forced logits; None for the first token (nothing predicts
+        it). Converted chunk by chunk, so memory stays one chunk of logits."""
+        with self._lock:
+            chunk_size = positive_int(chunk_size, "chunk_size")
+            ids = self._token_ids(token_ids)
+            SamplingParams(logprobs=k)  # the same check as a generated token's
+            out: list[TokenLogprob | None] = [None]
+            done = 0
+            for logits in self._score_chunks(ids, chunk_size):
+                n = len(logits) - (done + len(logits) == len(ids))  # the last position predicts no prompt token
+                out += token_logprobs(logits[:n], ids[done + 1 : done + 1 + n], k)
+                done += len(logits)
+            return out
+
+    def _score_chunks(self, ids: list[int], chunk_size: int):
+        """Yield the teacher-forced logits of `ids` chunk by chunk (`score`); the sequence is freed at the end."""
+        if len(ids) > self.max_positions:
+            raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
+        if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
+            raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
+        seq = Sequence(ids, SamplingParams(max_tokens=1))
+        self.cache.add_sequence(seq.seq_id, 0)
+        try:
+            while seq.num_uncached:
+                n = min(chunk_size, seq.num_uncached)
+                seq.slots = self.cache.grow(seq.seq_id, n)
+                yield self.runner.forward([Scheduled(seq, n)], all_logits=True)
+                seq.num_cached += n
+        finally:
+            self.cache.free(seq.seq_id)
 
     def flush_kv_store(self, timeout: float | None = None) -> bool:
         """Wait until the blocks queued for the KV store are written; False if `timeout` passed first."""
@@ -403,8 +478,9 @@ class LLM:
                 if len(seq.output) == sent and not done:
                     continue
                 live.sent = len(seq.output)
+                new_logprobs = seq.logprobs[sent:] if seq.params.logprobs is not None else None
                 out.append(RequestUpdate(request_id, seq.output[sent:], done, seq.finish_reason, seq.error,
-                                         len(seq.prompt), len(seq.output)))
+                                         len(seq.prompt), len(seq.output), new_logprobs, seq.num_cached_prompt))
                 if done:
                     del self._live[request_id]
             return out
@@ -501,10 +577,13 @@ class LLM:
         for row in due:
             seq = batch[row].seq
             group = [seq, *self.scheduler.fork(seq)] if seq.forks else [seq]
+            for fork in group[1:]:
+                fork.num_cached_prompt = seq.num_cached_prompt  # the prompt they share was found so
             seqs.extend(group)
             picked.extend([row] * len(group))
         rows = logits if picked == list(range(len(batch))) else logits[picked]
         tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+        self._logprobs(rows, seqs, tokens)
         generated = 0
         for seq, token in zip(seqs, tokens, strict=True):
             if isinstance(token, Exception):
@@ -514,6 +593,17 @@ class LLM:
                 if seq.append(token, self.eos_ids):
                     self.scheduler.finish(seq)
         return generated
+
+    @staticmethod
+    def _logprobs(rows: torch.Tensor, seqs: list[Sequence], tokens: list) -> None:
+        """Append each sampled token's TokenLogprob to the sequences that asked (nothing runs otherwise)."""
+        want = [j for j, (s, t) in enumerate(zip(seqs, tokens, strict=True))
+                if s.params.logprobs is not None and not isinstance(t, Exception)]
+        if not want:
+            return
+        k = max(seqs[j].params.logprobs for j in want)
+        for j, entry in zip(want, token_logprobs(rows[want], [tokens[j] for j in want], k), strict=True):
+            seqs[j].logprobs.append(replace(entry, top=entry.top[: seqs[j].params.logprobs]))
 
     def _record(
         self,
@@ -549,7 +639,8 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         text = None if self.tokenizer is None else self.tokenizer.decode(seq.output, skip_special_tokens=True)
         return RequestOutput(
-            list(seq.prompt), list(seq.output), text, seq.num_preemptions, seq.finish_reason or "length", seq.error
+            list(seq.prompt), list(seq.output), text, seq.num_preemptions, seq.finish_reason or "length", seq.error,
+            list(seq.logprobs) if seq.params.logprobs is not None else None, seq.num_cached_prompt,
         )
 
 

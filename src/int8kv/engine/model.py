@@ -15,12 +15,49 @@ import torch.nn.functional as F
 from .. import ops
 from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
-from ..errors import ShapeMismatch
+from ..errors import UnsupportedModel
 from ..ops.plan import AttentionPlan, plan_attention
 from ..ops.write import rms_norm
 
-# The two architectures checked against transformers in tests/test_engine.py.
-SUPPORTED = ("llama", "qwen3")
+# The architectures the fused forward implements (by class, not model_type: EXAONE is a LlamaForCausalLM),
+# checked against transformers in tests/test_engine.py, and the RoPE types whose tables are static (inv_freq
+# and attention_scaling fixed at init, which `_rope_tables` reads): "dynamic" and "longrope" change with length.
+SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def check_fused(hf_model: torch.nn.Module) -> str | None:
+    """Why the fused forward cannot run `hf_model` exactly (the first config field or module it does not
+    implement, by name), or None when it can."""
+    name = type(hf_model).__name__
+    if name not in SUPPORTED:
+        return f"architecture {name} (the fused forward implements {', '.join(SUPPORTED)})"
+    cfg = hf_model.config
+    prefix = name.removesuffix("ForCausalLM")
+    for field, ok in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu"),
+                      ("pretraining_tp", 1)):  # fmt: skip
+        value = getattr(cfg, field, ok)
+        if value not in (ok, None):
+            return f"config.{field}={value!r} (the fused forward implements {field}={ok!r})"
+    kinds = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]) - {"full_attention"})
+    if kinds or getattr(cfg, "use_sliding_window", False):
+        return f"layer types {kinds or ['sliding_attention']} (the fused forward implements full attention only)"
+    rope = getattr(hf_model.model.rotary_emb, "rope_type", None)
+    if rope not in STATIC_ROPE:
+        return f"rope type {rope!r} (the fused forward implements {', '.join(STATIC_ROPE)})"
+    expected = {"": f"{prefix}Model", "model.norm": f"{prefix}RMSNorm", "model.rotary_emb": f"{prefix}RotaryEmbedding"}
+    for i in range(cfg.num_hidden_layers):
+        at = f"model.layers.{i}"
+        expected.update({at: f"{prefix}DecoderLayer", f"{at}.self_attn": f"{prefix}Attention",
+                         f"{at}.mlp": f"{prefix}MLP", f"{at}.input_layernorm": f"{prefix}RMSNorm",
+                         f"{at}.post_attention_layernorm": f"{prefix}RMSNorm"})  # fmt: skip
+    modules = dict(hf_model.named_modules())
+    expected[""] = name
+    for path, cls in expected.items():
+        got = type(modules.get(path)).__name__
+        if got != cls:
+            return f"module {path or 'model'} is {got} (the fused forward implements {cls})"
+    return None
 
 
 @dataclass
@@ -34,6 +71,18 @@ class Batch:
     block_tables: torch.Tensor  # [batch, max_blocks] int32
     context_lens: torch.Tensor  # [batch] int32, after this step's tokens are written
     is_decode: bool  # every sequence contributes exactly one token
+
+
+def plan_step(cache: PagedKvCache, batch: Batch, max_position: int, validate: bool = True) -> AttentionPlan:
+    """A step's attention plan (block tables, lengths, slots, positions < max_position), checked once for all
+    layers (``validate=False``: the caller built the metadata itself)."""
+    return plan_attention(
+        cache.pool, batch.block_tables, batch.context_lens,
+        cu_seqlens_q=None if batch.is_decode else batch.cu_seqlens_q,
+        num_queries=int(batch.input_ids.shape[0]), slots=batch.slots, positions=batch.positions,
+        max_position=max_position, validate=validate,
+        max_query_len=None if validate or batch.is_decode else int(batch.cu_seqlens_q.diff().max()),
+    )  # fmt: skip
 
 
 @dataclass
@@ -50,15 +99,19 @@ class LayerWeights:
 
 
 class DecoderModel:
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, backend: str | None = None) -> None:
+        reason = check_fused(hf_model)
+        if reason is not None:
+            raise UnsupportedModel(f"the fused forward does not implement {reason}")
         cfg = hf_model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ShapeMismatch(f"model type {cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED)}")
         self.config = cfg
         self.layout = KvLayout.from_config(cfg)  # format: the engine picks it per cache (make_cache)
         self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
         self.num_q_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        self.max_positions = int(cfg.max_position_embeddings)
+        self.window = None  # full attention on every layer: no block is ever out of reach
+        self.backend = backend  # the ops dispatcher's backend (None: from the cache's device)
         base = hf_model.model
         with torch.no_grad():
             self.embed = base.embed_tokens.weight.detach().float()
@@ -66,6 +119,7 @@ class DecoderModel:
             self.lm_head = hf_model.lm_head.weight.detach().float()
             self.layers = [self._layer(layer) for layer in base.layers]
             self.cos, self.sin = self._rope_tables(base.rotary_emb, cfg.max_position_embeddings)
+        self.vocab_size = int(self.lm_head.shape[0])
 
     @staticmethod
     def _layer(layer: torch.nn.Module) -> LayerWeights:
@@ -101,13 +155,7 @@ class DecoderModel:
 
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:
         """The step's attention plan (block tables, lengths, slots, positions), checked once for all layers."""
-        return plan_attention(
-            cache.pool, batch.block_tables, batch.context_lens,
-            cu_seqlens_q=None if batch.is_decode else batch.cu_seqlens_q,
-            num_queries=int(batch.input_ids.shape[0]), slots=batch.slots, positions=batch.positions,
-            max_position=int(self.cos.shape[0]), validate=validate,
-            max_query_len=None if validate or batch.is_decode else int(batch.cu_seqlens_q.diff().max()),
-        )  # fmt: skip
+        return plan_step(cache, batch, int(self.cos.shape[0]), validate)
 
     @torch.inference_mode()
     def forward(
@@ -124,10 +172,10 @@ class DecoderModel:
             qkv = F.linear(h, w.qkv, w.qkv_bias)
             q = ops.paged_write(
                 cache, i, qkv, None, None, self.cos, self.sin, self.num_q_heads,
-                q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps, plan=plan,
+                q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps, plan=plan, backend=self.backend,
             )  # fmt: skip
             # q was checked (shape, finiteness) by the write path.
-            attn = ops.attention(cache, i, q, plan, check_q=False)
+            attn = ops.attention(cache, i, q, plan, check_q=False, backend=self.backend)
             x = x + F.linear(attn.reshape(x.shape[0], -1), w.o)
             h = rms_norm(x, w.post_norm, self.eps)
             gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)

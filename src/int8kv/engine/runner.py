@@ -12,16 +12,17 @@ from __future__ import annotations
 import torch
 
 from ..cache.paged import PagedKvCache
-from .model import Batch, DecoderModel
+from .model import Batch
 from .scheduler import Scheduled
 from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, cache: PagedKvCache) -> None:
+    def __init__(self, model, cache: PagedKvCache) -> None:
+        """`model`: a DecoderModel or a TransformersModel (engine/hf_model.py): plan, forward, vocab_size."""
         self.model = model
         self.cache = cache
-        self.vocab_size = model.lm_head.shape[0]
+        self.vocab_size = model.vocab_size
 
     def prepare(self, scheduled: list[Scheduled]) -> Batch:
         """The packed `Batch` of a step (every item's slots already reserved by the scheduler)."""

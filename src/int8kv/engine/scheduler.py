@@ -15,6 +15,12 @@ blocks already registered in the pool, then (with a `StoreTier`) the next run fo
 loaded into newly reserved blocks; only the rest is computed and counts against the token budget. Blocks are
 registered (and pushed to the store) in `advance`, as soon as a step has filled them, before the sequence
 can finish or be preempted, so a preempted sequence hits its own blocks when it comes back.
+
+Sliding windows (`window`, for a model whose every layer slides): after the blocks are registered and pushed,
+`advance` gives back the blocks wholly before the window of the sequence's next query (position num_cached
+sees keys > num_cached - window), so a sequence holds about window / block_size + 1 blocks however long it
+runs. A released keyed block stays cached for prefix hits while it is not evicted (the hit rule still needs
+the whole chain from the first block).
 """
 
 from __future__ import annotations
@@ -55,8 +61,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         hasher: PrefixHasher | None = None,
         tier: StoreTier | None = None,
+        window: int | None = None,
     ) -> None:
         self.cache = cache
+        self.window = window  # every layer attends to the last `window` positions only (None: full attention)
         self.hasher = hasher  # None: no prefix caching
         self.tier = tier  # None: no block store (needs a hasher)
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs", InvalidEngineConfig)
@@ -236,6 +244,8 @@ class Scheduler:
             if self.tier is not None:
                 self.tier.push(seq.seq_id, keys, seq.num_registered, full)
             seq.num_registered = full
+        if self.window is not None:
+            self.cache.release_before(seq.seq_id, seq.num_cached - self.window + 1)
         return seq.num_uncached == 0
 
     def fork(self, parent: Sequence) -> list[Sequence]:

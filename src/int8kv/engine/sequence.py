@@ -32,6 +32,9 @@ def positive_int(value: object, name: str, error: type[Exception] = InvalidReque
     return int(value)
 
 
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_p < 1 samples from the nucleus; generation stops at max_tokens or EOS.
@@ -44,6 +47,9 @@ class SamplingParams:
     top_p: float = 1.0
     ignore_eos: bool = False
     seed: int | None = None  # None: the request's id seeds its generator (reproducible within one process)
+    # Opt-in: each generated token's log-probability and this many most likely alternatives (0-20), from the
+    # step's logits (log-softmax before temperature and top-p); None computes nothing.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         positive_int(self.max_tokens, "max_tokens")
@@ -63,6 +69,8 @@ class SamplingParams:
                 torch.Generator().manual_seed(int(self.seed))
             except (RuntimeError, OverflowError, ValueError) as e:
                 raise InvalidRequest(f"seed {self.seed!r} cannot seed a torch.Generator: {e}") from None
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
 _ids = itertools.count()
@@ -98,6 +106,10 @@ class Sequence:
     # its blocks copy-on-write (Scheduler.fork) and run as ordinary sequences. Both are empty/None otherwise.
     forks: list[Sequence] = field(default_factory=list)
     fork_of: Sequence | None = field(default=None, repr=False)
+    # With params.logprobs: one TokenLogprob (engine/sampler.py) per output token.
+    logprobs: list = field(default_factory=list)
+    # Prompt tokens found in the prefix cache (pool or block store) when first admitted (before any preemption).
+    num_cached_prompt: int = 0
 
     @property
     def group_size(self) -> int:

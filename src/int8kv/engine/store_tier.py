@@ -5,8 +5,9 @@
     tier.push(seq_id, keys, first, last)   # blocks [first, last) of a sequence, queued for the store
 
 The scheduler asks `fetch` for the full blocks of a prompt that the local pool does not hold (one pipelined
-lookup, then one get of those values, verified by the codec before anything is allocated) and writes the
-result into the sequence's newly reserved blocks; `push` exports a sequence's newly computed full blocks
+lookup, then one get of those values, verified by the codec before anything is allocated; each bounded by the
+store's read deadline, so a stuck store costs an admission at most ~0.1 s plus the expected transfer time) and
+writes the result into the sequence's newly reserved blocks; `push` exports a sequence's newly computed full blocks
 through the cache's public `export_state`, encodes them and hands them to the bounded background writer, so
 the network write is off the step's path. A store fault of any kind (refused connection, timeout, eviction
 between lookup and get, damaged or foreign value, even an unexpected exception) is a miss: `fetch` returns
@@ -19,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from ..blockstore import BackgroundWriter, BlockSpec, BlockStore, encode_block, open_block_store
+from ..blockstore import BackgroundWriter, BlockSpec, BlockStore, open_block_store
 from ..cache.paged import PagedKvCache
 from ..cache.state import KvState
 
@@ -40,14 +41,22 @@ class StoreTier:
         self.writer = BackgroundWriter(store)
         self.faults = 0  # fetches that delivered fewer blocks than the lookup promised, or raised
         self.pushed_blocks = 0
+        # What the store cost admissions: fetch calls, their total and their longest wait (seconds).
+        self.fetches = 0
+        self.fetch_seconds = 0.0
+        self.slowest_fetch_s = 0.0
         self._last_log = float("-inf")
 
     @classmethod
-    def open(cls, store: str | BlockStore, spec: BlockSpec, cache: PagedKvCache, namespace: str) -> StoreTier:
-        """A tier over a store URL (opened here, closed with the tier) or an open store (left open)."""
+    def open(
+        cls, store: str | BlockStore, spec: BlockSpec, cache: PagedKvCache, namespace: str,
+        secret: str | bytes | None = None,
+    ) -> StoreTier:
+        """A tier over a store URL (opened here with ``secret``, closed with the tier) or an open store (left
+        open; its own secret applies)."""
         if isinstance(store, BlockStore):
             return cls(store, spec, cache, owned=False)
-        opened = open_block_store(store, namespace=namespace)  # InvalidStoreUrl / StoreUnavailable
+        opened = open_block_store(store, namespace=namespace, secret=secret)  # InvalidStoreUrl / StoreUnavailable
         try:
             return cls(opened, spec, cache)
         except BaseException:
@@ -59,12 +68,18 @@ class StoreTier:
         holds and that passes every check, ``n * block_size`` tokens, or None. Never raises."""
         if not keys:
             return None
+        start = time.perf_counter()
         try:
             found = self.store.lookup(keys)
             state = self.store.get_prefix(keys[:found], self.spec) if found else None
         except Exception as exc:  # noqa: BLE001 - a store must never fail a request
             self._fault(f"fetch raised {type(exc).__name__}: {exc}")
             return None
+        finally:
+            waited = time.perf_counter() - start
+            self.fetches += 1
+            self.fetch_seconds += waited
+            self.slowest_fetch_s = max(self.slowest_fetch_s, waited)
         got = 0 if state is None else state.length // self.spec.block_size
         if got < found:  # evicted since the lookup, damaged, another version or model, or the call failed
             self._fault(f"the store listed {found} block(s) and delivered {got}; recomputing the rest")
@@ -78,7 +93,8 @@ class StoreTier:
         try:
             state = self.cache.export_state(seq_id, first * bs, last * bs)
             for i in range(last - first):
-                self.writer.submit(keys[first + i], encode_block(self.spec, state.slice(i * bs, (i + 1) * bs)))
+                key = keys[first + i]
+                self.writer.submit(key, self.store.encode(self.spec, key, state.slice(i * bs, (i + 1) * bs)))
             self.pushed_blocks += last - first
         except Exception as exc:  # noqa: BLE001
             self._fault(f"push raised {type(exc).__name__}: {exc}")

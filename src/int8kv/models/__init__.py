@@ -9,6 +9,9 @@ from .loader import (
     default_gguf_path,
     gguf_cache_dir,
     load_model,
+    model_config,
+    model_dir,
+    packaged_model_dir,
 )
 
 __all__ = [
@@ -20,4 +23,7 @@ __all__ = [
     "gguf_cache_dir",
     "kv_dims",
     "load_model",
+    "model_config",
+    "model_dir",
+    "packaged_model_dir",
 ]

@@ -36,7 +36,6 @@ TILE = 64  # key positions per online-softmax step: long enough for vector loops
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 _NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
-_NO_SINKS = np.empty(0, np.float32)
 # A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
 # (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
 # 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
@@ -270,23 +269,30 @@ def _accumulate_pair(acc_a, acc_b, wa, wb, vt, nt):
         _accumulate(acc_b, wb[t:], vt[t:], nt - t)
 
 
+def _capped(x, cap):  # typed by the overload below: a logit, softcapped when cap is (c, 1 / c)
+    raise NotImplementedError
+
+
+@overload(_capped, inline="always")
+def _capped_impl(x, cap):
+    # None compiles the plain kernel: a runtime `if cap > 0` around the tanh loop cost 10-14 % of a decode call
+    # (SmolLM2 shape, 512-2,048 keys, one thread, same process and inputs), with the plain loop unchanged.
+    if isinstance(cap, types.NoneType):
+        return lambda x, cap: x
+    return lambda x, cap: cap[0] * np.tanh(x * cap[1])
+
+
 @njit(fastmath=True, inline="always")
 def _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc, cap):
     """Fold this tile's raw scores s[:nt] of row r into the running (max m, sum denom, acc); s becomes exp weights.
     A raw score is q . k in codes: the logit is s[t] * k_scale[t] * q_scale (q_scale 1 for a float32 query),
-    capped to cap * tanh(logit / cap) when cap > 0 (logit softcapping; libm's tanhf, not vectorised)."""
+    capped to c tanh(logit / c) when cap is (c, 1 / c) (logit softcapping; libm's tanhf, not vectorised), as is
+    without a cap (None)."""
     mx = m[r]
-    if cap > 0:
-        inv_cap = np.float32(1.0) / cap
-        for t in range(nt):
-            x = cap * np.tanh(s[t] * (k_scale[t] * q_scale) * inv_cap)
-            s[t] = x
-            mx = max(mx, x)
-    else:
-        for t in range(nt):
-            x = s[t] * (k_scale[t] * q_scale)
-            s[t] = x
-            mx = max(mx, x)
+    for t in range(nt):
+        x = _capped(s[t] * (k_scale[t] * q_scale), cap)
+        s[t] = x
+        mx = max(mx, x)
     alpha = _exp_nonpos(m[r] - mx)
     total = np.float32(0.0)
     for t in range(nt):
@@ -312,15 +318,40 @@ def _key_tile_impl(q, tile):
     return lambda q, tile: tile  # exact: K and V share one float32 tile
 
 
+def _row_low(lows, row, lo):  # typed by the overload below: the first key row `row` of an item sees
+    raise NotImplementedError
+
+
+@overload(_row_low, inline="always")
+def _row_low_impl(lows, row, lo):
+    if isinstance(lows, types.NoneType):  # no window or chunk: the item's range
+        return lambda lows, row, lo: lo
+    return lambda lows, row, lo: max(lows[row], lo)
+
+
+def _tile_offset(lows, low, p0):  # typed by the overload below: a row's first visible key within a tile
+    raise NotImplementedError
+
+
+@overload(_tile_offset, inline="always")
+def _tile_offset_impl(lows, low, p0):
+    # Without a window or chunk every row starts at the item's first key: a constant 0 keeps the plain kernel
+    # as it was (a runtime max(low - p0, 0) and the views it offsets cost 13 % of a 16-query prefill chunk at
+    # 2,048 keys, SmolLM2 shape, same process and inputs).
+    if isinstance(lows, types.NoneType):
+        return lambda lows, low, p0: 0
+    return lambda lows, low, p0: max(low - p0, 0)
+
+
 @njit(fastmath=True, cache=True)
-def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
+def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
     """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, hi) of one
-    sequence, row i seeing [bounds[row0 + i, 0], bounds[row0 + i, 1]) of them (its lowest key, causal limit).
+    sequence, row i seeing keys [lows[row0 + i], limits[row0 + i]) of them (lows None: from lo).
     State per (KV head, row of its group): running max m, sum denom, unnormalised output acc.
     q is float32 (exact path; q_scale is empty) or int16 holding int8 codes with one float32 scale per
     (row, head) in q_scale (quantized-query path, INT8 caches only: q . k runs in int32). sm: the softmax
-    scale, applied with the key scales to each tile's raw scores (never to a copy of q); cap: the softcap
-    (0: none)."""
+    scale, applied with the key scales to each tile's raw scores (never to a copy of q); cap: None, or the
+    softcap c as (c, 1 / c)."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
@@ -337,8 +368,8 @@ def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi
                     qs[h, i * g + j] = q_scale[row0 + i, h * g + j] * sm
     for i in range(nrows):
         for j in range(g):
-            low[i * g + j] = max(bounds[row0 + i, 0], lo)
-            limit[i * g + j] = min(bounds[row0 + i, 1], hi)
+            low[i * g + j] = _row_low(lows, row0 + i, lo)
+            limit[i * g + j] = min(limits[row0 + i], hi)
     m[:] = NEG
     denom[:] = 0.0
     acc[:] = 0.0
@@ -362,10 +393,11 @@ def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi
             qsh = qs[h]
             r = 0
             while r < rows:  # row r sees keys [p0 + a, p0 + a + n) of this tile
-                a = max(low[r] - p0, 0)
+                a = _tile_offset(lows, low[r], p0)
                 n = min(limit[r] - p0, nt) - a
                 # same window and causal cut: share key loads
-                paired = r + 1 < rows and a == max(low[r + 1] - p0, 0) and n == min(limit[r + 1] - p0, nt) - a
+                paired = (r + 1 < rows and a == _tile_offset(lows, low[r + 1], p0)
+                          and n == min(limit[r + 1] - p0, nt) - a)
                 if n > 0 and paired:
                     _scores_pair(qh[r], qh[r + 1], kt[a:], n, sh[r, a:], sh[r + 1, a:])
                     _softmax_step(sh[r, a:], ksc[a:], qsh[r], n, r, mh, dh, ah, cap)
@@ -381,13 +413,14 @@ def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi
             sh = s[h]
             ah = acc[h]
             for r in range(rows):  # p_t * s_v,t: the value scales folded into the weights
-                for t in range(max(low[r] - p0, 0), min(limit[r] - p0, nt)):
+                for t in range(_tile_offset(lows, low[r], p0), min(limit[r] - p0, nt)):
                     sh[r, t] *= vsc[t]
             r = 0
             while r < rows:
-                a = max(low[r] - p0, 0)
+                a = _tile_offset(lows, low[r], p0)
                 n = min(limit[r] - p0, nt) - a
-                paired = r + 1 < rows and a == max(low[r + 1] - p0, 0) and n == min(limit[r + 1] - p0, nt) - a
+                paired = (r + 1 < rows and a == _tile_offset(lows, low[r + 1], p0)
+                          and n == min(limit[r + 1] - p0, nt) - a)
                 if n > 0 and paired:
                     _accumulate_pair(ah[r], ah[r + 1], sh[r, a:], sh[r + 1, a:], vt[a:], n)
                 elif n > 0:
@@ -498,32 +531,33 @@ def _attend_row(q, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
         p0 += nt
 
 
-def _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
+def _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
     """One work item: `_attend_row` for a single float32 query row whose head_dim the vector kernels take,
     `_attend_item` otherwise (typed by the overload below)."""
     raise NotImplementedError
 
 
 @overload(_attend_one, inline="always")
-def _attend_one_impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
+def _attend_one_impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
     if q.dtype != types.float32:  # the quantized-query path has its own integer loops
-        return lambda q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc: (
-            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc))
+        return lambda q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc: (
+            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc))
 
-    def impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc):
+    def impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
         if nrows == 1 and cpu_simd.fits(kc.shape[3]):
-            first, end = max(lo, bounds[row0, 0]), min(hi, bounds[row0, 1])
+            first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
             _attend_row(q, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
         else:
-            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, bounds, m, denom, acc)
+            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc)
 
     return impl
 
 
 @njit(fastmath=True, inline="always")
-def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, out, part_m, part_l, part_acc):
+def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
+              part_acc):
     """Work item `it`: items[it] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to
-    `out` (with the sinks, when `sinks` is not empty); several: the unnormalised state (m, l, acc) of each split goes
+    `out` (with the sinks, unless `sinks` is None); several: the unnormalised state (m, l, acc) of each split goes
     to part_* for the merge (`_merge_states`), which adds the sinks once."""
     hkv = kc.shape[2]
     d = kc.shape[3]
@@ -535,7 +569,7 @@ def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bou
     m = np.empty((hkv, rows), np.float32)
     denom = np.empty((hkv, rows), np.float32)
     acc = np.empty((hkv, rows, d), np.float32)
-    _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, bounds, m, denom, acc)
+    _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m, denom, acc)
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
@@ -553,7 +587,7 @@ def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bou
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, lists, out, splits):
+def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, lists, out, splits):
     """Worker w runs items lists[w]..lists[w + 1] (`_assign_items`), one worker per thread. numba's dynamic
     schedule (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at
     2,048 keys in 134 us on two threads, as slow as one (133 us); this fixed split takes 86. With splits > 1
@@ -561,18 +595,18 @@ def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items,
     part_m, part_l, part_acc = _split_states(splits, out)
     for w in prange(lists.shape[0] - 1):
         for it in range(lists[w], lists[w + 1]):
-            _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, out, part_m, part_l,
+            _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
                       part_acc)
     if part_m.shape[0]:  # after the parallel loop's barrier, on the calling thread (a dispatch saved: ~1.5 us)
         _merge_states(part_m, part_l, part_acc, out, sinks)
 
 
 @njit(fastmath=True, cache=True)
-def _attention_serial(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, lists, out, splits):
+def _attention_serial(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, lists, out, splits):
     """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
     part_m, part_l, part_acc = _split_states(splits, out)
     for it in range(items.shape[0]):
-        _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, bounds, out, part_m, part_l,
+        _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
                   part_acc)
     if part_m.shape[0]:
         _merge_states(part_m, part_l, part_acc, out, sinks)
@@ -586,16 +620,34 @@ def _split_states(splits, out):
             np.float32), np.empty((n, out.shape[0], out.shape[1], out.shape[2]), np.float32))
 
 
-@njit(fastmath=True, inline="always")
 def _normaliser(total, mx, sinks, head):
     """1 / the softmax denominator of a row whose unnormalised state has sum `total` relative to max `mx`: with
-    a sink logit z (`sinks[head]`, when `sinks` is not empty) the denominator is total + e^(z - mx), computed
-    relative to max(mx, z) so neither exponential overflows. A row that saw no key (total 0) gets 0: zeros."""
+    a sink logit z (`sinks[head]`; sinks None: none) the denominator is total + e^(z - mx), computed relative to
+    max(mx, z) so neither exponential overflows. A row that saw no key (total 0) gets 0: zeros. Typed by the
+    overload below (None compiles the plain kernel, as for the softcap)."""
+    raise NotImplementedError
+
+
+@overload(_normaliser)
+def _normaliser_impl(total, mx, sinks, head):
+    if isinstance(sinks, types.NoneType):
+        return lambda total, mx, sinks, head: _inverse(total)
+    return lambda total, mx, sinks, head: _with_sink(total, mx, sinks[head])
+
+
+@njit(fastmath=True, inline="always")
+def _inverse(total):
+    """`_normaliser` without a sink: 1 / total, or 0 for a row that saw no key."""
     if total <= 0:
         return np.float32(0.0)
-    if sinks.shape[0] == 0:
-        return np.float32(1.0) / total
-    z = sinks[head]
+    return np.float32(1.0) / total
+
+
+@njit(fastmath=True, inline="always")
+def _with_sink(total, mx, z):
+    """`_normaliser` with the sink logit z."""
+    if total <= 0:
+        return np.float32(0.0)
     if z <= mx:
         return np.float32(1.0) / (total + _exp_nonpos(z - mx))
     f = _exp_nonpos(mx - z)  # out = acc e^(mx - z) / (total e^(mx - z) + 1)
@@ -694,8 +746,9 @@ def _decode_items(lens: np.ndarray, starts: np.ndarray, threads: int) -> tuple[n
 
 def _prefill_items(
     cu: np.ndarray, lens: np.ndarray, starts: np.ndarray, group: int, variant: AttentionVariant | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Work items of a prefill step and each query row's visible keys ``bounds [rows, 2]`` (lowest, limit)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Work items of a prefill step, each query row's causal limit and, with a window or chunk (``variant``),
+    each row's lowest visible key (else None: kv_start)."""
     counts = cu[1:] - cu[:-1]
     seq_of_row = np.repeat(np.arange(len(counts)), counts)
     index_in_seq = np.arange(cu[-1]) - cu[seq_of_row]
@@ -703,7 +756,7 @@ def _prefill_items(
     # from its sequence's kv_start or, with a window or chunk, from its own lowest key.
     row_limits = lens[seq_of_row] - counts[seq_of_row] + index_in_seq + 1
     row_starts = starts[seq_of_row]
-    lows = row_starts if variant is None else variant.key_lows(row_limits - 1, row_starts)
+    lows = None if variant is None else variant.key_lows(row_limits - 1, row_starts).astype(np.int64)
     per_item = max(1, ROWS_PER_ITEM // group)
     tiles = -(-counts // per_item)
     seq = np.repeat(np.arange(len(counts)), tiles)
@@ -711,9 +764,9 @@ def _prefill_items(
     row0 = cu[seq] + k * per_item
     nrows = np.minimum(per_item, counts[seq] - k * per_item)
     # An item's keys start at its first row's lowest key: the rows' lows rise with their positions.
-    first_key = lows[row0] if len(row0) else starts[seq]
+    first_key = starts[seq] if lows is None or not len(row0) else lows[row0]
     items = np.stack([seq, row0, nrows, first_key, lens[seq], np.zeros_like(seq)], axis=1)
-    return items.astype(np.int64), np.stack([lows, row_limits], axis=1).astype(np.int64)
+    return items.astype(np.int64), row_limits.astype(np.int64), lows
 
 
 def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -819,11 +872,13 @@ def thread_choice(key: tuple) -> ThreadChoice:
 
 
 def _run(
-    pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: float, sinks: np.ndarray
-) -> torch.Tensor:
-    """Run the numba kernel over the plan's work ``(items, bounds, splits, pairs, lists, tables, choice)``; ``cap``
-    the softcap (0: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
-    items, bounds, splits, pairs, lists, tables, choice = work
+    pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: tuple | None,
+    sinks: np.ndarray | None,
+) -> torch.Tensor:  # fmt: skip
+    """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice)``
+    (lows: each row's lowest key, None without a window or chunk); ``cap``
+    the softcap c as float32 (c, 1 / c) (None: none), ``sinks`` float32 ``[Hq]`` (None: none)."""
+    items, row_limits, lows, splits, pairs, lists, tables, choice = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
@@ -843,7 +898,7 @@ def _run(
     compiled = len(kernel.overloads)
     start = time.perf_counter()
     sm = plan.softmax_scale
-    kernel(q_arg, q_scale, sm, np.float32(cap), sinks, kc, ks, vc, vs, tables, items, bounds, lists, o, splits)
+    kernel(q_arg, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, lists, o, splits)
     if choice.timed:
         seconds = time.perf_counter() - start
         # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
@@ -984,20 +1039,18 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
     group = num_q_heads // pool.num_kv_heads
     lens, starts, cu = host.context_lens, host.kv_starts, host.cu_seqlens_q
     bounded = variant if variant is not None and variant.bounds_keys else None
-    lows = None
     if plan.is_decode:
-        first = starts if bounded is None else bounded.key_lows(lens - 1, starts)
-        items, splits = _decode_items(lens, first, threads)
-        bounds, long = np.stack([first, lens], axis=1), np.zeros(len(lens), bool)
+        lows = None if bounded is None else bounded.key_lows(lens - 1, starts).astype(np.int64)
+        items, splits = _decode_items(lens, starts if lows is None else lows, threads)
+        row_limits, long = lens, np.zeros(len(lens), bool)
     else:
-        items, bounds = _prefill_items(cu, lens, starts, group, bounded)
+        items, row_limits, lows = _prefill_items(cu, lens, starts, group, bounded)
         splits = 1
         counts = cu[1:] - cu[:-1]
-        if bounded is None:
+        if lows is None:
             pairs = counts * (lens - counts) + counts * (counts + 1) // 2  # visible (query, key) pairs
         else:
-            lows = np.ascontiguousarray(bounds[:, 0])
-            seen = np.maximum(bounds[:, 1] - bounds[:, 0], 0)
+            seen = np.maximum(row_limits - lows, 0)
             pairs = np.bincount(np.repeat(np.arange(len(counts)), counts), seen, len(counts)).astype(np.int64)
         long = (counts >= FLASH_MIN_QUERIES) & (pairs >= FLASH_MIN_PAIRS)
         if _sdpa_tile is None or (variant is not None and variant.softcap is not None):
@@ -1005,13 +1058,13 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
         items = items[~long[items[:, 0]]]
     workers = max(1, min(threads, items.shape[0]))
     if items.shape[0]:
-        items, lists, pairs_total = _assign_items(items, bounds[:, 1], workers)
+        items, lists, pairs_total = _assign_items(items, row_limits, workers)
     else:
         lists, pairs_total = np.zeros(2, np.int64), 0
     integer_q = plan.precision == "int8" and pool.format.is_quantized
     capped = variant is not None and variant.softcap is not None  # tanh per score: another cost per unit
     choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim, capped))
-    work = (items, np.ascontiguousarray(bounds), splits, pairs_total, lists, plan.block_tables.numpy(), choice)
+    work = (items, row_limits, lows, splits, pairs_total, lists, plan.block_tables.numpy(), choice)
     return work, np.flatnonzero(long), lows
 
 
@@ -1020,12 +1073,13 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, varia
     ``variant``: a window, chunk, softcap or sinks of this call (:class:`~.plan.AttentionVariant`)."""
     threads = numba.get_num_threads()
     key: tuple = ("cpu-work", q.shape[1], threads)
-    cap, sinks = 0.0, _NO_SINKS
+    cap, sinks = None, None
     if variant is not None:
-        cap = 0.0 if variant.softcap is None else variant.softcap
-        sinks = _NO_SINKS if variant.sinks is None else variant.sinks.numpy()
+        if variant.softcap is not None:
+            cap = (np.float32(variant.softcap), np.float32(1.0 / variant.softcap))
+        sinks = None if variant.sinks is None else variant.sinks.numpy()
         if variant.bounds_keys or cap:  # sinks alone change no key range: the plain work serves them
-            key = (*key, variant.window, variant.chunk, cap > 0)
+            key = (*key, variant.window, variant.chunk, cap is not None)
     work, long, lows = plan.derived(key, lambda: _work(plan, pool, q.shape[1], threads, variant))
     out = _run(pool, layer, q, plan, work, cap, sinks)
     if long.size:

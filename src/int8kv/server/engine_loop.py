@@ -1,10 +1,10 @@
 """The engine thread: the one thread that touches the `LLM`, so HTTP handlers never wait on a step.
 
-Handlers talk to it through an inbox (add a group of requests, abort one, stop) and get each request's
-updates on an asyncio queue of their own, delivered with `call_soon_threadsafe`. Between two steps the thread
-drains the inbox, so requests join and leave between steps; an abort frees the request's blocks before the
-next step. A step that raises (the engine isolates per-request failures, so this means a bug) fails every
-live request and the thread goes on serving.
+Handlers talk to it through an inbox (add a group of requests, abort or finish some, end all, run a call,
+stop) and get each request's updates on an asyncio queue of their own, delivered with `call_soon_threadsafe`.
+Between two steps the thread drains the inbox, so requests join and leave between steps; an abort frees the
+request's blocks before the next step. A step that raises (the engine isolates per-request failures, so this
+means a bug) fails every live request and the thread goes on serving.
 """
 
 from __future__ import annotations
@@ -80,8 +80,21 @@ class EngineLoop:
         self._send(_Add(groups, done))
         return done
 
-    def abort(self, request_ids: list[int]) -> None:
-        self._send(("abort", request_ids))
+    def abort(self, request_ids: list[int], finished: bool = False) -> None:
+        """Take requests out of the engine (their blocks freed before the next step). `finished`: they are
+        complete (a stop string found in their text), counted as finished, not aborted."""
+        self._send(("finish" if finished else "abort", request_ids))
+
+    def end_all(self) -> None:
+        """End every live request now (the shutdown timeout): each handler gets a last update with
+        finish_reason "abort"."""
+        self._send(("end", None))
+
+    def call(self, fn: Any) -> concurrent.futures.Future:
+        """Run `fn(llm)` on the engine thread between two steps; the future gives its result or exception."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", (fn, done)))
+        return done
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort whatever is left, then end the thread (handlers still waiting get a finished update)."""
@@ -105,14 +118,14 @@ class EngineLoop:
                     self.llm.step()
                 except Exception:  # noqa: BLE001 - a bug in a step must not take the server down
                     log.exception("engine step failed; failing every live request")
-                    self._abort(list(self._sinks), "error")
+                    self._abort(list(self._sinks), "error", "requests_failed")
                 # Published before the updates go out: a client that sees its response done and then scrapes
                 # /metrics finds the blocks its request held already free.
                 self._publish()
                 self._deliver()
             else:
                 self._wake.wait(1.0)
-        self._abort(list(self._sinks), "abort")
+        self._abort(list(self._sinks), "abort", "requests_aborted")
         self._publish()
 
     def _drain(self) -> None:
@@ -121,12 +134,25 @@ class EngineLoop:
                 message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(message, _Add):
+            kind = "add" if isinstance(message, _Add) else message[0]
+            if kind == "add":
                 self._add(message)
-            elif message[0] == "abort":
-                self._abort(message[1], None)
+            elif kind in ("abort", "finish"):
+                self._abort(message[1], None, "requests_aborted" if kind == "abort" else "requests_finished")
+            elif kind == "end":
+                self._abort(list(self._sinks), "abort", "requests_aborted")
+            elif kind == "call":
+                self._call(*message[1])
             else:
                 self._stopping = True
+
+    def _call(self, fn: Any, done: concurrent.futures.Future) -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(fn(self.llm))
+        except Exception as e:  # noqa: BLE001 - handed to the waiting handler
+            done.set_exception(e)
 
     def _add(self, message: _Add) -> None:
         if not message.done.set_running_or_notify_cancel():
@@ -156,12 +182,13 @@ class EngineLoop:
         else:
             message.done.set_result(ids)
 
-    def _abort(self, request_ids: list[int], reason: str | None) -> None:
-        """Abort requests (freeing their blocks now); with a reason, tell their handlers they ended so."""
+    def _abort(self, request_ids: list[int], reason: str | None, counter: str) -> None:
+        """Take requests out (freeing their blocks now), each counted in `counter` if it was still live; with a
+        reason, tell their handlers they ended so."""
         for request_id in request_ids:
             sink = self._sinks.pop(request_id, None)
             if self.llm.abort_request(request_id):
-                self.metrics.count("requests_aborted" if reason != "error" else "requests_failed")
+                self.metrics.count(counter)
             if sink is not None and reason is not None:
                 sink.put(RequestUpdate(request_id, [], True, reason, f"request ended: {reason}", 0, 0))
 
@@ -188,8 +215,13 @@ class EngineLoop:
             "kv_blocks_free": free,
             "kv_blocks_total": llm.cache.num_blocks,
             "kv_bytes_per_token": llm.kv_bytes_per_token(),
-            # Prefix caching reports its hit rate in EngineStats once it is wired; 0 until then.
-            "prefix_cache_hit_rate": float(getattr(stats, "prefix_hit_rate", 0.0) or 0.0),
+            "prefix_cache_hit_rate": stats.prefix_hit_rate,
+            "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
+            "prefix_cache_hit_tokens": stats.prefix_hit_tokens,
+            "kv_store_hit_tokens": stats.store_hit_tokens,
+            "kv_store_miss_tokens": (stats.prefix_queried_tokens - stats.prefix_hit_tokens - stats.store_hit_tokens
+                                     if llm.kv_store is not None else 0),
+            "kv_store_faults": stats.store_faults,
             "requests_running": llm.num_running,
             "requests_waiting": llm.num_waiting,
             "preemptions": stats.preemptions,

@@ -51,12 +51,14 @@ def read_metric(base: str, name: str) -> float:
 class LocalServer:
     """`python -m int8kv.cli serve <args>` on 127.0.0.1:<free port>; `base` is its URL, `stop()` sends SIGTERM."""
 
-    def __init__(self, *args: str, startup_timeout: float = 300.0, log_path: str | os.PathLike | None = None) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 300.0, log_path: str | os.PathLike | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: variables added to the child's environment."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path) if log_path else None
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(PACKAGE_ROOT),
-                                                                        os.environ.get("PYTHONPATH")) if p))
+        env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(p for p in (str(PACKAGE_ROOT),
+                                                                                    os.environ.get("PYTHONPATH")) if p))
         self._log = open(self.log_path, "w") if self.log_path else None  # noqa: SIM115 - closed in _reap()
         out = self._log or subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "int8kv.cli", "serve", "--port", str(self.port),

@@ -1,25 +1,43 @@
-"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions (the fields int8kv serves).
+"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions (the fields int8kv serves),
+and vLLM's for /tokenize and /detokenize.
 
 Requests are strict: an unknown field is refused (400) rather than silently ignored, so a client never believes
-a setting took effect when it did not. Fields OpenAI defines that change nothing here (`user`, penalties at
-0, `logprobs` off) are accepted at their neutral values only.
+a setting took effect when it did not, and no value is coerced (`stream: "yes"`, `prompt: [true]`, `n: 2.0` are
+400, as the engine would refuse them). Fields OpenAI defines that change nothing here (`user`, penalties at 0)
+are accepted at their neutral values only. Text must be valid Unicode: a lone surrogate (JSON's `"\\ud800"`)
+is refused by name, not handed to a tokenizer.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..engine.sequence import MAX_LOGPROBS, is_int
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate ({text[e.start]!r} at {e.start}), not Unicode text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = True  # usage always rides in the last chunk; accepted for clients that ask for it
+    include_usage: bool = False  # a last chunk with `choices: []` and the usage (OpenAI's opt-in)
 
 
 class _Sampling(_Strict):
@@ -29,7 +47,7 @@ class _Sampling(_Strict):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -37,39 +55,138 @@ class _Sampling(_Strict):
     presence_penalty: Literal[0, 0.0] = 0
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
 
+    @model_validator(mode="after")
+    def _options_need_a_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s]
 
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """A string, a list of token ids, or a batch of either; nothing coerced (`[true]` is not token 1)."""
+    def ids(x: Any) -> bool:
+        return isinstance(x, list) and all(is_int(t) for t in x)
+
+    if isinstance(value, str):
+        return _unicode(value)
+    if isinstance(value, list):
+        if ids(value):
+            return value
+        if all(isinstance(x, str) for x in value):
+            return [_unicode(x) for x in value]
+        if all(ids(x) for x in value):
+            return value
+    raise ValueError("must be a string, a list of token ids (ints), a list of strings or a list of token-id lists")
+
 
 class CompletionRequest(_Sampling):
     # A string, a list of token ids, or a batch of either (one choice group per prompt).
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: Literal[False] = False
-    logprobs: None = None
+    prompt: Any
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: score the prompt, generate nothing
+    echo: bool = False  # the prompt's text (and with logprobs its tokens' log-probabilities) before the output
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        return _prompt(value)
+
+    @model_validator(mode="after")
+    def _zero_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing; it is allowed only with echo: true")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        if p and all(is_int(x) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+def _content(value: Any) -> str:
+    """A message's content, a string or a list of text parts (`{"type": "text", "text": ...}`), as one string:
+    parts joined by newlines. Other part types (image_url, input_audio, ...) are refused by their name."""
+    if isinstance(value, str):
+        return _unicode(value)
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise ValueError(f"part {i} is not a content part (an object with a 'type')")
+        if kind != "text":
+            raise ValueError(f"part {i} has type {kind!r}; this server takes text parts only")
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise ValueError(f"part {i}: a text part is exactly {{'type': 'text', 'text': <string>}}")
+        texts.append(_unicode(part["text"]))
+    return "\n".join(texts)
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Any
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, value: Any) -> str:
+        return _content(value)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as chat templates read it."""
+        return self.model_dump(exclude_none=True)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: Literal[False] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:
@@ -82,14 +199,15 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(request_id: str, model: str, choices: list[dict], use: dict, chat: bool,
+def completion_body(request_id: str, model: str, choices: list[dict], use: dict | None, chat: bool,
                     chunk: bool = False) -> dict[str, Any]:
-    """A (chat) completion or one streamed chunk of it; `use` (usage) may be None in chunks."""
+    """A (chat) completion or one streamed chunk of it; chunks carry `usage` only when given one."""
     kind = "chat.completion" if chat else "text_completion"
     body: dict[str, Any] = {"id": request_id, "object": kind + (".chunk" if chunk and chat else ""),
                             "created": int(time.time()), "model": model, "choices": choices}

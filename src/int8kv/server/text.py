@@ -43,3 +43,23 @@ class TextStream:
         start = max(0, len(self.text) - self.hold)
         hits = [i for i in (full.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
+
+
+CONTEXT = 6  # tokens of left context a token is decoded in (a character's bytes span at most 4 tokens)
+
+
+def token_texts(tokenizer: Any, ids: list[int], before: list[int] | None = None,
+                alternatives: list[list[int]] | None = None) -> tuple[list[str], list[list[str]]]:
+    """The text each of `ids` adds after the tokens before it (`before`, then the earlier ids), decoded in a
+    window of CONTEXT tokens so that a tokenizer's leading-space rules and byte merges see their context; and
+    for each position the text each of its `alternatives` would have added there. Special tokens are shown."""
+    seq = list(before or []) + list(ids)
+    start = len(seq) - len(ids)
+    texts: list[str] = []
+    alts: list[list[str]] = []
+    for j, token in enumerate(ids):
+        ctx = seq[max(0, start + j - CONTEXT) : start + j]
+        head = len(tokenizer.decode(ctx)) if ctx else 0
+        texts.append(tokenizer.decode([*ctx, token])[head:])
+        alts.append([tokenizer.decode([*ctx, a])[head:] for a in (alternatives[j] if alternatives else [])])
+    return texts, alts

@@ -11,6 +11,7 @@ __all__ = [
     "HeaderShapeMismatch",
     "IncompatibleCache",
     "KvFileUnreadable",
+    "KvFileUnwritable",
     "KvPathError",
     "ModelMismatch",
     "SaveError",
@@ -58,6 +59,12 @@ class FingerprintError(StoreError, ValueError):
 
 class KvFileUnreadable(StoreError, OSError):
     """The file cannot be opened or read (missing, a directory, a FIFO or device, no permission)."""
+
+
+class KvFileUnwritable(StoreError, OSError):
+    """The save target cannot be written: something other than a regular file is at the path (a directory,
+    FIFO, device, socket or symlink: left as it is), its folder is missing or not a folder, or the write
+    failed (no space, no permission). The target is untouched."""
 
 
 class KvPathError(StoreError, TypeError):

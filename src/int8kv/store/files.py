@@ -16,9 +16,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import KvFileUnreadable, KvPathError
+from .errors import KvFileUnreadable, KvFileUnwritable, KvPathError
 
-__all__ = ["STALE_TEMP_AGE_S", "check_path", "open_for_reading", "remove_stale_temporaries", "write_atomic"]
+__all__ = [
+    "STALE_TEMP_AGE_S",
+    "check_path",
+    "check_save_target",
+    "open_for_reading",
+    "refuse_irregular",
+    "refuse_unwritable",
+    "remove_stale_temporaries",
+    "write_atomic",
+]
 
 # A temporary no writer has touched for this long is abandoned whoever made it (another host on a shared
 # directory, a reused PID, a name from before PIDs were recorded). A live writer touches its temporary with
@@ -47,6 +56,7 @@ def check_path(path: object) -> str:
 def _kind(mode: int) -> str:
     for test, name in (
         (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISFIFO, "a FIFO"),
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
@@ -57,10 +67,45 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _refuse_irregular(mode: int, path: str) -> None:
+def refuse_irregular(mode: int, path: str) -> None:
     if not stat.S_ISREG(mode):
         code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
         raise KvFileUnreadable(code, f"not a regular file ({_kind(mode)}): KV files are regular files", path)
+
+
+def refuse_unwritable(mode: int, path: str) -> None:
+    """KvFileUnwritable unless ``mode`` (an ``lstat`` of the target) is a regular file's: renaming over a
+    device, FIFO, socket or symlink would replace that node (as root, a system's /dev/null) with a file."""
+    if not stat.S_ISREG(mode):
+        code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EEXIST
+        raise KvFileUnwritable(code, f"not a regular file ({_kind(mode)}): save_kv only replaces regular files", path)
+
+
+def _unwritable(exc: OSError, path: str, where: str = "") -> KvFileUnwritable:
+    return KvFileUnwritable(exc.errno, f"cannot write KV file{where}: {exc.strerror or exc}", path)
+
+
+def check_save_target(path: str) -> None:
+    """Refuse (KvFileUnwritable) a save target that is not a regular file or a new name in an existing folder;
+    changes nothing. The target is not followed if it is a symlink (the link itself is refused)."""
+    if path.endswith(("/", os.sep)):
+        raise KvFileUnwritable(errno.EISDIR, "the path names a directory, not a file to write", path)
+    try:
+        refuse_unwritable(os.lstat(path).st_mode, path)
+        return
+    except FileNotFoundError:
+        pass  # a new file: its folder must exist
+    except KvFileUnwritable:
+        raise
+    except OSError as exc:  # ENOTDIR (under a regular file), EACCES, ELOOP, ENAMETOOLONG
+        raise _unwritable(exc, path) from exc
+    folder = os.path.dirname(path) or "."
+    try:
+        is_dir = stat.S_ISDIR(os.stat(folder).st_mode)
+    except OSError as exc:
+        raise _unwritable(exc, path, f" in folder {folder!r}") from exc
+    if not is_dir:
+        raise KvFileUnwritable(errno.ENOTDIR, f"cannot write KV file: {folder!r} is not a folder", path)
 
 
 @contextlib.contextmanager
@@ -72,7 +117,7 @@ def open_for_reading(path: str) -> Iterator[tuple[BinaryIO, int]]:
     descriptor is fstat'ed and checked again (the path may have been swapped meanwhile).
     """
     try:
-        _refuse_irregular(os.stat(path).st_mode, path)
+        refuse_irregular(os.stat(path).st_mode, path)
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
         fd = os.open(path, flags | getattr(os, "O_BINARY", 0))
     except KvFileUnreadable:
@@ -81,7 +126,7 @@ def open_for_reading(path: str) -> Iterator[tuple[BinaryIO, int]]:
         raise KvFileUnreadable(exc.errno, f"cannot open KV file: {exc.strerror}", path) from exc
     try:
         st = os.fstat(fd)
-        _refuse_irregular(st.st_mode, path)
+        refuse_irregular(st.st_mode, path)
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)  # a regular file: reads behave the same, restored for clarity
         f = os.fdopen(fd, "rb")
@@ -167,14 +212,21 @@ def write_atomic(path: Path, chunks: Iterable[memoryview | bytes]) -> None:
     """Write ``chunks`` to ``path`` atomically: a temporary in the same directory (stale ones of the same
     target removed first), fsynced, renamed over ``path``, and the directory fsynced. A crash leaves either
     the old file or the complete new one at ``path``, never a partial file; a failure removes the temporary.
+    Only a regular file or a new name is replaced (`check_save_target`, checked first and again just before
+    the rename); OSErrors become KvFileUnwritable.
     """
+    name = str(path)
+    check_save_target(name)
     directory = path.parent
     try:
         mode = path.stat().st_mode & 0o7777  # an overwritten file keeps its permissions
     except OSError:
         mode = _NEW_FILE_MODE
     remove_stale_temporaries(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise _unwritable(exc, name) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
@@ -182,10 +234,13 @@ def write_atomic(path: Path, chunks: Iterable[memoryview | bytes]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
+        check_save_target(name)  # something put at the path while the data was written is not replaced
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, KvFileUnwritable):
+            raise _unwritable(exc, name) from exc
         raise
     _fsync_dir(directory)
 

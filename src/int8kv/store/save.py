@@ -18,7 +18,7 @@ from ..cache.state import KvState
 from ..errors import KvCacheError
 from ._util import int8kv_cache_class, raw_bytes
 from .errors import ModelMismatch, SaveError
-from .files import check_path, write_atomic
+from .files import check_path, check_save_target, write_atomic
 from .fingerprint import ModelFingerprint, as_fingerprint
 from .format import encode, metadata_problem, parse_header
 from .inspect import describe
@@ -50,9 +50,13 @@ def save_kv(
     The file is written to a temporary file in the same directory, fsynced, renamed over ``path`` and the
     directory fsynced: a crash leaves either the old file or the complete new one, never a partial file at
     ``path``. Temporaries that killed saves to the same ``path`` left behind are removed first (see
-    docs/kv_file_format.md). A refused save (SaveError, ModelMismatch, KvPathError) touches no file.
+    docs/kv_file_format.md). Only a regular file or a new name in an existing folder is replaced: anything else
+    at ``path`` (directory, FIFO, device, socket, symlink), a missing folder or a path under a regular file
+    raises KvFileUnwritable. A refused save (SaveError, ModelMismatch, KvPathError, KvFileUnwritable) touches
+    no file.
     """
     name = check_path(path)
+    check_save_target(name)  # before any work: a directory, FIFO, device, socket or symlink is never replaced
     if sys.byteorder != "little":
         raise SaveError("KV files are little-endian; this platform is big-endian")
     state, source = _export(cache, seq_id)
