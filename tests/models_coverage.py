@@ -288,34 +288,55 @@ def refused_by_config(name: str) -> Outcome | None:
     return None
 
 
-def run_all(seconds_per_model: int = 120, start: str = "") -> Iterator[Outcome]:
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's cache) outside any model's time."""
     transformers.logging.set_verbosity_error()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: waking a second thread costs more than the work (2-4x measured)
-    warm = build("llama")  # compiles the kernels (or loads them from numba's cache) outside any model's time
+    warm = build("llama")
     if warm is not None:
         classify("llama", warm)
+
+
+def outcome(mt: str, seconds: int = 120) -> Outcome | None:
+    """``mt``'s outcome, or None for a type that cannot be built this small or is not decoder-only (not on the
+    page); "skipped" when it runs over ``seconds`` on this machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: waking a second thread costs more than the work (2-4x measured)
     previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(seconds)
     try:
-        for mt in (t for t in candidate_types() if t >= start):
-            signal.alarm(seconds_per_model)
-            try:
-                early = refused_by_config(mt)
-                if early is not None:
-                    if early.kind != "skipped":
-                        yield early
-                    continue
-                model = build(mt)
-                if model is None:
-                    continue
-                yield classify(mt, model)
-            except _Timeout:
-                yield Outcome(mt, "skipped", f"over {seconds_per_model} s on this machine")
-            finally:
-                signal.alarm(0)
+        early = refused_by_config(mt)
+        if early is not None:
+            return None if early.kind == "skipped" else early
+        model = build(mt)
+        return None if model is None else classify(mt, model)
+    except _Timeout:
+        return Outcome(mt, "skipped", f"over {seconds} s on this machine")
     finally:
+        signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         torch.set_num_threads(threads)
+
+
+def run_all(seconds_per_model: int = 120, start: str = "") -> Iterator[Outcome]:
+    warm_up()
+    for mt in (t for t in candidate_types() if t >= start):
+        found = outcome(mt, seconds_per_model)
+        if found is not None:
+            yield found
+
+
+def page_rows(text: str) -> dict[str, tuple[str, str]]:
+    """``{model type: (outcome, detail)}`` as a page written by :func:`render` lists them."""
+    titles = {"Works": "works", "Refused": "refused", "Crash": "crash", "Wrong": "wrong", "Skipped": "skipped",
+              "No attention layers at this size (nothing for int8kv to store)": "no attention"}  # fmt: skip
+    rows, kind = {}, None
+    for line in text.splitlines():
+        if line.startswith("## "):
+            kind = titles[line[3:]]
+        elif kind and line.startswith("| `"):
+            name, detail = line[3:].split("` | ", 1)
+            rows[name] = (kind, detail[:-2])
+    return rows
 
 
 def render(outcomes: list[Outcome]) -> str:

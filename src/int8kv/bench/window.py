@@ -63,7 +63,7 @@ def feed(model: Any, cache: Any, ids: list[int], chunk: int, scored_from: int | 
     nll, count = 0.0, 0
     for start in range(0, len(ids), chunk):
         part = ids[start : start + chunk]
-        logits = model(input_ids=torch.tensor([part]), past_key_values=cache, use_cache=True).logits[0].double()
+        logits = model(input_ids=torch.tensor([part]), cache=cache, use_cache=True).logits[0].double()
         if scored_from is None:
             continue
         # logits[i] predicts token start + i + 1.
