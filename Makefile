@@ -19,9 +19,13 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/int8kv demo
 
+# Two pytest-xdist workers (one per core here). --dist loadgroup spreads single tests over both and keeps each
+# module marked xdist_group on one worker, so its module-scoped servers and models start once.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -9,6 +9,16 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs two pytest-xdist workers on this 2-core machine. Each worker (and every server or child
+# process it starts, through OMP_NUM_THREADS) keeps torch to one intra-op thread: two workers with two threads
+# each would put four busy threads on two cores, and torch's many tiny ops wait for a descheduled second thread.
+# Numba keeps its thread count, so the kernels' multi-thread work splits stay tested. Workers take single tests
+# (--dist loadgroup); a module with module-scoped fixtures (a server, a model, a Valkey) sets
+# `pytestmark = pytest.mark.xdist_group("<module>")` so that they start once, on one worker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # Block stores give up a read after 0.1 s (a stuck server costs an admission no more); on this shared 2-core
 # machine a healthy loopback read can take that long now and then, which would turn an expected store hit into
 # a miss. Tests (and the servers and children they start) wait 5 s; the fault tests set the 0.1 s themselves.

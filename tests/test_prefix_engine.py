@@ -13,6 +13,8 @@ from int8kv.engine.scheduler import Scheduler
 from int8kv.engine.sequence import Sequence
 from int8kv.errors import InvalidEngineConfig
 
+pytestmark = pytest.mark.xdist_group("test_prefix_engine")
+
 BS = 16
 
 
