@@ -25,8 +25,6 @@ from int8kv.blockstore import BackgroundWriter, BlockStore, StoreUnavailable, op
 from int8kv.blockstore.disk import DiskBlockStore
 from int8kv.blockstore.embedded import EmbeddedValkeyStore, ValkeyProcess
 
-pytestmark = pytest.mark.xdist_group("test_blockstore_backends")
-
 valkey_node = valkey_servers.valkey_node  # the module's fixtures
 valkey_cluster = valkey_servers.valkey_cluster
 

@@ -7,8 +7,6 @@ from int8kv.engine import LLM, InvalidRequest, SamplingParams
 from int8kv.engine.chat import chat_prompt_ids
 from int8kv.models import load_model
 
-pytestmark = pytest.mark.xdist_group("test_chat")
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

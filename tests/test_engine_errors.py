@@ -12,8 +12,6 @@ from test_engine import LLM_block_bytes, tiny
 from int8kv import KvPoolExhausted, KvStorageFormat
 from int8kv.engine import LLM, InvalidEngineConfig, InvalidRequest, SamplingParams, parse_bytes
 
-pytestmark = pytest.mark.xdist_group("test_engine_errors")
-
 VOCAB = 96  # tests/test_engine.py SMALL
 MAX_POS = 512
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1

@@ -13,8 +13,6 @@ from test_engine_errors import POISON, poisoned
 from int8kv import KvPoolExhausted, KvStorageFormat
 from int8kv.engine import LLM, InvalidRequest, SamplingParams
 
-pytestmark = pytest.mark.xdist_group("test_engine_fork")
-
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 F16 = KvStorageFormat.F16
 VOCAB = 96  # tests/test_engine.py SMALL

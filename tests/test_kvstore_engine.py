@@ -32,8 +32,6 @@ from int8kv.blockstore.factory import SECRET_ENV
 from int8kv.cache.prefix import PrefixHasher
 from int8kv.engine import LLM, SamplingParams
 
-pytestmark = pytest.mark.xdist_group("test_kvstore_engine")
-
 valkey_node = valkey_servers.valkey_node  # the module's fixtures
 valkey_cluster = valkey_servers.valkey_cluster
 

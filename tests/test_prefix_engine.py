@@ -13,8 +13,6 @@ from int8kv.engine.scheduler import Scheduler
 from int8kv.engine.sequence import Sequence
 from int8kv.errors import InvalidEngineConfig
 
-pytestmark = pytest.mark.xdist_group("test_prefix_engine")
-
 BS = 16
 
 

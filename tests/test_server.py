@@ -17,8 +17,6 @@ from int8kv.engine import LLM, SamplingParams
 from int8kv.models import load_model
 from int8kv.server.app import chat_prompt_ids
 
-pytestmark = pytest.mark.xdist_group("test_server")
-
 MEMORY = "160KiB"  # 64 blocks of 16 tokens (2,560 INT8 bytes each): 1,024 tokens; the model's context is 4,096
 PROMPTS = ["the a of hot", "water is", "people who write", "make the good", "find any new work"]
 

@@ -19,8 +19,6 @@ from int8kv.models import load_model
 from int8kv.server import build_app
 from int8kv.server.app import chat_prompt_ids
 
-pytestmark = pytest.mark.xdist_group("test_server_api")
-
 KEY = "sk-test-0123456789"
 MEMORY = "160KiB"  # 64 blocks of 16 tokens
 

@@ -8,8 +8,6 @@ import openai
 import pytest
 from server_helpers import ServerProcess, make_tiny_model, metric
 
-pytestmark = pytest.mark.xdist_group("test_server_limits")
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -10,8 +10,6 @@ import redis
 import valkey_servers
 from server_helpers import ServerProcess, make_tiny_model, metric
 
-pytestmark = pytest.mark.xdist_group("test_server_replicas")
-
 valkey_node = valkey_servers.valkey_node  # the module's fixture
 
 

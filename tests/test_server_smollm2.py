@@ -8,7 +8,7 @@ from int8kv.engine import LLM, SamplingParams
 from int8kv.server.app import chat_prompt_ids
 from int8kv.server.launch import LocalServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_server_smollm2")]
+pytestmark = pytest.mark.slow
 MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Écris trois mots en français avec des accents, et un emoji."}],

@@ -22,10 +22,7 @@ triton = pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = (90, 80)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-pytestmark = [
-    pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build carries no CUDA toolchain"),
-    pytest.mark.xdist_group("test_triton_compile"),
-]
+pytestmark = pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build carries no CUDA toolchain")
 
 
 def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
