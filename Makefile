@@ -19,9 +19,13 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/int8kv demo
 
+# Two pytest-xdist workers (one per core here). tests/conftest.py's scheduler spreads single tests over both
+# and keeps each module with module-scoped servers or models on one worker, so those start once.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,44 @@ from hypothesis import HealthCheck, settings
 # must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# `make test` runs two pytest-xdist workers on this 2-core machine. Each worker (and every server or child
+# process it starts, through OMP_NUM_THREADS) keeps torch to one intra-op thread: two workers with two threads
+# each would put four busy threads on two cores, and torch's many tiny ops wait for a descheduled second thread.
+# Numba keeps its thread count, so the kernels' multi-thread work splits stay tested.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# Modules whose module-scoped fixtures (a server, a tiny model, Valkey nodes, the Triton compile report: 250 s
+# of CPU when it ran on both workers) must start once: every test of one of these runs on the same worker.
+# Every other test is scheduled on its own, so the heavy ones spread over both workers. (pytest-xdist's
+# xdist_group marker does nothing under pytest 9: xdist 3.8 renames `item._nodeid`, which pytest 9 no
+# longer reads, so the grouping is done here, by the scheduler.)
+ONE_WORKER_MODULES = {
+    "test_blockstore_backends", "test_chat", "test_engine_errors", "test_engine_fork", "test_kvstore_engine",
+    "test_prefix_engine", "test_server", "test_server_api", "test_server_limits", "test_server_replicas",
+    "test_server_smollm2", "test_triton_compile",
+}
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is in the dev extra; without it the suite runs in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        """Single tests as work units, except ONE_WORKER_MODULES: one unit per module (sent first, largest
+        first, by LoadScopeScheduling's ordering)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).stem in ONE_WORKER_MODULES else nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        # `-n N` alone (dist "load"); an explicit --dist keeps xdist's own scheduler.
+        return ModuleFixtureScheduling(config, log) if config.getvalue("dist") == "load" else None
 
 # Block stores give up a read after 0.1 s (a stuck server costs an admission no more); on this shared 2-core
 # machine a healthy loopback read can take that long now and then, which would turn an expected store hit into

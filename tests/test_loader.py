@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,35 @@ def test_unfinished_cache_entry_is_redone(tmp_path, fake_gguf, counting_converte
     assert (stale / loader._MARKER).is_file()
 
 
+def test_loader_that_waited_for_a_concurrent_conversion_does_not_redo_it(tmp_path, fake_gguf, counting_converter,
+                                                                       monkeypatch):
+    """A second loader that found no finished copy waits on the conversion lock of the one converting, then loads
+    that copy: it neither converts again nor removes the copy the first one may be reading."""
+    cache_dir = tmp_path / "models"
+    target = gguf_cache_dir(fake_gguf, cache_dir)
+    cache_dir.mkdir()
+    checked = threading.Event()
+    is_complete = loader._is_complete
+
+    def spy(path: Path) -> bool:
+        done = is_complete(path)
+        checked.set()
+        return done
+
+    monkeypatch.setattr(loader, "_is_complete", spy)
+    result = []
+    with loader._conversion_lock(target):  # the first loader, mid-conversion
+        second = threading.Thread(target=lambda: result.append(load_model(fake_gguf, cache_dir=cache_dir, quiet=True)))
+        second.start()
+        assert checked.wait(60)  # the second loader found no finished copy before it took the lock
+        _write_tiny_model(target)  # the first loader's conversion lands
+        (target / loader._MARKER).write_text("{}")
+    second.join(60)
+    assert not second.is_alive() and len(result) == 1
+    assert counting_converter == []  # the waiting loader used the finished copy
+    assert (target / loader._MARKER).read_text() == "{}"
+
+
 def test_local_transformers_directory(tmp_path):
     _write_tiny_model(tmp_path / "tiny")
     model, tokenizer = load_model(tmp_path / "tiny", quiet=True)
@@ -134,19 +164,18 @@ def test_missing_default_package(monkeypatch):
 
 
 @pytest.mark.slow
-def test_packaged_smollm2_is_cached(request, monkeypatch, tmp_path):
-    """The real GGUF: converted on first use into pytest's cache dir (shared with test_hf.py), then reused."""
-    cache = getattr(request.config, "cache", None)
-    cache_dir = cache.mkdir("int8kv-models") if cache is not None else tmp_path
-    model, tokenizer = load_model(cache_dir=cache_dir, quiet=True)
-    target = gguf_cache_dir(default_gguf_path(), cache_dir)
+def test_packaged_smollm2_is_cached(monkeypatch):
+    """The real GGUF: converted on first use into the run's model cache (tests/conftest.py points
+    INT8KV_CACHE_DIR into pytest's cache dir, shared with every test that loads SmolLM2), then reused."""
+    model, tokenizer = load_model(quiet=True)
+    target = gguf_cache_dir(default_gguf_path())
     assert (target / loader._MARKER).is_file()
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("a cached model must not be converted again")
 
     monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
-    again, _ = load_model(cache_dir=cache_dir, quiet=True)
+    again, _ = load_model(quiet=True)
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert not hasattr(again.config, "quantization_config")
     assert torch.equal(model.model.embed_tokens.weight, again.model.embed_tokens.weight)

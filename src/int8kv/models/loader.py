@@ -17,6 +17,7 @@ Nothing here reaches a model hub: paths are local paths only, never hub ids.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -264,6 +265,26 @@ def _converted_dir(gguf: Path, cache_dir: str | os.PathLike[str] | None, say: Pr
     if _is_complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    with _conversion_lock(final):
+        if _is_complete(final):  # another process converted it while this one waited for the lock
+            return final
+        return _convert_into(gguf, final, say)
+
+
+@contextlib.contextmanager
+def _conversion_lock(final: Path) -> Iterator[None]:
+    """An exclusive lock on the cache directory holding ``final`` (no lock file left in it): loaders started
+    together (parallel test workers, server replicas) convert the model once, the others wait ~20 s and load
+    the finished copy."""
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _convert_into(gguf: Path, final: Path, say: Progress) -> Path:
     if final.exists():
         # A directory without the marker was not written by a finished conversion of ours: replace it.
         shutil.rmtree(final)
