@@ -25,7 +25,7 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
