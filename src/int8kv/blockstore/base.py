@@ -85,6 +85,9 @@ def _check_ttl(ttl: float | None) -> int | None:
     return int(ttl)
 
 
+READER_JOIN_S = 5.0  # the longest close() waits for a read still running on the reader thread
+
+
 class _Reader:
     """One daemon thread that runs a store's reads, so that their caller waits at most a deadline.
 
@@ -124,6 +127,13 @@ class _Reader:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+
+    def join(self, timeout: float) -> None:
+        """Wait at most ``timeout`` s for the thread to end (after :meth:`close`): a daemon thread still inside
+        a read when the interpreter exits is cut inside C/C++ code, which can abort the process."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def _run(self) -> None:
         while True:
@@ -309,6 +319,7 @@ class BlockStore(ABC):
             self._close()
         except Exception as exc:
             self._fault("close", exc)
+        self._reader.join(READER_JOIN_S)  # connections are closed: a read still running ends now
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.scheme}, namespace={self.namespace!r})"
