@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import njit
+from numba import njit, types
 from numba.core.errors import TypingError
 
 from int8kv.ops import cpu_simd
@@ -113,3 +113,95 @@ def test_prefetch_reads_nothing_it_changes():
     for offset, count in ((0, 1), (5, 64), (100, 1000), (4000, 96), (0, 4096)):
         assert hint(a, offset, count) == before.astype(np.int64).sum()
     assert np.array_equal(a, before)
+
+
+# -- integer q . k (`qk16i` and its variants) ----------------------------------------------------------------
+def _qk16i_caller(kind: str):
+    kernel = cpu_simd.QK16I[kind]
+
+    @njit
+    def scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
+        kernel(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
+
+    return scores
+
+
+# The CPU each variant is compiled for when this machine cannot run it, and the instruction it must contain.
+_VARIANT_CPU = {"vnni512": ("icelake-server", "vpdpwssd"), "vnni256": ("alderlake", "vpdpwssd"),
+                "avx2": ("znver3", "vpmaddwd")}
+_HOST_FEATURES = cpu_simd.target_features()
+
+
+@pytest.mark.parametrize("kind", cpu_simd.DOTS)
+@pytest.mark.parametrize("seed", range(4))
+def test_qk16i_matches_float64(kind, seed):
+    """Every variant this CPU can run, exact in int32: full-range int16 query codes, int8 codes including -128,
+    head_dims of one to several vectors up to the 512 the int32 sums allow, keys at arbitrary strides."""
+    if kind not in cpu_simd.dots_for(_HOST_FEATURES):
+        pytest.skip(f"this CPU lacks {kind}: test_qk16i_variants_compile covers it")
+    rng = np.random.default_rng(200 + seed)
+    width = cpu_simd.DOT_WIDTH[kind]
+    dim = cpu_simd.MAX_DOT_DIM if seed == 0 else width * int(rng.integers(1, 9))
+    rows = int(rng.integers(1, 9))
+    kstride = dim * int(rng.integers(1, 4)) + LANES * int(rng.integers(0, 3))
+    koff = int(rng.integers(0, 50))
+    k = rng.integers(-128, 128, koff + LANES * kstride + dim, dtype=np.int8)
+    if seed == 0:
+        k[:] = -128  # the largest sums: 512 x 32,767 x 128 fits in int32
+    qoff, ooff, ostride = int(rng.integers(0, 20)), int(rng.integers(0, 20)), LANES + int(rng.integers(0, 9))
+    q = rng.integers(-32767, 32768, qoff + rows * dim, dtype=np.int16)
+    if seed == 0:
+        q[:] = -32767
+    out = np.full(ooff + rows * ostride + LANES, np.nan, np.float32)
+    _qk16i_caller(kind)(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, np.empty(LANES * dim, np.int16))
+    keys = _key_rows(k.astype(np.float64), koff, kstride, dim)
+    want = q[qoff : qoff + rows * dim].astype(np.float64).reshape(rows, dim) @ keys.T
+    got = np.stack([out[ooff + r * ostride : ooff + r * ostride + LANES] for r in range(rows)])
+    # exact in int32, then one rounding to float32
+    assert np.array_equal(got, want.astype(np.float32))
+    untouched = np.ones(out.shape, bool)
+    for r in range(rows):
+        untouched[ooff + r * ostride : ooff + r * ostride + LANES] = False
+    assert np.isnan(out[untouched]).all()
+
+
+@pytest.mark.parametrize("kind", cpu_simd.DOTS)
+def test_qk16i_variants_compile(kind):
+    """Each variant compiled for a CPU that has its instructions (whatever runs the suite), and the instruction
+    that makes it worth having is in the machine code."""
+    from llvmlite import binding
+
+    scores = _qk16i_caller(kind)
+    a16, a8, f32 = types.Array(types.int16, 1, "C"), types.Array(types.int8, 1, "C"), types.Array(types.float32, 1, "C")
+    i64 = types.int64
+    sig = (a16, i64, a8, i64, i64, f32, i64, i64, i64, i64, a16)
+    scores.compile(sig)
+    llvm_ir = scores.inspect_llvm(sig)
+    cpu, instruction = _VARIANT_CPU[kind]
+    module = binding.parse_assembly(llvm_ir)
+    machine = binding.Target.from_triple(module.triple or binding.get_process_triple()).create_target_machine(
+        cpu=cpu, opt=2)
+    asm = machine.emit_assembly(module)
+    assert instruction in asm
+    if kind == "avx2":
+        assert "vpdpwssd" not in asm and "zmm" not in asm  # nothing an AVX2-only CPU lacks
+
+
+def test_dot_variant_follows_the_features():
+    assert cpu_simd.dot_for("+avx2,+avx512f,+avx512bw,+avx512vl,+avx512vnni,+avxvnni") == "vnni512"
+    assert cpu_simd.dot_for("+avx2,+avxvnni,-avx512f") == "vnni256"
+    assert cpu_simd.dot_for("+avx2,+avx512f,+avx512vl,+avx512vnni,-avx512bw") == "vnni256"
+    assert cpu_simd.dot_for("+avx2,+f16c,-avx512f,-avxvnni") == "avx2"  # the AMD EPYC of the issue
+    assert cpu_simd.dot_for("+neon,+fp-armv8") is None and cpu_simd.dot_for("") is None
+    assert cpu_simd.dots_for("+avx2,+avx512f,+avx512bw,+avx512vnni") == ["vnni512", "avx2"]  # no VL, no AVX-VNNI
+    assert cpu_simd.DOT == cpu_simd.dot_for(cpu_simd.target_features())
+    width = cpu_simd.DOT_WIDTH.get(cpu_simd.DOT, 0)
+    for dim in (16, 32, 64, 128, 512, 48, 40, 544, 1024, 0):
+        assert cpu_simd.int_fits(dim) == (width > 0 and dim % width == 0 and 0 < dim <= 512)
+
+
+def test_qk16i_refuses_other_dtypes():
+    scores = _qk16i_caller(cpu_simd.DOT or "avx2")
+    with pytest.raises(TypingError, match="q must be a int16"):
+        scores(np.zeros(16, np.float32), 0, np.zeros(256, np.int8), 0, 16, np.zeros(16, np.float32), 0, 16, 1, 16,
+               np.zeros(256, np.int16))

@@ -32,7 +32,9 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-__all__ = ["LANES", "fits", "prefetch", "pv16", "qk16"]
+__all__ = [
+    "DOT", "DOTS", "LANES", "QK16I", "dot_for", "dots_for", "fits", "int_fits", "prefetch", "pv16", "qk16", "qk16i",
+]
 
 LANES = 16  # keys per call and float32 lanes per vector
 _F32 = ir.FloatType()
@@ -74,28 +76,31 @@ def _store_f32(builder, value, base, offset):
     builder.store(value, ptr, align=4)
 
 
-def _reduce16(builder, vecs: list) -> ir.Value:
-    """16 vectors -> one vector whose lane t is the sum of vecs[t]'s lanes. Each level pairs neighbours and
-    halves the lanes each one still spreads over: 16 lanes -> 8 -> 4 -> 2 -> 1, keeping token order."""
-    width = LANES
+def _reduce(builder, vecs: list, add) -> ir.Value:
+    """n vectors of n lanes -> one vector whose lane t is the sum of vecs[t]'s lanes (`add(builder, a, b)` adds
+    two vectors). Each level pairs neighbours and halves the lanes each one still spreads over: 16 lanes -> 8
+    -> 4 -> 2 -> 1, keeping token order."""
+    n = width = len(vecs)
     while len(vecs) > 1:
         half = width // 2
-        groups = LANES // width  # tokens already packed per vector, each over `width` lanes
+        groups = n // width  # tokens already packed per vector, each over `width` lanes
         lo, hi = [], []
         for source in range(2):
             for group in range(groups):
-                start = source * LANES + group * width
+                start = source * n + group * width
                 lo += range(start, start + half)
                 hi += range(start + half, start + width)
         lo_mask, hi_mask = _mask(lo), _mask(hi)
         vecs = [
-            builder.fadd(
-                builder.shuffle_vector(a, b, lo_mask), builder.shuffle_vector(a, b, hi_mask), flags=_FAST
-            )
+            add(builder, builder.shuffle_vector(a, b, lo_mask), builder.shuffle_vector(a, b, hi_mask))
             for a, b in zip(vecs[0::2], vecs[1::2], strict=True)
         ]
         width = half
     return vecs[0]
+
+
+def _fadd(builder, a, b):
+    return builder.fadd(a, b, flags=_FAST)
 
 
 def _check(codes) -> ir.IntType:
@@ -147,11 +152,171 @@ def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, bu
                     acc = builder.load(slot)
                     builder.store(builder.fadd(acc, builder.fmul(qv, kv, flags=_FAST), flags=_FAST), slot)
                     at = builder.add(at, d)
-            total = _reduce16(builder, [builder.load(slot) for slot in slots])
+            total = _reduce(builder, [builder.load(slot) for slot in slots], _fadd)
             _store_f32(builder, total, op, builder.add(oo, builder.mul(row.index, os_)))
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# -- integer q . k: int16 query codes x int8 key codes, summed exactly in int32 --------------------------------
+# The variants, by the instruction that multiplies 2 x int16 pairs and adds them into int32 lanes. `DOT_WIDTH`:
+# int16 values per vector (head_dim must be a multiple of it).
+#   vnni512  AVX-512 VNNI `vpdpwssd` on 512 bits (32 int16 per instruction, the accumulate fused)
+#   vnni256  AVX-VNNI (or AVX-512 VNNI + VL) `vpdpwssd` on 256 bits
+#   avx2     `vpmaddwd` + `vpaddd` on 256 bits
+DOTS = ("vnni512", "vnni256", "avx2")
+DOT_WIDTH = {"vnni512": 32, "vnni256": 16, "avx2": 16}
+# |code| <= 32,767 (query) x 128 (key) x head_dim must stay below 2**31: 512 x 32,767 x 128 = 2,147,418,112.
+MAX_DOT_DIM = 512
+
+
+# What each variant needs (any one of the sets), in the order of preference.
+_NEEDS = {"vnni512": ({"avx512f", "avx512bw", "avx512vnni"},), "vnni256": ({"avxvnni"}, {"avx512vl", "avx512vnni"}),
+          "avx2": ({"avx2"},)}
+
+
+def dots_for(features: str) -> list[str]:
+    """The integer dot variants an LLVM feature string (``+avx2,-avx512f,...``) allows, best first."""
+    on = {f[1:] for f in features.split(",") if f.startswith("+")}
+    return [kind for kind in DOTS if any(need <= on for need in _NEEDS[kind])]
+
+
+def dot_for(features: str) -> str | None:
+    """The variant `qk16i` uses under these features; None: none (the float path)."""
+    allowed = dots_for(features)
+    return allowed[0] if allowed else None
+
+
+def target_features() -> str:
+    """The features numba compiles for: NUMBA_CPU_FEATURES if set, else the host's (numba's own rule, so the
+    variant chosen is always one the compiled code may use, and numba's disk cache, keyed by the same string,
+    never serves a kernel built for another variant)."""
+    from llvmlite import binding
+    from numba.core import config
+
+    return config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+
+
+DOT = dot_for(target_features())  # the variant `qk16i` compiles to on this process's target
+
+
+def _dot_step(kind: str):
+    """``step(builder, acc, q, k)``: acc (int32 lanes) + the pairwise products of q and k (int16 lanes)."""
+    lanes = DOT_WIDTH[kind] // 2
+    acc_ty = ir.VectorType(_I32, lanes)
+    if kind == "avx2":
+        pair_ty = ir.VectorType(ir.IntType(16), 2 * lanes)
+        fnty = ir.FunctionType(acc_ty, [pair_ty, pair_ty])
+
+        def step(builder, acc, q, k):
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
+            return builder.add(acc, builder.call(fn, [q, k]))
+
+        return step
+    name = "llvm.x86.avx512.vpdpwssd.512" if kind == "vnni512" else "llvm.x86.avx512.vpdpwssd.256"
+    fnty = ir.FunctionType(acc_ty, [acc_ty, acc_ty, acc_ty])  # the pairs passed as int32 lanes (LLVM's signature)
+
+    def step(builder, acc, q, k):
+        fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+        return builder.call(fn, [acc, builder.bitcast(q, acc_ty), builder.bitcast(k, acc_ty)])
+
+    return step
+
+
+def _make_qk16i(kind: str):
+    width = DOT_WIDTH[kind]
+    lanes = width // 2  # int32 accumulator lanes
+    i16 = ir.IntType(16)
+    pair_ty = ir.VectorType(i16, width)
+    acc_ty = ir.VectorType(_I32, lanes)
+    step = _dot_step(kind)
+
+    def iadd(builder, a, b):
+        return builder.add(a, b)
+
+    def qk16i(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
+        for arr, dtype, what in ((q, types.int16, "q"), (k, types.int8, "k"), (out, types.float32, "out"),
+                                 (buf, types.int16, "buf")):
+            if not isinstance(arr, types.Array) or arr.dtype != dtype:
+                raise TypingError(f"{what} must be a {dtype} array")
+        sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
+
+        def codegen(context, builder, signature, args):
+            q_arr, qo, k_arr, ko, ks, out_arr, oo, os_, nrows, d, buf_arr = args
+            qp = _data(context, builder, signature.args[0], q_arr)
+            kp = _data(context, builder, signature.args[2], k_arr)
+            op = _data(context, builder, signature.args[5], out_arr)
+            bp = _data(context, builder, signature.args[10], buf_arr)
+            i64 = qo.type
+            chunks = builder.sdiv(d, ir.Constant(i64, width))
+
+            def vec(base, offset, ty):
+                return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
+
+            with cgutils.for_range(builder, chunks) as chunk:  # the 16 keys sign-extended to int16, once
+                col = builder.mul(chunk.index, ir.Constant(i64, width))
+                key = builder.add(ko, col)
+                at = col
+                for _ in range(LANES):
+                    raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width)), align=1)
+                    builder.store(builder.sext(raw, pair_ty), vec(bp, at, pair_ty), align=2)
+                    key = builder.add(key, ks)
+                    at = builder.add(at, d)
+            slots = [cgutils.alloca_once(builder, acc_ty) for _ in range(LANES)]
+            zero = ir.Constant(acc_ty, None)
+            with cgutils.for_range(builder, nrows) as row:
+                for slot in slots:
+                    builder.store(zero, slot)
+                qrow = builder.add(qo, builder.mul(row.index, d))
+                with cgutils.for_range(builder, chunks) as chunk:
+                    col = builder.mul(chunk.index, ir.Constant(i64, width))
+                    qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
+                    at = col
+                    for slot in slots:
+                        kv = builder.load(vec(bp, at, pair_ty), align=2)
+                        builder.store(step(builder, builder.load(slot), qv, kv), slot)
+                        at = builder.add(at, d)
+                sums = [builder.load(slot) for slot in slots]
+                # lanes x lanes at a time: 16 sums of one key group per tree (512 bits), or two trees of 8 (256)
+                parts = [_reduce(builder, sums[i : i + lanes], iadd) for i in range(0, LANES, lanes)]
+                total = parts[0] if len(parts) == 1 else builder.shuffle_vector(parts[0], parts[1],
+                                                                                _mask(list(range(LANES))))
+                _store_f32(builder, builder.sitofp(total, _VEC), op, builder.add(oo, builder.mul(row.index, os_)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}"
+    qk16i.__doc__ = f"""`qk16i` with the {kind} instructions (see `qk16i`; runs only on CPUs that have them)."""
+    return intrinsic(qk16i)
+
+
+QK16I = {kind: _make_qk16i(kind) for kind in DOTS}  # every variant, for tests and benchmarks
+
+
+def _no_dot(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
+    raise TypingError("this CPU has no integer dot product (AVX2 or VNNI): callers check int_fits")
+
+
+qk16i = QK16I[DOT] if DOT is not None else intrinsic(_no_dot)
+qk16i.__doc__ = """out[ooff + r*ostride + t] = sum_i q[qoff + r*dim + i] * k[koff + t*kstride + i] for r < rows,
+t < 16, summed exactly in int32 and stored as float32.
+
+q: int16 flat array (query codes, rows contiguous); k: int8 codes, flat; out: float32 flat; offsets, strides, rows
+and dim: int64 element counts (callers check `int_fits(dim)`); buf: int16 scratch of at least 16 * dim values,
+where the 16 keys are sign-extended once for every row. The variant is `DOT`, chosen from the compile target's
+features."""
+
+
+_DOT_STEP = DOT_WIDTH[DOT] if DOT is not None else 0  # a plain int, as numba freezes globals
+
+
+@njit(inline="always")
+def int_fits(head_dim: int) -> bool:
+    """Whether `qk16i` handles rows of ``head_dim`` values on this target (whole vectors, int32 cannot
+    overflow); False everywhere on a target without a variant."""
+    return _DOT_STEP > 0 and 0 < head_dim <= MAX_DOT_DIM and head_dim % _DOT_STEP == 0
 
 
 @intrinsic
