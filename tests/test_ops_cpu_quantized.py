@@ -1,7 +1,10 @@
-"""The quantized-query path of the CPU kernel (`precision="int8"`) and its thread choice.
+"""The quantized-query paths of the CPU kernel (`precision="int8"` and `"int16"`) and the thread choice.
 
 The int8 path quantizes each (query row, head) of q * softmax_scale to int8 codes with one float32 scale and
-multiplies them with the INT8 key codes in int32; everything after the logits is the exact path's float32.
+multiplies them with the INT8 key codes in int32; the int16 path does the same for decode rows with int16
+codes (the softmax scale folded into the row's scale), in the integer vector kernels (`cpu_simd.qk16i`, the
+variant of this CPU; tests/test_ops_cpu_simd.py checks each). Everything after the logits is the exact path's
+float32.
 Two checks per case, both against the float64 reference on fresh random inputs (pools poisoned as in
 test_ops_cpu.py):
   1. it equals the reference run on the dequantized query (codes x scale) to float32 tolerance: the only
@@ -27,17 +30,26 @@ from int8kv.ops.plan import PRECISION_ENV
 from int8kv.ops.reference import gather_kv
 
 
-def dequantized(q: torch.Tensor, scale: float) -> torch.Tensor:
-    """The query the int8 path effectively uses, in the units of q (softmax scale taken back out)."""
-    codes, s = cpu.quantize_query(q * scale)
+def _quantized(q: torch.Tensor, scale: float, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales of u = softmax_scale * q as the path of `precision` rounds it (the int8 path
+    quantizes u, the int16 path q, with the softmax scale folded into its scales)."""
+    if precision == "int8":
+        return cpu.quantize_query(q * scale)
+    codes, s = cpu.quantize_query_int16(q)
+    return codes, s * scale
+
+
+def dequantized(q: torch.Tensor, scale: float, precision: str = "int8") -> torch.Tensor:
+    """The query the path effectively uses, in the units of q (softmax scale taken back out)."""
+    codes, s = _quantized(q, scale, precision)
     return (codes.double() * s.double().unsqueeze(2) / scale).float()
 
 
-def bound(cache, layer, q, plan, actual: bool = False) -> torch.Tensor:
-    """Per (query, head, dim) bound of |int8 path - exact reference| (module docs), float64 [n, Hq, D]; worst
-    case, or with the actual rounding error of the query (`actual`)."""
+def bound(cache, layer, q, plan, actual: bool = False, precision: str = "int8") -> torch.Tensor:
+    """Per (query, head, dim) bound of |quantized path - exact reference| (module docs), float64 [n, Hq, D];
+    worst case, or with the actual rounding error of the query (`actual`)."""
     u = (q * plan.softmax_scale).double()
-    codes, s = cpu.quantize_query(q * plan.softmax_scale)
+    codes, s = _quantized(q, plan.softmax_scale, precision)
     err = u - codes.double() * s.double().unsqueeze(2)  # [n, Hq, D]
     out = torch.zeros(q.shape, dtype=torch.float64)
     cu, lens = plan.cu_seqlens_q.tolist(), plan.context_lens.tolist()
@@ -60,14 +72,17 @@ def bound(cache, layer, q, plan, actual: bool = False) -> torch.Tensor:
     return out
 
 
-def check(cache, tables, context, q, cu=None, starts=None, layer=1):
+def check(cache, tables, context, q, cu=None, starts=None, layer=1, precision="int8"):
+    """The path of `precision` against the float64 reference on its dequantized query (to TOL) and on the
+    true query (within the bound). The int16 path quantizes decode steps only."""
+    assert cu is None or precision == "int8"
     plan = plan_attention(
-        cache.pool, tables, context, cu_seqlens_q=cu, kv_starts=starts, num_queries=q.shape[0], precision="int8"
+        cache.pool, tables, context, cu_seqlens_q=cu, kv_starts=starts, num_queries=q.shape[0], precision=precision
     )  # fmt: skip
     out = attention(cache, layer, q, plan, backend="cpu")
     if cu is None:
-        emulated = reference.paged_decode_attention(cache, layer, dequantized(q, plan.softmax_scale), tables,
-                                                    context, kv_starts=starts)  # fmt: skip
+        emulated = reference.paged_decode_attention(cache, layer, dequantized(q, plan.softmax_scale, precision),
+                                                    tables, context, kv_starts=starts)  # fmt: skip
         exact = reference.paged_decode_attention(cache, layer, q, tables, context, kv_starts=starts)
     else:
         emulated = reference.paged_prefill_attention(cache, layer, dequantized(q, plan.softmax_scale), cu,
@@ -76,7 +91,7 @@ def check(cache, tables, context, q, cu=None, starts=None, layer=1):
     assert rel_err(out, emulated) < TOL
     slack = TOL * float(exact.abs().max())
     for actual in (False, True):
-        excess = (out.double() - exact).abs() - bound(cache, layer, q, plan, actual)
+        excess = (out.double() - exact).abs() - bound(cache, layer, q, plan, actual, precision)
         assert float(excess.max()) <= slack, f"beyond the derived error bound (actual rounding error: {actual})"
     return out, exact
 
@@ -98,25 +113,83 @@ def test_quantize_query_codes_and_rounding_error():
 
 
 # -- decode and prefill against the reference --------------------------------------------------------------
+def test_quantize_query_int16_codes_and_rounding_error():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 6, 64, generator=gen) * torch.logspace(-3, 2, 6).view(1, 6, 1)
+    q[1, 2] = 0.0
+    q[3, 4, 7] = -1e4
+    codes, s = cpu.quantize_query_int16(q)
+    assert codes.dtype == torch.int16 and s.dtype == torch.float32 and s.shape == (5, 6)
+    nonzero = s > 0
+    assert bool((codes.abs().amax(dim=2)[nonzero] == cpu.QUERY_CODE_MAX).all())  # the full range, not beyond
+    assert not codes[1, 2].any() and float(s[1, 2]) == 0.0
+    err = (q.double() - codes.double() * s.double().unsqueeze(2)).abs()
+    assert bool((err <= s.double().unsqueeze(2) * (0.5 + 1e-4)).all())
+    assert float((err / q.abs().amax(dim=2, keepdim=True).clamp_min(1e-30)).max()) <= 1 / 65534 * 1.001
+
+
+@pytest.mark.parametrize("precision", ["int8", "int16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_decode_int8_query_matches_reference_within_bound(block_size, head_dim, group):
+def test_decode_quantized_query_matches_reference_within_bound(precision, block_size, head_dim, group):
     seed = 5000 + block_size * 100 + head_dim + group
     lens = [1, 37, 150, 0, 64 + block_size, 700]
     cache, tables, context = build(INT8, block_size, head_dim, 2, lens, seed)
     q = torch.randn(len(lens), 2 * group, head_dim, generator=torch.Generator().manual_seed(seed))
     for starts in (None, starts_for(context, seed)):
-        out, _ = check(cache, tables, context, q, starts=starts)
+        out, _ = check(cache, tables, context, q, starts=starts, precision=precision)
         assert not out[3].any()  # the empty sequence attends to nothing
 
 
-def test_decode_split_keys_int8_query():
+@pytest.mark.parametrize("precision", ["int8", "int16"])
+def test_decode_split_keys_quantized_query(precision):
     """One long sequence: its keys are split across work items and the partial states merged."""
     cache, tables, context = build(INT8, 16, 64, 3, [3000], seed=41)
     q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(41)) * 3
-    check(cache, tables, context, q)
-    check(cache, tables, context, q, starts=torch.tensor([2900], dtype=torch.int32))
+    check(cache, tables, context, q, precision=precision)
+    check(cache, tables, context, q, starts=torch.tensor([2900], dtype=torch.int32), precision=precision)
+
+
+def _exact_and(precision, cache, tables, context, q, cu=None):
+    outs = []
+    for p in ("exact", precision):
+        plan = plan_attention(cache.pool, tables, context, cu_seqlens_q=cu, num_queries=q.shape[0], precision=p)
+        outs.append(attention(cache, 1, q, plan, backend="cpu"))
+    return outs
+
+
+@pytest.mark.parametrize("head_dim", [48, 40])
+def test_int16_query_falls_back_to_exact_where_the_integer_kernel_does_not_fit(head_dim):
+    """head_dim 40 (not whole 16-lane vectors) always, 48 where the variant takes 32 int16 at a time (AVX-512
+    VNNI): the exact path, bit for bit. Elsewhere 48 runs the integer kernel and is checked as such."""
+    cache, tables, context = build(INT8, 16, head_dim, 2, [150, 33], seed=49)
+    q = torch.randn(2, 4, head_dim, generator=torch.Generator().manual_seed(49))
+    exact, int16 = _exact_and("int16", cache, tables, context, q)
+    if cpu.cpu_simd.int_fits(head_dim):
+        check(cache, tables, context, q, precision="int16")
+        assert not torch.equal(exact, int16)
+    else:
+        assert torch.equal(exact, int16)
+
+
+def test_int16_query_prefill_runs_exact():
+    """The int16 path quantizes decode steps only: a prefill (one-token chunks included) is the exact path's."""
+    cache, tables, context = build(INT8, 16, 64, 2, [70, 40, 9], seed=50)
+    cu = torch.tensor([0, 20, 21, 30], dtype=torch.int32)
+    q = torch.randn(30, 4, 64, generator=torch.Generator().manual_seed(50))
+    exact, int16 = _exact_and("int16", cache, tables, context, q, cu)
+    assert torch.equal(exact, int16)
+
+
+def test_int16_query_error_is_that_of_the_query_rounding():
+    """The int16 path does quantize (it differs from exact), by far less than the int8 path."""
+    cache, tables, context = build(INT8, 16, 64, 2, [500, 260], seed=51)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(51))
+    out16, exact = check(cache, tables, context, q, precision="int16")
+    out8, _ = check(cache, tables, context, q, precision="int8")
+    assert rel_err(out16, exact) > 1e-7
+    assert rel_err(out16, exact) * 50 < rel_err(out8, exact)
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -144,15 +217,15 @@ def test_int8_query_error_is_that_of_the_query_rounding():
     assert bool((actual <= worst).all()) and float(actual.max()) < 0.5 * float(worst.max())
 
 
-def test_f16_cache_ignores_int8_precision():
+def test_f16_cache_ignores_quantized_precisions():
     """Only INT8 keys have codes to multiply in integers: an F16 cache runs the exact path either way."""
     cache, tables, context = build(F16, 16, 64, 2, [90, 33], seed=44)
     q = torch.randn(2, 4, 64)
     outs = [
         attention(cache, 1, q, plan_attention(cache.pool, tables, context, precision=p), backend="cpu")
-        for p in ("exact", "int8")
+        for p in ("exact", "int8", "int16")
     ]
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert rel_err(outs[1], reference.paged_decode_attention(cache, 1, q, tables, context)) < TOL
 
 
@@ -162,8 +235,9 @@ def test_precision_names_and_environment_default(monkeypatch):
     assert plan_attention(cache.pool, tables, context).precision == "exact"
     monkeypatch.setenv(PRECISION_ENV, "int8")
     assert plan_attention(cache.pool, tables, context).precision == "int8"
+    assert plan_attention(cache.pool, tables, context, precision="int16").precision == "int16"
     assert plan_attention(cache.pool, tables, context, precision="exact").precision == "exact"
-    for bad in ("fp8", "", "INT8"):
+    for bad in ("fp8", "", "INT8", "int4"):
         with pytest.raises(UnknownBackend):
             plan_attention(cache.pool, tables, context, precision=bad)
     monkeypatch.setenv(PRECISION_ENV, "fast")
@@ -180,10 +254,10 @@ def test_one_thread_or_all_give_the_same_bits(fmt, monkeypatch):
     outs = []
     for parallel in (False, True):
         monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads, p=parallel: p)
-        for precision in ("exact", "int8"):
+        for precision in ("exact", "int8", "int16"):
             plan = plan_attention(cache.pool, tables, context, precision=precision)
             outs.append(attention(cache, 1, q, plan, backend="cpu"))
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    assert all(torch.equal(outs[i], outs[i + 3]) for i in range(3))
 
 
 def test_each_kind_of_call_has_its_own_thread_choice(monkeypatch):
@@ -297,3 +371,44 @@ def test_thread_choice_times_exploring_calls_and_one_in_eight_others():
     assert 0 < sum(steady) <= len(steady) // cpu.ThreadChoice.MEASURE_EVERY + 1
     choice.parallel(work, 1)
     assert choice.timed is False  # one thread only: nothing to choose, nothing to time
+
+
+def _features_for(kind: str) -> str | None:
+    """This machine's features with the better integer variants switched off, so numba compiles `kind` (None: this
+    CPU cannot run it)."""
+    features = cpu.cpu_simd.target_features()
+    if kind not in cpu.cpu_simd.dots_for(features):
+        return None
+    better = cpu.cpu_simd.DOTS[: cpu.cpu_simd.DOTS.index(kind)]
+    off = {"vnni512": ("avx512vnni",), "vnni256": ("avx512vnni", "avxvnni")}
+    for flag in {f for k in better for f in off[k]}:
+        features = features.replace(f"+{flag}", f"-{flag}")
+    return features
+
+
+@pytest.mark.parametrize("kind", ["vnni256", "avx2"])
+def test_int16_query_on_the_variants_this_cpu_would_not_choose(kind):
+    """The whole decode path compiled for a CPU without the better variants (NUMBA_CPU_FEATURES, which also keys
+    numba's disk cache), in a child process on one thread: AVX-VNNI or plain AVX2 (the issue's AMD EPYC) against
+    the float64 reference as above. Where the CPU lacks the variant, test_ops_cpu_simd.py compiles it at least."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    features = _features_for(kind)
+    if features is None:
+        pytest.skip(f"this CPU cannot run {kind}")
+    here = Path(__file__).parent
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    code = (
+        "import test_ops_cpu_quantized as t\n"
+        f"assert t.cpu.cpu_simd.DOT == {kind!r}, t.cpu.cpu_simd.DOT\n"
+        "t.test_decode_quantized_query_matches_reference_within_bound('int16', 16, 64, 3)\n"
+        "t.test_decode_quantized_query_matches_reference_within_bound('int16', 32, 128, 8)\n"
+        "t.test_int16_query_falls_back_to_exact_where_the_integer_kernel_does_not_fit(48)\n"
+    )  # one compiled kernel (the int16 path's types) serves all three
+    done = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]

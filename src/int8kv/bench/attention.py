@@ -6,9 +6,12 @@
     python -m int8kv.bench attention --preset long --window 1024     (adds a sliding-window decode)
 
 One decode step (one query token per sequence), all in one process; the methods take turns (interleaved
-bursts) and each reports the best and the median of its calls:
+bursts) and each reports the best and the median of its calls; with --trials N the whole timing runs N times in
+the process and each figure is the median of the N trial medians (best: the best call of all):
   int8 paged    int8kv cpu backend, INT8 blocks read directly (scales folded into scores and weights), exact
-  int8 q8       the same with precision="int8": query quantized per (token, head), q . k in int32
+  int8 q16      the same with precision="int16": each (token, head) of q rounded to int16, q . k on the codes
+                in int32 (`vpdpwssd` / `vpmaddwd`, the variant of this CPU: "dot" in the JSON)
+  int8 q8       the same with precision="int8": query quantized per (token, head) to int8, q . k in int32
   f16 paged     int8kv cpu backend, F16 blocks
   torch gather  vectorised torch: gather the INT8 blocks through the block table, dequantize, then SDPA
   sdpa f32/bf16 torch scaled_dot_product_attention (enable_gqa) over contiguous caches of the same shape
@@ -37,13 +40,14 @@ import torch.nn.functional as F
 from ..cache.paged import PagedKvCache
 from ..cli_common import CliError, bench_parser, check_minimums, output_path
 from ..formats import KvStorageFormat
-from ..ops import attention, plan_attention
+from ..ops import attention, cpu_simd, plan_attention
 from ..progress import progress
 from .timing import copy_bandwidth, emit
 
 SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-METHODS = ("int8_paged", "int8_q8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
-PRESET_METHODS = ("int8_paged", "int8_q8_paged", "f16_paged", "sdpa_f32")
+METHODS = ("int8_paged", "int8_q16_paged", "int8_q8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
+PRESET_METHODS = ("int8_paged", "int8_q16_paged", "int8_q8_paged", "f16_paged", "sdpa_f32")
+OURS = ("int8_paged", "int8_q16_paged", "int8_q8_paged")  # the INT8 paths, each compared with every peer
 # name: (batch, q heads, kv heads, head_dim, context)
 PRESETS = {
     "smollm2": (1, 9, 3, 64, 7000),
@@ -63,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128, help="values per head")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per paged block")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per method (fewer at long contexts)")
+    parser.add_argument("--trials", type=int, default=1, help="timings per context; figures: median of the trials")
     parser.add_argument("--sweep", action="store_true", help=f"contexts {SWEEP_CONTEXTS[0]}..{SWEEP_CONTEXTS[-1]}")
     parser.add_argument(
         "--preset", choices=(*PRESETS, "all"), help="issue 11's shapes (overrides batch, heads, head_dim, context)"
@@ -75,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     check_minimums(args, {name: 1 for name in ("batch", "context", "q_heads", "kv_heads", "head_dim",
-                                               "block_size", "repeat")})
+                                               "block_size", "repeat", "trials")})
     if args.window is not None and args.window < 1:
         raise CliError(f"--window must be >= 1, got {args.window}")
     if args.q_heads % args.kv_heads:
@@ -172,6 +177,7 @@ def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: to
     plans = {
         "exact": plan_attention(int8.pool, tables, lens, precision="exact"),
         "int8": plan_attention(int8.pool, tables, lens, precision="int8"),
+        "int16": plan_attention(int8.pool, tables, lens, precision="int16"),
         "f16": plan_attention(f16.pool, f16_tables, f16_lens),
     }
 
@@ -183,6 +189,7 @@ def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: to
     fns = {
         "int8_paged": lambda: attention(int8, 0, q, plans["exact"], backend="cpu"),
         "int8_q8_paged": lambda: attention(int8, 0, q, plans["int8"], backend="cpu"),
+        "int8_q16_paged": lambda: attention(int8, 0, q, plans["int16"], backend="cpu"),
         "f16_paged": lambda: attention(f16, 0, q, plans["f16"], backend="cpu"),
         "torch_gather_int8": lambda: _torch_gather(int8, q, tables, lens),
         "sdpa_f32": (lambda: sdpa(torch.float32)()) if torch.float32 in dense else None,
@@ -204,27 +211,34 @@ def run_context(args: argparse.Namespace, context: int, bandwidth: float, names=
     else:  # the float32 exact path stands in for the gather (both agree with the float64 reference to ~1e-6)
         agreement = None
     q8_diff = _rel_diff(fns["int8_q8_paged"](), exact)
-    samples = _interleaved_samples(fns, args.repeat)
+    q16_diff = _rel_diff(fns["int8_q16_paged"](), exact)
+    trials = [_interleaved_samples(fns, args.repeat) for _ in range(args.trials)]
+    samples = {name: [t for trial in trials for t in trial[name]] for name in fns}
     best = {name: min(ts) for name, ts in samples.items()}
-    median = {name: statistics.median(ts) for name, ts in samples.items()}
+    trial_medians = {name: [statistics.median(trial[name]) for trial in trials] for name in fns}
+    median = {name: statistics.median(ms) for name, ms in trial_medians.items()}
     int8_bytes = 2 * args.batch * context * args.kv_heads * (args.head_dim + 4)  # K and V: codes + a float32 scale
     floor = int8_bytes / bandwidth
     row = {
         "context": context,
         "ms": {name: best[name] * 1e3 for name in names},
         "median_ms": {name: median[name] * 1e3 for name in names},
+        "trial_median_ms": {name: [t * 1e3 for t in trial_medians[name]] for name in names},
         "calls": {name: len(samples[name]) for name in names},
         "int8_bytes_read": int8_bytes,
         "floor_ms": floor * 1e3,
         "int8_over_floor": best["int8_paged"] / floor,
         "q8_over_floor": best["int8_q8_paged"] / floor,
+        "q16_over_floor": best["int8_q16_paged"] / floor,
         "int8_rel_diff_vs_torch_gather": agreement,
         "q8_rel_diff_vs_exact": q8_diff,
+        "q16_rel_diff_vs_exact": q16_diff,
     }
-    for fast in ("int8_paged", "int8_q8_paged"):  # peer time / ours, on medians: > 1 means ours is faster
+    for fast in OURS:  # peer time / ours, on medians: > 1 means ours is faster
         for peer in names:
-            if peer not in ("int8_paged", "int8_q8_paged", "int8_window"):
+            if peer not in (*OURS, "int8_window"):
                 row[f"{fast}_speedup_vs_{peer}"] = median[peer] / median[fast]
+    row["int8_q16_paged_speedup_vs_int8_paged"] = median["int8_paged"] / median["int8_q16_paged"]
     if "int8_window" in median:
         row["window"] = args.window
         row["window_over_full"] = median["int8_window"] / median["int8_paged"]
@@ -274,6 +288,8 @@ def _run_config(args: argparse.Namespace, bandwidth: float, names: tuple[str, ..
             "block_size": args.block_size,
         },
         "machine": {
+            "cpu": _cpu_model(),
+            "dot": cpu_simd.DOT,  # the integer q . k variant of the int16 / int8 paths (None: float fallback)
             "torch_threads": torch.get_num_threads(),
             "numba_threads": numba.get_num_threads(),
             "numba_threading_layer": _threading_layer(),
@@ -284,6 +300,18 @@ def _run_config(args: argparse.Namespace, bandwidth: float, names: tuple[str, ..
         "load_average_after": os.getloadavg(),
         "results": results,
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name as Linux reports it ("unknown" elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _threading_layer() -> str:
@@ -306,10 +334,11 @@ def report(result: dict) -> str:
         f"{title}paged decode attention (CPU): batch {c['batch']}, {c['q_heads']} q heads, "
         f"{c['kv_heads']} kv heads, head_dim {c['head_dim']}, block {c['block_size']}; torch {m['torch_threads']} / "
         f"numba {m['numba_threads']} threads ({m['numba_threading_layer']}); copy bandwidth "
-        f"{result['copy_gb_per_s']:.1f} GB/s (read + write); load average {load}; median ms (best)",
+        f"{result['copy_gb_per_s']:.1f} GB/s (read + write); load average {load}; {m.get('cpu', '?')}, integer dot "
+        f"{m.get('dot')}; median ms (best)",
         f"{'context':>8}" + "".join(f"{name:>22}" for name in names) + f"{'floor':>9}"
-        + "".join(f"{'x ' + peer:>16}" for peer in names if not peer.startswith("int8"))
-        + f"{'int8/floor':>11}{'q8/floor':>9}{'q8 diff':>9}",
+        + "".join(f"{'x ' + peer:>22}" for peer in names if not peer.startswith("int8"))
+        + f"{'int8/floor':>11}{'q16/floor':>10}{'q8/floor':>9}{'q16 diff':>9}{'q8 diff':>9}{'q16 x int8':>11}",
     ]
     for r in result["results"]:
         lines.append(
@@ -317,13 +346,16 @@ def report(result: dict) -> str:
             + "".join(f"{r['median_ms'][n]:>13.3f} ({r['ms'][n]:>6.3f})" for n in names)
             + f"{r['floor_ms']:>9.3f}"
             + "".join(
-                f"{r[f'int8_paged_speedup_vs_{p}']:>7.2f}/{r[f'int8_q8_paged_speedup_vs_{p}']:<7.2f}"
+                f"{r[f'int8_paged_speedup_vs_{p}']:>8.2f}/{r[f'int8_q16_paged_speedup_vs_{p}']:.2f}/"
+                f"{r[f'int8_q8_paged_speedup_vs_{p}']:<5.2f}"
                 for p in names if not p.startswith("int8")
             )
-            + f"{r['int8_over_floor']:>10.2f}x{r['q8_over_floor']:>8.2f}x{r['q8_rel_diff_vs_exact']:>9.1e}"
+            + f"{r['int8_over_floor']:>10.2f}x{r['q16_over_floor']:>9.2f}x{r['q8_over_floor']:>8.2f}x"
+            + f"{r['q16_rel_diff_vs_exact']:>9.1e}{r['q8_rel_diff_vs_exact']:>9.1e}"
+            + f"{r['int8_q16_paged_speedup_vs_int8_paged']:>10.2f}x"
             + (f"  window {r['window']}/full {r['window_over_full']:.3f}" if "window_over_full" in r else "")
         )
-    lines.append("x peer: peer median / int8 exact median, then / int8 q8 median (> 1: int8kv faster)")
+    lines.append("x peer: peer median / int8 exact median, then / int8 q16, then / int8 q8 (> 1: int8kv faster)")
     return "\n".join(lines)
 
 

@@ -30,12 +30,15 @@ from ..cache.pool import KvPool
 from . import cpu_simd
 from .plan import AttentionPlan, AttentionVariant
 
-__all__ = ["attend", "quantize_query"]
+__all__ = ["attend", "quantize_query", "quantize_query_int16"]
 
 TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 _NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
+# q_scale of the int16 path: q stays float32 and each (row, head) is quantized to int16 inside the kernel
+# (`_row_query`), where it costs ~0.1 us a row; the same in torch took ~10 us a call (7 small ops).
+_INT16_QUERY = np.empty((0, 0), np.int16)
 # A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
 # (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
 # 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
@@ -431,11 +434,66 @@ def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi
 
 @njit(fastmath=True, inline="always")
 def _dot_codes(qv, krow):
-    """q . k for one key row of codes (int8, or F16 bits as int16), in float32."""
-    total = np.float32(0.0)
+    """q . k for one key row of codes (int8, or F16 bits as int16): float32 for a float32 q, exact integers for
+    int16 query codes (int8 keys)."""
+    total = _zero(qv[0])
     for i in range(qv.shape[0]):
-        total += qv[i] * _code_to_f32(krow[i])
+        total += _prod(qv[i], _tile_value(krow[i], qv[0]))
     return total
+
+
+QUERY_CODE_MAX = 32767  # int16 query codes: rounding error <= max|q| / 65,534 per element
+
+
+@njit(fastmath=True, inline="always")
+def _quantize_rows(x, d, sm, codes, scale):
+    """Each row of d values of the flat float32 ``x`` as symmetric int16 codes, ``x ~ codes * scale / sm``:
+    codes [len(x)] int16 in [-32767, 32767], scale [rows] float32 with the softmax scale sm folded in; a row of
+    zeros gets scale 0."""
+    for h in range(x.shape[0] // d):
+        top = np.float32(0.0)
+        for i in range(h * d, (h + 1) * d):
+            top = max(top, abs(x[i]))
+        inv = np.float32(QUERY_CODE_MAX) / top if top > 0 else np.float32(0.0)
+        scale[h] = top / np.float32(QUERY_CODE_MAX) * sm
+        for i in range(h * d, (h + 1) * d):
+            codes[i] = np.int16(np.rint(x[i] * inv))
+
+
+def _row_query(q, q_scale, row, sm):  # typed by the overload below
+    """Query row ``row`` as the score kernels take it, ``(values [Hq * d], logit scale per head [Hq])``: float32
+    values and sm (exact path); the given int16 codes and q_scale[row] * sm (int8 path); or the row quantized
+    here to int16 codes (int16 path, q_scale the `_INT16_QUERY` marker)."""
+    raise NotImplementedError
+
+
+@overload(_row_query, inline="always")
+def _row_query_impl(q, q_scale, row, sm):
+    if isinstance(q.dtype, types.Integer):
+        return lambda q, q_scale, row, sm: (q[row].reshape(-1), q_scale[row] * sm)
+    if isinstance(q_scale.dtype, types.Integer):
+
+        def quantized(q, q_scale, row, sm):
+            values = q[row].reshape(-1)
+            codes = np.empty(values.shape[0], np.int16)
+            scale = np.empty(q.shape[1], np.float32)
+            _quantize_rows(values, q.shape[2], sm, codes, scale)
+            return codes, scale
+
+        return quantized
+    return lambda q, q_scale, row, sm: (q[row].reshape(-1), np.full(q.shape[1], sm, np.float32))
+
+
+def _scores16(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):  # typed by the overload below
+    """Scores of 16 keys: `cpu_simd.qk16` for float32 q, `cpu_simd.qk16i` for int16 query codes."""
+    raise NotImplementedError
+
+
+@overload(_scores16, inline="always")
+def _scores16_impl(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
+    kernel = cpu_simd.qk16i if isinstance(q.dtype, types.Integer) else cpu_simd.qk16
+    return lambda q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf: kernel(
+        q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
 
 
 @njit(fastmath=True, inline="always")
@@ -453,25 +511,26 @@ def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems):
 
 
 @njit(fastmath=True, cache=True)
-def _attend_row(q, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
-    """Attention of one query row (all heads; float32 q; sm the softmax scale) over keys [lo, hi) of one
-    sequence, the decode fast path. Keys go TILE at a time: runs of 16 keys inside one block through the vector
-    kernels of `cpu_simd` (scores, then p . v), the rest (a run cut short by a block's end or the range's) one
-    key at a time. State as in `_attend_item` with nrows = 1: m, denom [hkv, g], acc [hkv, g, d]."""
+def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
+    """Attention of one query row (all heads; sm the softmax scale) over keys [lo, hi) of one sequence, the
+    decode fast path. q and q_scale as `_row_query` takes them: float32 q (exact), int16 codes and their scales
+    (int8 path), or float32 q quantized here to int16 (int16 path); with codes q . k runs in int32 (`qk16i`).
+    Keys go TILE at a time: runs of 16 keys inside one block through the vector kernels of `cpu_simd` (scores,
+    then p . v), the rest (a run cut short by a block's end or the range's) one key at a time. State as in
+    `_attend_item` with nrows = 1: m, denom [hkv, g], acc [hkv, g, d]."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     bs = kc.shape[1]
     g = q.shape[1] // hkv
     kflat = kc.reshape(-1)
     vflat = vc.reshape(-1)
-    qrow = q[row]
-    qflat = qrow.reshape(-1)
+    qflat, q_logit = _row_query(q, q_scale, row, sm)
     accflat = acc.reshape(-1)
     s = np.empty((hkv, g, TILE), np.float32)
     sflat = s.reshape(-1)
     k_scale = np.empty((hkv, TILE), np.float32)
     v_scale = np.empty((hkv, TILE), np.float32)
-    kbuf = np.empty(cpu_simd.LANES * d, np.float32)
+    kbuf = np.empty(cpu_simd.LANES * d, qflat.dtype)  # the 16 keys as q's type: float32, or int16 for codes
     m[:] = NEG
     denom[:] = 0.0
     acc[:] = 0.0
@@ -493,18 +552,19 @@ def _attend_row(q, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
                 run = lanes
                 base = (block_id * bs + offset) * row_stride
                 for h in range(hkv):
-                    cpu_simd.qk16(qflat, h * g * d, kflat, base + h * d, row_stride, sflat, h * g * TILE + t,
-                                  TILE, g, d, kbuf)
+                    _scores16(qflat, h * g * d, kflat, base + h * d, row_stride, sflat, h * g * TILE + t,
+                              TILE, g, d, kbuf)
             else:
                 for j in range(run):
                     for h in range(hkv):
                         krow = kc[block_id, offset + j, h]
                         for r in range(g):
-                            s[h, r, t + j] = _dot_codes(qrow[h * g + r], krow)
+                            head = (h * g + r) * d
+                            s[h, r, t + j] = _dot_codes(qflat[head : head + d], krow)
             t += run
         for h in range(hkv):
             for r in range(g):
-                _softmax_step(s[h, r], k_scale[h], sm, nt, r, m[h], denom[h], acc[h], cap)
+                _softmax_step(s[h, r], k_scale[h], q_logit[h * g + r], nt, r, m[h], denom[h], acc[h], cap)
                 w = s[h, r]
                 vsc = v_scale[h]
                 for j in range(nt):  # p_t * s_v,t: the value scales folded into the weights
@@ -532,21 +592,25 @@ def _attend_row(q, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
 
 
 def _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-    """One work item: `_attend_row` for a single float32 query row whose head_dim the vector kernels take,
-    `_attend_item` otherwise (typed by the overload below)."""
+    """One work item: `_attend_row` for a single query row whose head_dim the vector kernels take (float32
+    kernels for an exact row, integer ones for query codes on INT8 blocks), `_attend_item` otherwise (typed by
+    the overload below). An int16-path row the integer kernels cannot take (head_dim, no AVX2 or VNNI) runs
+    the exact path; an int8 one keeps `_attend_item`'s integer loops (the same numerics)."""
     raise NotImplementedError
 
 
 @overload(_attend_one, inline="always")
 def _attend_one_impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-    if q.dtype != types.float32:  # the quantized-query path has its own integer loops
-        return lambda q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc: (
-            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc))
+    integer_keys = kc.dtype == types.int8
+    codes = isinstance(q.dtype, types.Integer)  # int8 path: the codes come quantized
+    int16_path = isinstance(q_scale.dtype, types.Integer)  # float32 q, quantized by `_attend_row`
 
     def impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-        if nrows == 1 and cpu_simd.fits(kc.shape[3]):
-            first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
-            _attend_row(q, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
+        first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
+        if nrows == 1 and (codes or int16_path) and integer_keys and cpu_simd.int_fits(kc.shape[3]):
+            _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
+        elif nrows == 1 and not codes and cpu_simd.fits(kc.shape[3]):
+            _attend_row(q, _NO_SCALE, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
         else:
             _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc)
 
@@ -769,6 +833,22 @@ def _prefill_items(
     return items.astype(np.int64), row_limits.astype(np.int64), lows
 
 
+@njit(fastmath=True, cache=True)
+def _quantize_query16(x, d, codes, scale):
+    _quantize_rows(x, d, np.float32(1.0), codes, scale)
+
+
+def quantize_query_int16(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int16 path's quantizer, the same code the kernel runs on each decode row: ``(codes [n, Hq, D] int16
+    in [-32767, 32767], scales [n, Hq] float32)``, ``q ~ codes * scale``, ``|q - codes * scale| <= scale / 2``
+    up to float32 rounding; a row of zeros gets scale 0. (The kernel folds the softmax scale into `scale`.)"""
+    x = q.float().contiguous().numpy()
+    codes = np.empty(x.shape, np.int16)
+    scale = np.empty(x.shape[:2], np.float32)
+    _quantize_query16(x.reshape(-1), x.shape[2], codes.reshape(-1), scale.reshape(-1))
+    return torch.from_numpy(codes), torch.from_numpy(scale)
+
+
 def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes of ``q [n, Hq, D]`` (float32) with one float32 scale per (row, head):
     ``(codes [n, Hq, D] int16 holding values in [-127, 127], scales [n, Hq])``, ``q ~ codes * scale`` with
@@ -871,6 +951,15 @@ def thread_choice(key: tuple) -> ThreadChoice:
     return choice
 
 
+def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
+    """How the call multiplies q and k: "int8" (query codes from `quantize_query`), "int16" (decode rows
+    quantized in the kernel) or "exact" (float32): integers need INT8 keys, and the int16 path quantizes decode
+    steps only (a prefill under it runs exact)."""
+    if not pool.format.is_quantized or (plan.precision == "int16" and not plan.is_decode):
+        return "exact"
+    return plan.precision
+
+
 def _run(
     pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: tuple | None,
     sinks: np.ndarray | None,
@@ -885,9 +974,12 @@ def _run(
     # to zeros (queries before a window's start). numpy's allocation: 0.5 us against torch.empty's 1.8.
     o = np.empty(q.shape, np.float32) if plan.is_decode else np.zeros(q.shape, np.float32)
     out = torch.from_numpy(o)
-    if plan.precision == "int8" and pool.format.is_quantized:
+    path = _query_path(plan, pool)
+    if path == "int8":
         codes, scales = quantize_query(q)
         q_arg, q_scale = codes.numpy(), scales.numpy()
+    elif path == "int16":
+        q_arg, q_scale = q.numpy(), _INT16_QUERY
     else:
         q_arg, q_scale = q.numpy(), _NO_SCALE
     kc, ks, vc, vs = _layer_arrays(pool, layer)
@@ -1061,7 +1153,7 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
         items, lists, pairs_total = _assign_items(items, row_limits, workers)
     else:
         lists, pairs_total = np.zeros(2, np.int64), 0
-    integer_q = plan.precision == "int8" and pool.format.is_quantized
+    integer_q = _query_path(plan, pool)
     capped = variant is not None and variant.softcap is not None  # tanh per score: another cost per unit
     choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim, capped))
     work = (items, row_limits, lows, splits, pairs_total, lists, plan.block_tables.numpy(), choice)

@@ -22,6 +22,24 @@ AVX-512 register or two AVX2 registers (or four NEON ones) on other CPUs.
 
 Summation order differs from a plain loop (16 lane sums, then the tree), like any vectorised float32 dot;
 the float64-oracle tests bound it.
+
+  `qk16i` the scores of int16 query codes against 16 rows of int8 codes, summed exactly in int32 (|sum| <=
+          32,767 x 128 x 512 < 2**31, so head_dim <= 512) and stored as float32: the keys are sign-extended to
+          int16 once into a scratch, each row multiplies pairs of int16 and adds them into int32 lanes, one
+          instruction per 32 (512-bit) or 16 (256-bit) products where float32 takes one FMA per 16, then the
+          same tree in integers. Three variants, `DOT` the one the compile target's features allow (the best
+          first): `vnni512` (AVX-512 VNNI `vpdpwssd` on zmm), `vnni256` (AVX-VNNI or AVX-512 VNNI + VL on ymm),
+          `avx2` (`vpmaddwd` + `vpaddd` on ymm); none on other CPUs, where callers keep the float path. The
+          target is numba's (NUMBA_CPU_FEATURES, else the host's), so forcing another variant is
+          `NUMBA_CPU_FEATURES=<features with +avx512vnni / +avxvnni turned to ->`, and numba's disk cache, keyed by
+          the same string, never hands one variant's code to another. LLVM 22 tuned for Emerald Rapids
+          still emits 15 of the 16 `vpdpwssd` of a chunk as `vpmaddwd` + `vpaddd` (its choice for that core).
+
+p . v stays float32 (`pv16`): int16 weights (each row's 16 weights rounded to int16 with one scale) times
+int8 value rows interleaved in pairs, `vpdpwssd` into int32 per 16-key block, measured in a prototype at 3
+rows x 64 (SmolLM2's group) on 1,024 keys, ns per key, best of 15, load 15: 4.3 vs 4.7 (AVX-512 VNNI) and 9.2
+vs 7.7 (AVX2) with the weights already quantized, 12.3-13.1 vs 5.6-8.2 once each block's weights are
+quantized (max, scale, round, pack per row and block), which is the only way to get them.
 """
 
 from __future__ import annotations

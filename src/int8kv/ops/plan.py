@@ -41,7 +41,7 @@ INT32_MAX = 2**31 - 1
 # How the CPU backend multiplies an INT8 cache: "exact" (float32 query and arithmetic, checked against the
 # float64 reference) or "int8" (query quantized per (token, head), q . k in int32; docs/design.md gives its
 # error bound). Default: exact, or the INT8KV_ATTENTION_PRECISION environment variable.
-PRECISIONS = ("exact", "int8")
+PRECISIONS = ("exact", "int16", "int8")
 PRECISION_ENV = "INT8KV_ATTENTION_PRECISION"
 
 
