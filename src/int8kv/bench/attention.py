@@ -302,16 +302,22 @@ def _run_config(args: argparse.Namespace, bandwidth: float, names: tuple[str, ..
     }
 
 
-def _cpu_model() -> str:
-    """The CPU's model name as Linux reports it ("unknown" elsewhere)."""
+def _cpu_model() -> dict:
+    """The CPU as Linux reports it (model name, and its vector flags that matter here) and as LLVM names it."""
+    from llvmlite import binding
+
+    model, flags = "unknown", []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = sorted(x for x in value.split() if x.startswith(("avx", "amx")) or x in ("f16c", "fma"))
     except OSError:
         pass
-    return "unknown"
+    return {"model": model, "llvm_name": binding.get_host_cpu_name(), "flags": flags}
 
 
 def _threading_layer() -> str:
@@ -334,8 +340,8 @@ def report(result: dict) -> str:
         f"{title}paged decode attention (CPU): batch {c['batch']}, {c['q_heads']} q heads, "
         f"{c['kv_heads']} kv heads, head_dim {c['head_dim']}, block {c['block_size']}; torch {m['torch_threads']} / "
         f"numba {m['numba_threads']} threads ({m['numba_threading_layer']}); copy bandwidth "
-        f"{result['copy_gb_per_s']:.1f} GB/s (read + write); load average {load}; {m.get('cpu', '?')}, integer dot "
-        f"{m.get('dot')}; median ms (best)",
+        f"{result['copy_gb_per_s']:.1f} GB/s (read + write); load average {load}; CPU {m['cpu']['model']} "
+        f"({m['cpu']['llvm_name']}), integer dot {m['dot']}; median ms (best)",
         f"{'context':>8}" + "".join(f"{name:>22}" for name in names) + f"{'floor':>9}"
         + "".join(f"{'x ' + peer:>22}" for peer in names if not peer.startswith("int8"))
         + f"{'int8/floor':>11}{'q16/floor':>10}{'q8/floor':>9}{'q16 diff':>9}{'q8 diff':>9}{'q16 x int8':>11}",

@@ -1,0 +1,64 @@
+"""Perplexity of the INT8 cache per attention precision with every scored token a decode step.
+
+    python docs/results/eval_decode_precision.py docs/results/eval_decode_precision.json
+
+The 2,048 scored tokens of `int8kv eval`'s default run (its text, 8 windows of 512 tokens, the second half of
+each scored), the 8 windows decoded as one batch: the first half of each prefilled in chunks of 128, then one
+token per forward, so every scored token goes through the decode kernels (the only ones the int16 path
+changes). `INT8KV_ATTENTION_PRECISION=<p> int8kv eval --chunk 1 --prompts 0 --no-fp8` computes the same one
+window and one token at a time. One process, torch and numba on one thread; the JSON is rewritten after each
+cache, so a partial run keeps what it measured.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import numba
+import torch
+
+from int8kv.eval import cache_kinds, read_text, windows
+from int8kv.models import load_model
+from int8kv.ops import cpu_simd
+from int8kv.ops.plan import PRECISION_ENV
+
+out_path = sys.argv[1]
+torch.set_num_threads(1)
+numba.set_num_threads(1)
+model, tok = load_model(None, quiet=True)
+base, _, int8 = cache_kinds(include_fp8=False)
+wins = torch.tensor(windows(tok(read_text(None))["input_ids"], 512, 8))
+half = wins.shape[1] // 2
+result = {
+    "command": "python docs/results/eval_decode_precision.py docs/results/eval_decode_precision.json",
+    "windows": wins.shape[0], "scored_tokens": wins.shape[0] * half, "dot": cpu_simd.DOT,
+    "load_average_before": os.getloadavg(), "rows": [],
+}
+
+
+@torch.inference_mode()
+def nll(make) -> float:
+    """Mean negative log-likelihood of the second halves, the prefix prefilled, the rest decoded."""
+    cache = make(model.config)
+    for start in range(0, half, 128):
+        logits = model(input_ids=wins[:, start : start + 128], cache=cache, use_cache=True).logits[:, -1:]
+    steps = [logits.double()]
+    for pos in range(half, wins.shape[1] - 1):
+        steps.append(model(input_ids=wins[:, pos : pos + 1], cache=cache, use_cache=True).logits.double())
+    lp = torch.log_softmax(torch.cat(steps, dim=1), dim=-1)  # [windows, half, vocab]: positions half..end
+    return float(-lp.gather(2, wins[:, half:, None]).sum()) / (wins.shape[0] * half)
+
+
+for name, precision, kind in (("int8kv INT8, exact", "exact", int8), ("int8kv INT8, int16", "int16", int8),
+                              ("int8kv INT8, int8", "int8", int8), ("DynamicCache fp32", "exact", base)):
+    os.environ[PRECISION_ENV] = precision
+    start = time.time()
+    value = nll(kind.make)
+    result["rows"].append({"cache": name, "precision": precision, "perplexity": math.exp(value),
+                           "seconds": time.time() - start})
+    result["load_average_after"] = os.getloadavg()
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{name:24s} {math.exp(value):.5f} ({time.time() - start:.0f} s)", flush=True)
