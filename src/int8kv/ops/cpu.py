@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
@@ -601,13 +602,19 @@ def _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi,
 
 @overload(_attend_one, inline="always")
 def _attend_one_impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-    integer_keys = kc.dtype == types.int8
     codes = isinstance(q.dtype, types.Integer)  # int8 path: the codes come quantized
     int16_path = isinstance(q_scale.dtype, types.Integer)  # float32 q, quantized by `_attend_row`
+    integer = (codes or int16_path) and kc.dtype == types.int8 and cpu_simd.DOT is not None
+    if int16_path and not integer:  # `_query_path` never asks for it: `qk16i` does not type here
+        raise TypingError("the int16 query path needs INT8 keys and an integer dot variant (cpu_simd.DOT)")
+    if codes and not integer:  # no vector kernel for query codes: `_attend_item`'s integer loops
+        return lambda q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc: (
+            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc))
+    integer_rows = cpu_simd.int_fits if integer else _never  # exact: the float32 branch below serves
 
     def impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
         first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
-        if nrows == 1 and (codes or int16_path) and integer_keys and cpu_simd.int_fits(kc.shape[3]):
+        if nrows == 1 and integer_rows(kc.shape[3]):
             _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
         elif nrows == 1 and not codes and cpu_simd.fits(kc.shape[3]):
             _attend_row(q, _NO_SCALE, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
@@ -615,6 +622,11 @@ def _attend_one_impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo
             _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc)
 
     return impl
+
+
+@njit(inline="always")
+def _never(head_dim):
+    return False
 
 
 @njit(fastmath=True, inline="always")
@@ -954,8 +966,8 @@ def thread_choice(key: tuple) -> ThreadChoice:
 def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
     """How the call multiplies q and k: "int8" (query codes from `quantize_query`), "int16" (decode rows
     quantized in the kernel) or "exact" (float32): integers need INT8 keys, and the int16 path quantizes decode
-    steps only (a prefill under it runs exact)."""
-    if not pool.format.is_quantized or (plan.precision == "int16" and not plan.is_decode):
+    steps only (a prefill under it runs exact), on CPUs with an integer dot variant (else exact too)."""
+    if not pool.format.is_quantized or (plan.precision == "int16" and not (plan.is_decode and cpu_simd.DOT)):
         return "exact"
     return plan.precision
 
