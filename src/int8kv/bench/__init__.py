@@ -7,6 +7,7 @@ BENCHMARKS = {
     "attention": "int8kv.bench.attention",
     "codec": "int8kv.bench.codec",
     "e2e": "int8kv.bench.e2e",
+    "kv4": "int8kv.bench.kv4",
     "engine_paths": "int8kv.bench.engine_paths",
     "prefix": "int8kv.bench.prefix",
     "store": "int8kv.bench.store",
