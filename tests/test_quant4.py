@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import pathlib
 import zlib
 
 import numpy as np
@@ -113,3 +115,89 @@ def test_nibble_order_low_first_and_round_trip():
     assert packed.tolist() == [[0x21, 0x0F, 0x87]]
     codes = rng("nibbles").integers(0, 16, (9, 5, 64)).astype(np.uint8)
     assert np.array_equal(quant4.unpack_nibbles(quant4.pack_nibbles(codes)), codes)
+
+
+GOLDEN = json.loads(pathlib.Path(__file__).with_name("golden").joinpath("q4_codec.json").read_text())
+
+
+def from_hex(hexes: list[str], dtype) -> np.ndarray:
+    return np.array([int(h, 16) for h in hexes], dtype=dtype)
+
+
+def test_golden_names_this_format():
+    assert GOLDEN["name"] == quant4.NAME == "int4_kchan64_vtok_asym_f16_v1" and quant4.VERSION == 1
+
+
+@pytest.mark.parametrize("case", GOLDEN["values"], ids=[c["name"] for c in GOLDEN["values"]])
+def test_golden_values_lock_the_bytes(case):
+    x = from_hex(case["x_f32"], np.uint32).view(np.float32)
+    packed, scale, mn = quant4.encode_values(x)
+    assert packed.tobytes().hex() == case["codes"]
+    assert f"{int(scale.view(np.uint16)):04x}" == case["scale_f16"]
+    assert f"{int(mn.view(np.uint16)):04x}" == case["min_f16"]
+    decoded = quant4.decode_values(packed, scale, mn)
+    assert np.array_equal(decoded.view(np.uint32), from_hex(case["decoded_f32"], np.uint32))
+
+
+@pytest.mark.parametrize("case", GOLDEN["key_blocks"], ids=[c["name"] for c in GOLDEN["key_blocks"]])
+def test_golden_key_blocks_lock_the_bytes(case):
+    k = from_hex(case["x_f32"], np.uint32).view(np.float32).reshape(case["shape"])
+    packed, scale, mn = quant4.encode_keys_block(k)
+    assert packed.tobytes().hex() == case["codes"]
+    assert np.array_equal(scale.reshape(-1).view(np.uint16), from_hex(case["scale_f16"], np.uint16))
+    assert np.array_equal(mn.reshape(-1).view(np.uint16), from_hex(case["min_f16"], np.uint16))
+    decoded = quant4.decode_keys_block(packed, scale, mn)
+    assert np.array_equal(decoded.reshape(-1).view(np.uint32), from_hex(case["decoded_f32"], np.uint32))
+
+
+@pytest.mark.parametrize("shape", [(quant4.BLOCK, 2), (quant4.BLOCK, 3, 64), (quant4.BLOCK, 1, 2, 10)])
+def test_key_block_groups_per_channel_against_float64(shape):
+    r = rng("keys", shape)
+    k = ragged(r, shape) + r.normal(0, 30, shape[1:]).astype(np.float32)  # per-channel offsets, as in real keys
+    packed, scale, mn = quant4.encode_keys_block(k)
+    assert packed.shape == shape[:-1] + (shape[-1] // 2,) and scale.shape == mn.shape == shape[1:]
+    rq, rs, rlo = reference_groups(np.moveaxis(k, 0, -1))
+    assert np.array_equal(scale.astype(np.float64), rs) and np.array_equal(mn.astype(np.float64), rlo)
+    q = np.moveaxis(quant4.unpack_nibbles(packed), 0, -1)
+    assert np.abs(q.astype(np.float64) - rq).max() <= 1 and np.mean(q == rq) > 0.999
+    y = quant4.decode_keys_block(packed, scale, mn).astype(np.float64)
+    x16 = k.astype(np.float16).astype(np.float64)
+    assert np.all(np.abs(y - x16) <= rs[None] * 0.5 * (1 + 1e-5) + np.abs(x16) * 2e-7 + 1e-30)
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (7, 3, 64), (5, 128), (2, 3, 4, 6)])
+def test_values_round_trip_shapes_and_dtypes(shape):
+    v = ragged(rng("values", shape), shape)
+    for x in (v, v.astype(np.float16), v.astype(np.float64)):
+        packed, scale, mn = quant4.encode_values(x)
+        assert packed.shape == shape[:-1] + (shape[-1] // 2,) and scale.shape == mn.shape == shape[:-1]
+        q, s, m = quant4.encode_groups(x.astype(np.float16).astype(np.float32))
+        assert np.array_equal(packed, quant4.pack_nibbles(q)) and np.array_equal(s, scale)
+        assert np.array_equal(quant4.decode_values(packed, scale, mn), quant4.decode_groups(q, s, m))
+
+
+def test_format_shapes_refused():
+    with pytest.raises(ShapeMismatch, match="even head_dim"):
+        quant4.encode_values(np.ones((3, 5), dtype=np.float32))
+    with pytest.raises(ShapeMismatch, match="key block"):
+        quant4.encode_keys_block(np.ones((quant4.BLOCK - 1, 2, 4), dtype=np.float32))
+    with pytest.raises(ShapeMismatch, match="key block"):
+        quant4.encode_keys_block(np.ones(4, dtype=np.float32))
+    k = np.ones((quant4.BLOCK, 4), dtype=np.float32)
+    k[9, 1] = np.nan
+    with pytest.raises(NonFiniteError, match=r"\(9, 1\)"):
+        quant4.encode_keys_block(k)
+
+
+def test_value_problem_accepts_what_the_encoder_writes_only():
+    _, scale, mn = quant4.encode_values(ragged(rng("domain"), (40, 64)))
+    assert quant4.value_problem(scale, mn) is None
+    assert quant4.value_problem(np.zeros(3, np.float16), mn[:3]) is None  # constant groups
+    for bad_scale in (-1.0, -0.0, np.inf, np.nan):
+        s = scale.copy()
+        s[3] = bad_scale
+        assert "scale" in quant4.value_problem(s, mn)
+    m = mn.copy()
+    m[0] = np.nan
+    assert "minimum" in quant4.value_problem(scale, m)
+    assert "float16" in quant4.value_problem(scale.astype(np.float32), mn)

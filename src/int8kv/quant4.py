@@ -12,6 +12,8 @@ The format (:func:`encode_keys_block`, :func:`encode_values`, ...) is built from
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .errors import NonFiniteError, ShapeMismatch
@@ -85,3 +87,105 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     out[..., 0::2] = packed & 0x0F
     out[..., 1::2] = packed >> 4
     return out
+
+
+# -- the format ---------------------------------------------------------------------------------------------
+NAME = "int4_kchan64_vtok_asym_f16_v1"
+VERSION = 1
+BLOCK = 64  # positions per sealed block: keys share one scale and minimum per channel over a block
+
+
+def _rows(x: np.ndarray, what: str) -> np.ndarray:
+    x16 = round_input(x, what)
+    if x16.shape[-1] % 2:
+        raise ShapeMismatch(f"{what} rows need an even head_dim, got {x16.shape[-1]}")
+    return x16
+
+
+def encode_values(v: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Value rows ``[..., d]`` -> packed codes uint8 ``[..., d / 2]``, scale float16 ``[...]``, minimum
+    float16 ``[...]``: one group per row (per token and head)."""
+    q, scale, mn = encode_groups(_rows(v, "V input"))
+    return pack_nibbles(q), scale, mn
+
+
+def decode_values(packed: np.ndarray, scale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """float32 value rows ``[..., d]`` of :func:`encode_values`' output."""
+    return decode_groups(unpack_nibbles(packed), scale, mn)
+
+
+def encode_keys_block(k: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One sealed block of keys ``[BLOCK, ..., d]`` (positions first) -> packed codes uint8
+    ``[BLOCK, ..., d / 2]``, scale and minimum float16 ``[..., d]``: one group per channel over the block."""
+    x16 = _rows(k, "K input")
+    if x16.ndim < 2 or x16.shape[0] != BLOCK:
+        raise ShapeMismatch(f"a key block is [{BLOCK}, ..., head_dim] (positions first), got {x16.shape}")
+    q, scale, mn = encode_groups(np.moveaxis(x16, 0, -1))  # groups: [..., d, BLOCK]
+    return pack_nibbles(np.ascontiguousarray(np.moveaxis(q, -1, 0))), scale, mn
+
+
+def decode_keys_block(packed: np.ndarray, scale: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """float32 keys ``[BLOCK, ..., d]`` of :func:`encode_keys_block`' output."""
+    q = np.moveaxis(unpack_nibbles(packed), 0, -1)  # [..., d, BLOCK]
+    return np.moveaxis(decode_groups(q, scale, mn), -1, 0)
+
+
+def value_problem(scale: np.ndarray, mn: np.ndarray) -> str | None:
+    """Why stored scales / minimums (float16) are not ones the encoder writes, or None: a scale must be finite
+    with its sign bit clear (+0 included: a constant group), a minimum finite."""
+    if scale.dtype != np.float16 or mn.dtype != np.float16:
+        return f"scales and minimums must be float16, got {scale.dtype} and {mn.dtype}"
+    if not np.isfinite(scale).all() or np.signbit(scale).any():
+        return "a scale is negative, -0, NaN or inf"
+    if not np.isfinite(mn).all():
+        return "a minimum is NaN or inf"
+    return None
+
+
+@dataclass(frozen=True)
+class Q4Rows:
+    """One layer's K/V of one sequence in this format (numpy): ``len(self) // BLOCK`` sealed blocks, then the
+    open block's F16 rows. Shapes (``H`` KV heads, ``d`` head_dim): ``k_codes``/``v_codes`` uint8
+    ``[blocks, BLOCK, H, d / 2]``, ``k_scale``/``k_min`` float16 ``[blocks, H, d]``, ``v_scale``/``v_min``
+    float16 ``[blocks, BLOCK, H]``, ``k_open``/``v_open`` float16 ``[r, H, d]`` with ``r < BLOCK``."""
+
+    k_codes: np.ndarray
+    k_scale: np.ndarray
+    k_min: np.ndarray
+    v_codes: np.ndarray
+    v_scale: np.ndarray
+    v_min: np.ndarray
+    k_open: np.ndarray
+    v_open: np.ndarray
+
+    def __len__(self) -> int:
+        return self.k_codes.shape[0] * BLOCK + self.k_open.shape[0]
+
+
+def encode_sequence(k: object, v: object) -> Q4Rows:
+    """Positions ``[n, H, d]`` of keys and values (positions first, from position 0) -> :class:`Q4Rows`.
+
+    Checks both inputs (shapes, values) before encoding anything."""
+    k16, v16 = _rows(k, "K input"), _rows(v, "V input")
+    if k16.ndim != 3 or k16.shape != v16.shape:
+        raise ShapeMismatch(f"K and V must both be [positions, heads, head_dim], got {k16.shape} and {v16.shape}")
+    n, heads, d = k16.shape
+    sealed = n // BLOCK * BLOCK
+    blocks_k = k16[:sealed].reshape(-1, BLOCK, heads, d)
+    # [blocks, BLOCK, H, d] -> groups over positions: [blocks, H, d, BLOCK]
+    q, k_scale, k_min = encode_groups(blocks_k.transpose(0, 2, 3, 1))
+    q_v, v_scale, v_min = encode_groups(v16[:sealed].reshape(-1, BLOCK, heads, d))
+    return Q4Rows(
+        pack_nibbles(np.ascontiguousarray(q.transpose(0, 3, 1, 2))), k_scale, k_min,
+        pack_nibbles(q_v), v_scale, v_min,
+        k16[sealed:].astype(np.float16), v16[sealed:].astype(np.float16),
+    )
+
+
+def decode_sequence(rows: Q4Rows) -> tuple[np.ndarray, np.ndarray]:
+    """float32 keys and values ``[n, H, d]`` of :class:`Q4Rows`."""
+    blocks, _, heads, half = rows.k_codes.shape
+    qk = unpack_nibbles(rows.k_codes).transpose(0, 2, 3, 1)  # [blocks, H, d, BLOCK]
+    k = decode_groups(qk, rows.k_scale, rows.k_min).transpose(0, 3, 1, 2).reshape(-1, heads, 2 * half)
+    v = decode_groups(unpack_nibbles(rows.v_codes), rows.v_scale, rows.v_min).reshape(-1, heads, 2 * half)
+    return (np.concatenate([k, rows.k_open.astype(np.float32)]), np.concatenate([v, rows.v_open.astype(np.float32)]))

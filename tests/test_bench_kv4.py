@@ -1,0 +1,31 @@
+"""bench kv4's fake-quantizing caches: the chosen candidate's rows are the frozen codec's, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from int8kv import quant4
+from int8kv.bench import kv4
+
+
+def test_chosen_candidate_stores_what_quant4_decodes():
+    scheme = next(s for s in kv4.SCHEMES if s.name == kv4.CHOSEN)
+    cache = kv4.make_cache(scheme, 16)
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(1, 2, 150, 16, generator=gen) * 3 + torch.randn(1, 2, 1, 16, generator=gen) * 5
+    v = torch.randn(1, 2, 150, 16, generator=gen)
+    for lo, hi in [(0, 37), (37, 64), (64, 65), (65, 150)]:  # chunks across and onto block boundaries
+        got_k, got_v = cache.update(k[:, :, lo:hi], v[:, :, lo:hi], 0)
+        rows = quant4.encode_sequence(k[0, :, :hi].transpose(0, 1).numpy(), v[0, :, :hi].transpose(0, 1).numpy())
+        want_k, want_v = quant4.decode_sequence(rows)
+        assert np.array_equal(got_k[0].transpose(0, 1).numpy(), want_k)
+        assert np.array_equal(got_v[0].transpose(0, 1).numpy(), want_v)
+
+
+def test_bytes_per_row_counts_scales():
+    chosen = next(s for s in kv4.SCHEMES if s.name == kv4.CHOSEN)
+    for d in (64, 128):
+        # 17d/16 + 4 bytes per position and head (keys and values) against F16's 4d.
+        assert kv4.bytes_per_row(chosen, d) == 17 * d / 16 + 4
+        assert kv4.bytes_per_row(None, d) == 4 * d
