@@ -15,7 +15,7 @@ def test_chosen_candidate_stores_what_quant4_decodes():
     gen = torch.Generator().manual_seed(4)
     k = torch.randn(1, 2, 150, 16, generator=gen) * 3 + torch.randn(1, 2, 1, 16, generator=gen) * 5
     v = torch.randn(1, 2, 150, 16, generator=gen)
-    for lo, hi in [(0, 37), (37, 64), (64, 65), (65, 150)]:  # chunks across and onto block boundaries
+    for lo, hi in [(0, 37), (37, 48), (48, 49), (49, 150)]:  # chunks across and onto block boundaries
         got_k, got_v = cache.update(k[:, :, lo:hi], v[:, :, lo:hi], 0)
         rows = quant4.encode_sequence(k[0, :, :hi].transpose(0, 1).numpy(), v[0, :, :hi].transpose(0, 1).numpy())
         want_k, want_v = quant4.decode_sequence(rows)
@@ -26,6 +26,6 @@ def test_chosen_candidate_stores_what_quant4_decodes():
 def test_bytes_per_row_counts_scales():
     chosen = next(s for s in kv4.SCHEMES if s.name == kv4.CHOSEN)
     for d in (64, 128):
-        # 17d/16 + 4 bytes per position and head (keys and values) against F16's 4d.
-        assert kv4.bytes_per_row(chosen, d) == 17 * d / 16 + 4
+        # 5d/4 + 4 bytes per position and head (keys and values) against F16's 4d.
+        assert kv4.bytes_per_row(chosen, d) == quant4.bytes_per_position(d) == 5 * d / 4 + 4
         assert kv4.bytes_per_row(None, d) == 4 * d

@@ -125,7 +125,7 @@ def from_hex(hexes: list[str], dtype) -> np.ndarray:
 
 
 def test_golden_names_this_format():
-    assert GOLDEN["name"] == quant4.NAME == "int4_kchan64_vtok_asym_f16_v1" and quant4.VERSION == 1
+    assert GOLDEN["name"] == quant4.NAME == "int4_kchan16_vtok_asym_f16_v1" and quant4.VERSION == 1
 
 
 @pytest.mark.parametrize("case", GOLDEN["values"], ids=[c["name"] for c in GOLDEN["values"]])

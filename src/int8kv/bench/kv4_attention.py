@@ -3,8 +3,8 @@
     python -m int8kv.bench kv4_attention [--preset batch8|smollm2|all] [--repeat 20] [--json PATH]
 
 One decode step (one query token per sequence). Both kernels read random codes and scales of the same shape
-from a pool whose block tables are a random permutation (INT8: 16-position blocks, the 4-bit format: 64-position
-sealed blocks plus each sequence's open block of ``context % 64`` F16 rows), over the same queries; they take
+from a pool whose block tables are a random permutation (INT8: 16-position blocks, the 4-bit format: 16-position
+sealed blocks plus each sequence's open block of ``context % 16`` F16 rows), over the same queries; they take
 turns (bench attention's interleaved bursts) and each reports its best and median call. Shapes: batch8 = 8
 sequences, 32 query / 8 KV heads x 128, 4,096 positions; smollm2 = 1 sequence, 9 / 3 x 64, 7,000 positions.
 """
@@ -24,7 +24,7 @@ from ..cli_common import bench_parser, check_minimums
 from ..formats import KvStorageFormat
 from ..ops import attention, plan_attention
 from ..ops.cpu_q4 import decode_attention
-from ..quant4 import BLOCK
+from ..quant4 import BLOCK, bytes_per_position
 from .attention import PRESETS, interleaved_samples, paged_cache
 from .timing import emit
 
@@ -68,7 +68,7 @@ def run_shape(name: str, repeat: int, seed: int = 0) -> dict[str, Any]:
     best = {k: min(v) * 1e3 for k, v in samples.items()}
     median = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     sealed_rows = context // BLOCK * BLOCK
-    q4_bytes = batch * heads * (sealed_rows * (17 * d // 16 + 4) + (context - sealed_rows) * 4 * d)
+    q4_bytes = batch * heads * (sealed_rows * bytes_per_position(d) + (context - sealed_rows) * 4 * d)
     return {
         "shape": name, "batch": batch, "q_heads": hq, "kv_heads": heads, "head_dim": d, "context": context,
         "best_ms": best, "median_ms": median, "calls": {k: len(v) for k, v in samples.items()},

@@ -1,9 +1,9 @@
 """CPU decode attention (numba) reading the 4-bit format's codes directly (int8kv.quant4).
 
-Layout of one layer (``H`` KV heads, ``d`` head_dim, blocks of ``quant4.BLOCK`` = 64 positions): sealed blocks
-in a pool, ``k_codes``/``v_codes`` uint8 ``[num_blocks, 64, H, d / 2]``, the keys' channel scales / minimums
-float16 ``[num_blocks, H, d]``, the values' per-position scales / minimums float16 ``[num_blocks, 64, H]``;
-each sequence's open block as F16 rows ``[batch, 64, H, d]``; ``block_tables`` int32 ``[batch, max_blocks]``
+Layout of one layer (``H`` KV heads, ``d`` head_dim, blocks of ``quant4.BLOCK`` = 16 positions): sealed blocks
+in a pool, ``k_codes``/``v_codes`` uint8 ``[num_blocks, 16, H, d / 2]``, the keys' channel scales / minimums
+float16 ``[num_blocks, H, d]``, the values' per-position scales / minimums float16 ``[num_blocks, 16, H]``;
+each sequence's open block as F16 rows ``[batch, 16, H, d]``; ``block_tables`` int32 ``[batch, max_blocks]``
 naming the sealed blocks of each sequence in position order; ``context_lens`` int32 ``[batch]``.
 
 One work item is (sequence, KV head): every query head of the GQA group is served by each byte read. Per sealed
