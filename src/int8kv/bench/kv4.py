@@ -286,7 +286,7 @@ def run(
         "model": "SmolLM2-135M-Instruct", "head_dim": d, "kv_heads": heads, "ctx": ctx, "windows": windows,
         "chunk": chunk, "threads": torch.get_num_threads(), "gen_tokens": gen_tokens, "texts": {}, "rows": {},
     }
-    for path in texts:
+    for path in texts if ctx else ():  # ctx 0: the agreement only
         name = path
         wins = _windows(tokenizer(read_text(None if path == EVAL_CORPUS else path))["input_ids"], ctx, windows)
         result["texts"][name] = {"tokens_fed": sum(map(len, wins)), "scored": 0}
@@ -302,7 +302,7 @@ def run(
     refs = [reference_tokens(model, tokenizer(p)["input_ids"], gen_tokens, d) for p in chosen]
     note(f"F16 reference tokens generated for {len(chosen)} prompts")
     for kind, scheme in kinds:
-        row = result["rows"][kind]
+        row = result["rows"].setdefault(kind, {"ppl": {}, "seconds": {}})
         if chosen:
             pairs = zip(chosen, refs, strict=True)
             same = sum(agreement(model, scheme, tokenizer(p)["input_ids"], r, d) for p, r in pairs)
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = bench_parser("kv4", __doc__.split("\n")[0])
     parser.add_argument("--text", action="append", help=f"a text to score (repeatable; {EVAL_CORPUS}: the eval's "
                         f"corpus; default: both of {DEFAULT_TEXTS})")
-    parser.add_argument("--ctx", type=int, default=1024, help="tokens per window")
+    parser.add_argument("--ctx", type=int, default=1024, help="tokens per window (0: the agreement only)")
     parser.add_argument("--windows", type=int, default=12, help="windows per text")
     parser.add_argument("--batch", type=int, default=4, help="windows per forward")
     parser.add_argument("--chunk", type=int, default=256, help="tokens per forward")
@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
         parts = [json.load(open(p)) for p in args.combine]
         result = combine(parts)
         return emit(result, report(result), args.json)
-    if min(args.ctx, args.windows, args.batch, args.chunk, args.gen_tokens) < 1 or args.prompts < 0:
-        parser.error("--ctx, --windows, --batch, --chunk and --gen-tokens must be >= 1, --prompts >= 0")
+    if min(args.windows, args.batch, args.chunk, args.gen_tokens) < 1 or min(args.prompts, args.ctx) < 0:
+        parser.error("--windows, --batch, --chunk and --gen-tokens must be >= 1, --ctx and --prompts >= 0")
     torch.set_num_threads(max(1, args.threads))
     names = {s.name for s in SCHEMES} | {BASELINE}
     if unknown := [n for n in args.only if n not in names]:
