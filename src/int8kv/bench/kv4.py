@@ -3,6 +3,10 @@ storage, bytes per token.
 
     python -m int8kv.bench kv4 [--text FILE ...] [--ctx 1024] [--windows 12] [--batch 4] [--chunk 256]
                                [--gen-tokens 128] [--prompts 4] [--only NAME ...] [--model PATH] [--json PATH]
+    python -m int8kv.bench kv4 --combine PART.json ... [--json PATH]     (merge runs made side by side)
+
+``--ctx 0`` runs the agreement alone, ``--prompts 0`` the perplexity alone (a process per text and group of
+candidates, merged with ``--combine``: docs/benchmarks.md, "4-bit KV").
 
 Every candidate is a fake-quantizing transformers cache: ``update`` stores ``decode(encode(K/V))`` and attention
 reads those rows, so each figure is the storage's error alone (a kernel that reads the codes computes the same
