@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _interleaved_samples(
+def interleaved_samples(
     fns: dict[str, Callable[[], object]], repeat: int, budget_s: float = 6.0, burst: int = 3, warmup: int = 8
 ) -> dict[str, list[float]]:
     """Seconds of every timed call per method. Methods take turns, `burst` back-to-back calls each per round: the
@@ -124,11 +124,11 @@ def _interleaved_samples(
 
 
 def _interleaved_best(fns: dict[str, Callable[[], object]], repeat: int, **kw: float) -> dict[str, float]:
-    """Best-of-N seconds per method (see `_interleaved_samples`)."""
-    return {name: min(ts) for name, ts in _interleaved_samples(fns, repeat, **kw).items()}
+    """Best-of-N seconds per method (see `interleaved_samples`)."""
+    return {name: min(ts) for name, ts in interleaved_samples(fns, repeat, **kw).items()}
 
 
-def _paged_cache(args: argparse.Namespace, context: int, fmt: KvStorageFormat, gen: torch.Generator):
+def paged_cache(args: argparse.Namespace, context: int, fmt: KvStorageFormat, gen: torch.Generator):
     blocks_per_seq = math.ceil(context / args.block_size)
     num_blocks = args.batch * blocks_per_seq + 1
     cache = PagedKvCache(num_blocks, args.block_size, 1, args.kv_heads, args.head_dim, fmt)
@@ -165,8 +165,8 @@ def _torch_gather(cache: PagedKvCache, q: torch.Tensor, tables: torch.Tensor, le
 
 def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: torch.Tensor, names=METHODS) -> dict:
     """The callables `names` to time, over inputs of the same shape (built once, all alive while timing)."""
-    int8, tables, lens = _paged_cache(args, context, KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, gen)
-    f16, f16_tables, f16_lens = _paged_cache(args, context, KvStorageFormat.F16, gen)
+    int8, tables, lens = paged_cache(args, context, KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, gen)
+    f16, f16_tables, f16_lens = paged_cache(args, context, KvStorageFormat.F16, gen)
     shape = (args.batch, args.kv_heads, context, args.head_dim)
     dtypes = [dt for dt, name in ((torch.float32, "sdpa_f32"), (torch.bfloat16, "sdpa_bf16")) if name in names]
     dense = {
@@ -212,7 +212,7 @@ def run_context(args: argparse.Namespace, context: int, bandwidth: float, names=
         agreement = None
     q8_diff = _rel_diff(fns["int8_q8_paged"](), exact)
     q16_diff = _rel_diff(fns["int8_q16_paged"](), exact)
-    trials = [_interleaved_samples(fns, args.repeat) for _ in range(args.trials)]
+    trials = [interleaved_samples(fns, args.repeat) for _ in range(args.trials)]
     samples = {name: [t for trial in trials for t in trial[name]] for name in fns}
     best = {name: min(ts) for name, ts in samples.items()}
     trial_medians = {name: [statistics.median(trial[name]) for trial in trials] for name in fns}

@@ -16,7 +16,7 @@ from ..cache.pool import KvPool
 from ..codec import decode
 from .plan import AttentionPlan, AttentionVariant
 
-__all__ = ["attend", "gather_kv", "paged_decode_attention", "paged_prefill_attention"]
+__all__ = ["attend", "gather_kv", "paged_decode_attention", "paged_prefill_attention", "probabilities", "visible_keys"]
 
 
 def gather_kv(
@@ -56,18 +56,25 @@ def _attend(
     group = q.shape[1] // k.shape[1]
     kk = k.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
     vv = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->nht", q.double(), kk) * scale
+    probs = probabilities(torch.einsum("nhd,thd->nht", q.double(), kk), visible, scale, variant)
+    return torch.einsum("nht,thd->nhd", probs, vv)
+
+
+def probabilities(
+    dots: torch.Tensor, visible: torch.Tensor, scale: float, variant: AttentionVariant | None = None
+) -> torch.Tensor:
+    """Attention weights [n, Hq, ctx] float64 from the raw dot products ``q . k`` [n, Hq, ctx] (float64) and
+    ``visible`` [n, ctx]: scaled, capped (softcap), masked, softmax with the sink column (then dropped)."""
+    scores = dots * scale
     if variant is not None and variant.softcap is not None:  # Gemma 2: scaled scores, capped, then masked
         scores = torch.tanh(scores / variant.softcap) * variant.softcap
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     if variant is not None and variant.sinks is not None:  # gpt-oss: one more column, dropped after the softmax
-        sink = variant.sinks.double().to(q.device)[None, :, None].expand(q.shape[0], -1, 1)
+        sink = variant.sinks.double().to(dots.device)[None, :, None].expand(dots.shape[0], -1, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         # A query that sees no key attends to nothing: zeros, as without a sink.
-        probs = probs.masked_fill(~visible.any(dim=1)[:, None, None], 0.0)
-    else:
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row is NaN after softmax: make it 0
-    return torch.einsum("nht,thd->nhd", probs, vv)
+        return probs.masked_fill(~visible.any(dim=1)[:, None, None], 0.0)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row is NaN after softmax: make it 0
 
 
 def attend(
