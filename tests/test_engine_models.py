@@ -269,8 +269,9 @@ def build_hybrid(model_type: str, seed: int = 0) -> torch.nn.Module:
         # a wrong state changes the tokens (checked: a fresh state per forward, or a fork sharing its parent's
         # state, fails these tests).
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(torch.randn_like(module.weight) * 1.5 / module.in_features**0.5)
+            if isinstance(module, torch.nn.Linear | torch.nn.Conv1d):
+                fan_in = module.weight[0].numel()
+                module.weight.copy_(torch.randn_like(module.weight) * 1.5 / fan_in**0.5)
         model.get_output_embeddings().weight.mul_(10)
     return model
 
@@ -306,20 +307,25 @@ def test_hybrid_forks_and_preemption(model_type):
     want = [hf_greedy(model, p, 10) for p in batch]
     per_block = 4 * F16.bytes_per_token(1, 2, 16)  # one K/V layer
     # 8 blocks for three sequences of 4-6 blocks each at once: admission waits and growth preempts.
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
     llm = engine(model, F16, memory=8 * per_block, max_num_seqs=3)
-    outs = llm.generate(batch, SamplingParams(max_tokens=10, ignore_eos=True))
+    outs = llm.generate(batch, params)
     assert [o.token_ids for o in outs] == want
     assert llm.stats.preemptions > 0
     assert_idle(llm)
     llm = engine(model, F16, memory=32 * per_block)
-    ids = llm.add_forked_request(shared, SamplingParams(max_tokens=10, ignore_eos=True), n=3)
-    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    ids = llm.add_forked_request(shared, params, n=3)
+    logprobs: dict[int, list[float]] = {i: [] for i in ids}
     while llm.has_unfinished():
         llm.step()
         assert len(llm.model.states) <= 3
         for u in llm.pop_updates():
-            tokens[u.request_id] += u.new_token_ids
-    assert list(tokens.values()) == [want[0]] * 3  # a shared (uncopied) state would advance three times a step
+            logprobs[u.request_id] += [lp.top[1][1] for lp in u.new_logprobs]
+    # Each choice's runner-up log-probabilities (the chosen tokens' are ~0: peaked logits) are those of the prompt
+    # run alone (a fork sharing its parent's state, not a copy, would advance it three times a step and move them).
+    alone = torch.tensor([lp.top[1][1] for lp in outs[0].logprobs])
+    for got in logprobs.values():
+        assert torch.allclose(torch.tensor(got), alone, rtol=1e-4)
     assert_idle(llm)
 
 
@@ -365,3 +371,31 @@ def test_kv_sharing_is_refused():
     config = AutoConfig.for_model("gemma3n_text", **{**COMMON, "num_hidden_layers": 4, "num_kv_shared_layers": 2})
     with pytest.raises(UnsupportedModel, match="layer 2 reuses another layer's K/V"):
         engine_layer_specs(config)  # what TransformersModel checks first, before the model is touched
+
+
+def test_hybrid_model_behind_the_server(tmp_path):
+    """The OpenAI-compatible server on a hybrid (the real `openai` client, two requests at once): the engine
+    thread drives the per-sequence path."""
+    import concurrent.futures
+
+    import openai
+    from server_helpers import in_process, make_tiny_model
+
+    from int8kv.models import load_model
+    from int8kv.server import build_app
+
+    _, tokenizer = load_model(str(make_tiny_model(tmp_path / "tiny")), quiet=True)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("lfm3", **{**COMMON, **HYBRIDS["lfm3"], "vocab_size": len(tokenizer)})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    texts = ["the water of the day", "a man"]
+    want = [tokenizer.decode(hf_greedy(model, tokenizer(t)["input_ids"], 4)) for t in texts]
+    with in_process(build_app(LLM(model, memory="1MiB", tokenizer=tokenizer), "hybrid")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def complete(text: str) -> str:
+            reply = client.completions.create(model="hybrid", prompt=text, max_tokens=4, temperature=0)
+            return reply.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(complete, texts)) == want
