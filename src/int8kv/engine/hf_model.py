@@ -20,9 +20,13 @@ after it, so the user's model object is left as it was between steps and wheneve
 Never silently wrong: every layer must write its K/V once and read them once through the int8kv attention in
 each forward (a model that changes K/V after ``cache.update`` or runs its own attention on the handles fails
 with `AttentionBypassed`, an `UnsupportedAttention`); a probe forward at construction refuses such models up
-front. What the engine does not implement is refused by name: recurrent / linear-attention layers, KV sharing,
-multimodal and encoder-decoder models, models whose attention ignores transformers' interface
-(`UnsupportedModel`); MLA, ALiBi, sparse attention (`UnsupportedAttention`, from `int8kv.hf.layers`).
+front. What the engine does not implement is refused by name: KV sharing, multimodal and encoder-decoder
+models, models whose attention ignores transformers' interface, state kept where the engine cannot give each
+sequence its own (`UnsupportedModel`); MLA, ALiBi, sparse attention (`UnsupportedAttention`, from
+`int8kv.hf.layers`).
+
+Hybrids (linear-attention, Mamba, conv or RG-LRU layers beside attention) run one sequence per forward, each
+through its own state (`SequenceStates`, `SequenceRunner`; docs/design.md, "Engine: the model").
 """
 
 from __future__ import annotations
