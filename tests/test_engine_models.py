@@ -399,3 +399,38 @@ def test_hybrid_model_behind_the_server(tmp_path):
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             assert list(pool.map(complete, texts)) == want
+
+
+def test_hybrid_failure_fails_only_its_sequence(monkeypatch):
+    """A sequence whose forward raises mid-prefill fails alone (its blocks and state freed); the other, run in the
+    same steps, gives transformers' tokens (it is never rerun: a rerun would advance its state twice)."""
+    from int8kv import NonFiniteError
+
+    model = build_hybrid("lfm3", seed=7)
+    batch = prompts(12, 5, seed=8)
+    want = hf_greedy(model, batch[1], 5)
+    llm = engine(model, F16)
+    forward, doomed = llm.model.forward_sequence, []
+
+    def failing(cache, step_batch, seq_id, start, all_logits=False):
+        if seq_id in doomed and start > 0:  # the second prefill chunk: its state has advanced once
+            raise NonFiniteError("injected")
+        return forward(cache, step_batch, seq_id, start, all_logits)
+
+    monkeypatch.setattr(llm.model, "forward_sequence", failing)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in batch]
+    doomed.append(ids[0])
+    done, tokens = {}, {i: [] for i in ids}
+    while llm.has_unfinished():
+        llm.step()
+        for u in llm.pop_updates():
+            tokens[u.request_id] += u.new_token_ids
+            if u.finished:
+                done[u.request_id] = u
+    assert done[ids[0]].finish_reason == "error" and "injected" in done[ids[0]].error
+    assert done[ids[1]].finish_reason == "length" and tokens[ids[1]] == want
+    assert llm.stats.failed_requests == 1
+    assert_idle(llm)
+    outs = llm.generate([batch[1]], params)  # the engine goes on as a fresh one would
+    assert outs[0].token_ids == want

@@ -606,6 +606,6 @@ class SequenceRunner(ModelRunner):
                 rows.append(self._one(item)[0])
                 errors.append(None)
             except Exception as e:  # noqa: BLE001 - reported for this sequence only
-                rows.append(torch.full((self.vocab_size,), float("nan")))
+                rows.append(torch.full((self.vocab_size,), float("nan"), device=self.cache.device))
                 errors.append(e)
         return torch.stack(rows), errors
