@@ -1,4 +1,5 @@
-"""The engine on many transformers architectures (the model's own forward over the paged cache).
+"""The engine on many transformers architectures (the model's own forward over the paged cache), hybrids with
+linear-attention / Mamba / conv layers included (one forward per sequence, each through its own state).
 
 Tiny random models (hidden 64, 2 layers, 4 query / 2 KV heads, vocab 128; biases and sink logits non-zero; the
 output embedding scaled so greedy choices are clear). Each is compared on greedy tokens with continuous
@@ -62,6 +63,8 @@ def fake_quant_cache(model, fmt: KvStorageFormat) -> DynamicCache:
         return int8kv.codec.decode(fmt, *int8kv.codec.encode(fmt, x)).to(x.dtype)
 
     for layer in cache.layers:
+        if not hasattr(layer, "update"):
+            continue  # a linear-attention / Mamba / conv state layer: no K/V
         def update(k, v, *args, _update=layer.update, **kwargs):
             return _update(roundtrip(k), roundtrip(v), *args, **kwargs)
 
@@ -148,7 +151,6 @@ REFUSED = {
     "xglm": (dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2), UnsupportedModel, "attention interface"),
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), UnsupportedAttention, "MLA"),
-    "lfm2": (dict(layer_types=["conv", "full_attention"]), UnsupportedModel, "'conv'"),
 }
 
 
@@ -236,3 +238,199 @@ def test_sliding_release_keeps_the_block_store_whole(tmp_path):
             assert llm.flush_kv_store(5.0)
     assert outs == [want, want]
     assert llm.stats.store_hit_tokens == 24  # 6 full blocks of the 26-token prompt, one token left to compute
+
+
+# Hybrids: attention layers beside linear-attention (Qwen3-Next), Mamba (Bamba, Jamba, Nemotron-H with an MLP-only
+# layer, Zamba2 with a "hybrid" layer holding both), conv (LFM3) or RG-LRU layers (RecurrentGemma, whose state lives
+# on its modules). Jamba's and RecurrentGemma's multi-token forwards cannot continue a state: their later chunks
+# go one token per forward.
+HYBRIDS = {
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=8),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=2, mamba_d_state=8),
+    "lfm3": dict(layer_types=["conv", "full_attention"]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64, attention_window_size=8),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=16, mamba_headdim=16, n_mamba_heads=8,
+                   chunk_size=8),
+    "nemotron_h": dict(layers_block_type=["mamba", "attention", "mlp"], num_hidden_layers=3, mamba_num_heads=4,
+                       mamba_head_dim=32, ssm_state_size=16, chunk_size=8, n_groups=1),
+}  # fmt: skip
+
+
+def build_hybrid(model_type: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **HYBRIDS[model_type]})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        # transformers' init (std 0.02) leaves the state layers' contribution near zero; at std 1.5 / sqrt(fan_in)
+        # a wrong state changes the tokens (checked: a fresh state per forward, or a fork sharing its parent's
+        # state, fails these tests).
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear | torch.nn.Conv1d):
+                fan_in = module.weight[0].numel()
+                module.weight.copy_(torch.randn_like(module.weight) * 1.5 / fan_in**0.5)
+        model.get_output_embeddings().weight.mul_(10)
+    return model
+
+
+def assert_idle(llm) -> None:
+    """Nothing left behind: every block back in the pool, no sequence's state kept."""
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+    assert len(llm.model.states) == 0
+
+
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
+def test_hybrid_engine_generates_like_transformers(model_type):
+    model = build_hybrid(model_type)
+    batch = prompts(12, 5)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    for fmt, cache in ((F16, lambda: None), (INT8, lambda: fake_quant_cache(model, INT8))):
+        llm = engine(model, fmt)  # two sequences side by side, prefill in chunks of 7 tokens
+        assert llm.scheduler.hasher is None  # prefix caching is off for a model with state layers
+        assert llm.model.num_layers == len(llm.model.kv_layers) < model.config.num_hidden_layers  # K/V layers only
+        outs = llm.generate(batch, params)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 5, cache()) for p in batch], fmt
+        assert_idle(llm)
+    assert model.config._attn_implementation in ("sdpa", "eager")  # switched only during the engine's forwards
+
+
+@pytest.mark.parametrize("model_type", ["lfm3", "recurrent_gemma"])
+def test_hybrid_forks_and_preemption(model_type):
+    """Forked choices continue from copies of the prompt's state; a preempted sequence rebuilds its state from its
+    first token (cache-held conv state, and RecurrentGemma's module-held state)."""
+    model = build_hybrid(model_type, seed=2)
+    shared = prompts(10, seed=3)[0]
+    batch = [shared, prompts(13, seed=4)[0], shared[:6]]
+    want = [hf_greedy(model, p, 10) for p in batch]
+    per_block = 4 * F16.bytes_per_token(1, 2, 16)  # one K/V layer
+    # 8 blocks for three sequences of 4-6 blocks each at once: admission waits and growth preempts.
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    llm = engine(model, F16, memory=8 * per_block, max_num_seqs=3)
+    outs = llm.generate(batch, params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.stats.preemptions > 0
+    assert_idle(llm)
+    llm = engine(model, F16, memory=32 * per_block)
+    ids = llm.add_forked_request(shared, params, n=3)
+    logprobs: dict[int, list[float]] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        llm.step()
+        assert len(llm.model.states) <= 3
+        for u in llm.pop_updates():
+            logprobs[u.request_id] += [lp.top[1][1] for lp in u.new_logprobs]
+    # Each choice's runner-up log-probabilities (the chosen tokens' are ~0: peaked logits) are those of the prompt
+    # run alone (a fork sharing its parent's state, not a copy, would advance it three times a step and move them).
+    alone = torch.tensor([lp.top[1][1] for lp in outs[0].logprobs])
+    for got in logprobs.values():
+        assert torch.allclose(torch.tensor(got), alone, rtol=1e-4)
+    assert_idle(llm)
+
+
+def test_hybrid_score_continues_the_state_across_chunks():
+    model = build_hybrid("recurrent_gemma", seed=5)
+    ids = prompts(13, seed=6)[0]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0]
+    llm = engine(model, F16)
+    got = llm.score(ids, chunk_size=5)  # chunks after the first run one token per forward
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 1e-2 * want.abs().max()
+    assert_idle(llm)
+
+
+def test_hybrid_prefix_caching_is_off_by_default_and_refused_when_asked(tmp_path, caplog):
+    model = build_hybrid("qwen3_next")
+    with caplog.at_level("INFO", logger="int8kv.engine"):
+        llm = LLM(model, memory="1MiB")
+    assert llm.scheduler.hasher is None and llm.kv_store is None
+    assert "prefix caching is off" in caplog.text and "linear_attention" in caplog.text
+    for kwargs, what in ((dict(prefix_caching=True), "prefix_caching=True"),
+                         (dict(kv_store=f"disk:{tmp_path}"), "kv_store")):  # fmt: skip
+        with pytest.raises(UnsupportedModel, match=what):
+            LLM(model, memory="1MiB", **kwargs)
+    assert list(tmp_path.iterdir()) == []  # refused before the store was opened
+    assert model.config._attn_implementation in ("sdpa", "eager")
+
+
+def test_model_state_outside_the_cache_is_refused(monkeypatch):
+    """A model whose state layers keep nothing in the cache (state on modules the engine does not know of) would
+    share one state between all sequences: refused by the probe forward."""
+    import int8kv.engine.hf_model as hf_model
+
+    monkeypatch.setattr(hf_model, "STATE_MODULES", {})
+    with pytest.raises(UnsupportedModel, match="kept no state in the cache"):
+        LLM(build_hybrid("recurrent_gemma"), memory="1MiB")
+
+
+def test_kv_sharing_is_refused():
+    from int8kv.engine.hf_model import engine_layer_specs
+
+    config = AutoConfig.for_model("gemma3n_text", **{**COMMON, "num_hidden_layers": 4, "num_kv_shared_layers": 2})
+    with pytest.raises(UnsupportedModel, match="layer 2 reuses another layer's K/V"):
+        engine_layer_specs(config)  # what TransformersModel checks first, before the model is touched
+
+
+def test_hybrid_model_behind_the_server(tmp_path):
+    """The OpenAI-compatible server on a hybrid (the real `openai` client, two requests at once): the engine
+    thread drives the per-sequence path."""
+    import concurrent.futures
+
+    import openai
+    from server_helpers import in_process, make_tiny_model
+
+    from int8kv.models import load_model
+    from int8kv.server import build_app
+
+    _, tokenizer = load_model(str(make_tiny_model(tmp_path / "tiny")), quiet=True)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("lfm3", **{**COMMON, **HYBRIDS["lfm3"], "vocab_size": len(tokenizer)})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    texts = ["the water of the day", "a man"]
+    want = [tokenizer.decode(hf_greedy(model, tokenizer(t)["input_ids"], 4)) for t in texts]
+    with in_process(build_app(LLM(model, memory="1MiB", tokenizer=tokenizer), "hybrid")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def complete(text: str) -> str:
+            reply = client.completions.create(model="hybrid", prompt=text, max_tokens=4, temperature=0)
+            return reply.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(complete, texts)) == want
+
+
+def test_hybrid_failure_fails_only_its_sequence(monkeypatch):
+    """A sequence whose forward raises mid-prefill fails alone (its blocks and state freed); the other, run in the
+    same steps, gives transformers' tokens (it is never rerun: a rerun would advance its state twice)."""
+    from int8kv import NonFiniteError
+
+    model = build_hybrid("lfm3", seed=7)
+    batch = prompts(12, 5, seed=8)
+    want = hf_greedy(model, batch[1], 5)
+    llm = engine(model, F16)
+    forward, doomed = llm.model.forward_sequence, []
+
+    def failing(cache, step_batch, seq_id, start, all_logits=False):
+        if seq_id in doomed and start > 0:  # the second prefill chunk: its state has advanced once
+            raise NonFiniteError("injected")
+        return forward(cache, step_batch, seq_id, start, all_logits)
+
+    monkeypatch.setattr(llm.model, "forward_sequence", failing)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in batch]
+    doomed.append(ids[0])
+    done, tokens = {}, {i: [] for i in ids}
+    while llm.has_unfinished():
+        llm.step()
+        for u in llm.pop_updates():
+            tokens[u.request_id] += u.new_token_ids
+            if u.finished:
+                done[u.request_id] = u
+    assert done[ids[0]].finish_reason == "error" and "injected" in done[ids[0]].error
+    assert done[ids[1]].finish_reason == "length" and tokens[ids[1]] == want
+    assert llm.stats.failed_requests == 1
+    assert_idle(llm)
+    outs = llm.generate([batch[1]], params)  # the engine goes on as a fresh one would
+    assert outs[0].token_ids == want

@@ -20,55 +20,77 @@ after it, so the user's model object is left as it was between steps and wheneve
 Never silently wrong: every layer must write its K/V once and read them once through the int8kv attention in
 each forward (a model that changes K/V after ``cache.update`` or runs its own attention on the handles fails
 with `AttentionBypassed`, an `UnsupportedAttention`); a probe forward at construction refuses such models up
-front. What the engine does not implement is refused by name: recurrent / linear-attention layers, KV sharing,
-multimodal and encoder-decoder models, models whose attention ignores transformers' interface
-(`UnsupportedModel`); MLA, ALiBi, sparse attention (`UnsupportedAttention`, from `int8kv.hf.layers`).
+front. What the engine does not implement is refused by name: KV sharing, multimodal and encoder-decoder
+models, models whose attention ignores transformers' interface, state kept where the engine cannot give each
+sequence its own (`UnsupportedModel`); MLA, ALiBi, sparse attention (`UnsupportedAttention`, from
+`int8kv.hf.layers`).
+
+Hybrids (linear-attention, Mamba, conv or RG-LRU layers beside attention) run one sequence per forward, each
+through its own state (`SequenceStates`, `SequenceRunner`; docs/design.md, "Engine: the model").
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from .. import ops
 from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
-from ..errors import AttentionBypassed, NonFiniteError, ShapeMismatch, UnsupportedAttention, UnsupportedModel
+from ..errors import (
+    AttentionBypassed,
+    NonFiniteError,
+    ShapeMismatch,
+    UnknownSequence,
+    UnsupportedAttention,
+    UnsupportedModel,
+)
 from ..hf.attention import TAG, make_handle
 from ..hf.layers import LayerSpec, attention_options, layer_specs
 from ..ops import write
 from ..ops.plan import AttentionPlan
 from .model import Batch, plan_step
+from .runner import ModelRunner
+from .scheduler import Scheduled
 
 ATTN_IMPLEMENTATION = "int8kv_engine"
 
 
 def engine_layer_specs(config: Any) -> list[LayerSpec]:
     """The config's per-layer attention (:func:`int8kv.hf.layers.layer_specs`, which refuses MLA, ALiBi and
-    sparse attention by name); UnsupportedModel for a layer without K/V of its own or with recurrent state."""
+    sparse attention by name); UnsupportedModel for KV sharing (a layer reading another layer's K/V)."""
     specs = layer_specs(config)
-    for i, spec in enumerate(specs):
-        if spec.state or not spec.has_kv:
-            what = "shares another layer's K/V (or has no attention)" if spec.kind == "shared" else (
-                "keeps a linear-attention / Mamba / conv state")
+    modes = getattr(config.get_text_config(decoder=True), "kv_sharing_modes", None) or []
+    for i, mode in enumerate(modes):
+        if mode == "reuse":
             raise UnsupportedModel(
-                f"layer {i} ({spec.layer_type!r}) {what}: the engine keeps only attention K/V per sequence "
-                "(per-sequence recurrent state under continuous batching is not implemented)"
+                f"layer {i} reuses another layer's K/V (KV sharing), which the engine does not implement: its paged "
+                "attention reads only the layer's own K/V"
             )
     return specs
 
 
 def sliding_only_window(layers: list[LayerSpec]) -> int | None:
-    """The widest window when every layer is sliding (then keys older than it are never read again), else None."""
-    if layers and all(la.window is not None for la in layers):
-        return max(la.window for la in layers)
+    """The widest window when every layer holding K/V slides (then keys older than it are never read again),
+    else None. State layers and layers without attention keep no K/V, so they do not count."""
+    kv = [la for la in layers if la.has_kv]
+    if kv and all(la.window is not None for la in kv):
+        return max(la.window for la in kv)
     return None
 
 
@@ -101,7 +123,7 @@ class _Step:
 
     def check_complete(self) -> None:
         for i, (w, r) in enumerate(zip(self.written, self.read, strict=True)):
-            if w != 1 or r != 1:
+            if self.layers[i].has_kv and (w != 1 or r != 1):
                 raise AttentionBypassed(
                     f"layer {i} wrote its K/V {w} time(s) and read them through the int8kv attention {r} time(s) in "
                     "one forward (each must be once): this model does not run its attention through transformers' "
@@ -110,16 +132,18 @@ class _Step:
 
 
 class _StepLayer(CacheLayerMixin):
-    """One layer of :class:`StepCache`: writes the step's rows, hands out tagged empty handles."""
+    """One layer of :class:`StepCache`: writes the step's rows into pool layer ``kv``, hands out tagged empty
+    handles."""
 
     is_compileable = False
     is_sliding = False
     book = None  # the drop-in's per-forward state, which KvHandle aborts on misuse; the engine checks per step
 
-    def __init__(self, owner: StepCache, index: int) -> None:
-        super().__init__()
+    def __init__(self, owner: StepCache, index: int, kv: int) -> None:
+        CacheLayerMixin.__init__(self)
         self.owner = owner
-        self.layer_idx = index
+        self.layer_idx = index  # the model's layer
+        self.kv = kv  # its layer in the pool (which holds only the layers with K/V)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -134,7 +158,7 @@ class _StepLayer(CacheLayerMixin):
                 raise ShapeMismatch(f"layer {self.layer_idx}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
             rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
         # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
-        write.append_rows(step.pool, self.layer_idx, rows[0], rows[1], step.plan.slots, backend=step.backend)
+        write.append_rows(step.pool, self.kv, rows[0], rows[1], step.plan.slots, backend=step.backend)
         step.written[self.layer_idx] += 1
         # Handles the drop-in's way (int8kv.hf.attention.KvHandle): any use but this attention raises.
         return make_handle(key_states, self), make_handle(value_states, self)
@@ -149,12 +173,39 @@ class _StepLayer(CacheLayerMixin):
         return -1
 
 
-class StepCache(Cache):
-    """The ``cache`` the engine passes to the model: one :class:`_StepLayer` per decoder layer, bound to the
-    step in progress (``step``, set by `TransformersModel.forward` for the forward's duration)."""
+class _NoKvLayer(DummyLayer):
+    """A layer without attention (transformers' "dummy": an MLP / MoE-only layer): nothing to store."""
 
-    def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[_StepLayer(self, i) for i in range(num_layers)])
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.layer_idx = index
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedModel(
+            f"the model writes K/V to layer {self.layer_idx}, which its config declares as a layer without attention"
+        )
+
+
+class _StepStateLayer(LinearAttentionLayer, _StepLayer):
+    """A "hybrid" layer of one sequence: its linear-attention state (transformers' own code, as in the drop-in's
+    `Int8KvHybridLayer`) beside K/V written to the paged pool."""
+
+    def __init__(self, owner: StepCache, index: int, kv: int, number_of_states: int = 1) -> None:
+        _StepLayer.__init__(self, owner, index, kv)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    is_compileable = False
+    get_max_length = _StepLayer.get_max_length
+
+
+class StepCache(Cache):
+    """The ``cache`` the engine passes to the model, bound to the step in progress (``step``, set by
+    `TransformersModel` for the forward's duration). ``layers``: a :class:`_StepLayer` per layer with K/V, a
+    :class:`_NoKvLayer` per layer without attention and, in a forward of one sequence of a model with state
+    layers, that sequence's state layers (`SequenceStates`), on which transformers' own Cache methods run."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        super().__init__(layers=layers)
         self.step: _Step | None = None
 
     def active(self) -> _Step:
@@ -162,14 +213,38 @@ class StepCache(Cache):
             raise UnsupportedAttention("the engine's cache was used outside an engine step")
         return self.step
 
-    def _recurrent(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedModel(
-            "this model keeps recurrent, convolution or indexer state in its cache (a hybrid / linear-attention / "
-            "sparse-indexer model); the engine keeps only attention K/V per sequence"
-        )
+    def _state_layer(self, layer_idx: int) -> None:
+        if not isinstance(self.layers[layer_idx], LinearAttentionCacheLayerMixin):
+            raise UnsupportedModel(
+                f"the model keeps a recurrent / convolution state in layer {layer_idx}, which its config declares as "
+                f"{type(self.layers[layer_idx]).__name__}: the engine keeps state only for the config's state layers"
+            )
 
-    update_conv_state = update_recurrent_state = get_conv_state = get_recurrent_state = _recurrent
-    has_previous_state = update_indexer = _recurrent
+    def get_conv_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        self._state_layer(layer_idx)
+        return super().get_conv_state(layer_idx, *args, **kwargs)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._state_layer(layer_idx)
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        self._state_layer(layer_idx)
+        return super().get_recurrent_state(layer_idx, *args, **kwargs)
+
+    def update_recurrent_state(self, states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._state_layer(layer_idx)
+        return super().update_recurrent_state(states, layer_idx, *args, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is not None:
+            self._state_layer(layer_idx)
+        elif not any(isinstance(la, LinearAttentionCacheLayerMixin) for la in self.layers):
+            raise UnsupportedModel("the model asks for a recurrent state, but its config declares no state layer")
+        return super().has_previous_state(layer_idx, state_idx)
+
+    def update_indexer(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedModel("this model keeps a sparse-attention indexer in its cache, which the engine does not")
 
 
 def engine_attention_forward(
@@ -208,7 +283,7 @@ def engine_attention_forward(
         raise ShapeMismatch(f"the packed query must be [1, q_heads, tokens, head_dim], got {tuple(query.shape)}")
     q = query[0].transpose(0, 1)  # [tokens, q_heads, dim]
     sinks = None if opts.sinks is None else opts.sinks.detach()
-    out = ops.attention(step.pool, layer.layer_idx, q, step.plan_for(scaling), backend=step.backend,
+    out = ops.attention(step.pool, layer.kv, q, step.plan_for(scaling), backend=step.backend,
                         window=opts.window, chunk=opts.chunk, softcap=opts.softcap, sinks=sinks)  # fmt: skip
     step.read[layer.layer_idx] += 1
     return out.unsqueeze(0).to(query.dtype), None
@@ -224,47 +299,205 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, engine_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
-def check_architecture(hf_model: torch.nn.Module) -> None:
-    """Refuse (UnsupportedModel, by name) what the generic path cannot run; nothing on the model changes."""
+def check_architecture(hf_model: torch.nn.Module) -> list[LayerSpec]:
+    """Refuse (UnsupportedModel, by name) what the generic path cannot run, and return the model's layer specs;
+    nothing on the model changes."""
     config = getattr(hf_model, "config", None)
     name = type(hf_model).__name__
     if config is None or not hasattr(hf_model, "get_decoder"):
         raise UnsupportedModel(f"{name} is not a transformers model")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModel(f"{name} is an encoder-decoder model; the engine runs decoder-only models")
-    if not getattr(hf_model, "_supports_attention_backend", False):
+    text = config.get_text_config(decoder=True)
+    if text is not config:
+        raise UnsupportedModel(f"{name} has a separate text config (multimodal); the engine runs text decoders")
+    specs = engine_layer_specs(config)
+    # transformers sets the flag on models whose every layer serves packed sequences; a model with state layers
+    # runs one sequence per forward, where the probe forward alone shows its attention goes through the interface.
+    if not any(spec.state for spec in specs) and not getattr(hf_model, "_supports_attention_backend", False):
         raise UnsupportedModel(
             f"{name} does not run its attention through transformers' attention interface "
             "(_supports_attention_backend is not set), so the engine cannot serve it"
         )
-    text = config.get_text_config(decoder=True)
-    if text is not config:
-        raise UnsupportedModel(f"{name} has a separate text config (multimodal); the engine runs text decoders")
+    if not any(spec.has_kv for spec in specs):
+        raise UnsupportedModel(f"{name} has no layer with K/V of its own (no attention layer) for the paged cache")
     dropout = [n for n, m in hf_model.named_modules() if m.training and isinstance(m, torch.nn.Dropout) and m.p > 0]
     if dropout:
         raise UnsupportedModel(f"{name} is in training mode with active dropout ({dropout[0]}): call model.eval()")
     if "logits_to_keep" not in inspect.signature(hf_model.forward).parameters:
         raise UnsupportedModel(f"{name}.forward takes no logits_to_keep (an older model interface)")
+    return specs
+
+
+# State modules that need more than the cache's state layers, by class: the attributes holding a state the module
+# keeps on itself instead of in the cache (dotted paths), and whether its forward of several tokens continues
+# from a previous state. Where it does not, a sequence's chunks after the first run one token per forward, which
+# the single-token path continues exactly. Measured on tiny models, last-token logits of a 12-token prompt run as
+# 7 + 5 tokens against all 12 at once (relative to their range): Jamba 0.32 (its selective scan is called without
+# the previous state), RecurrentGemma 0.004 (its multi-token forward restarts the convolution state), Qwen3-Next,
+# Bamba, LFM3, Zamba2 and Nemotron-H 0; one token at a time: 0 for all.
+STATE_MODULES: dict[str, tuple[tuple[str, ...], bool]] = {
+    "RecurrentGemmaRecurrentBlock": (("conv1d_state", "rg_lru.recurrent_states"), False),
+    "JambaMambaMixer": ((), False),
+    "ZambaMambaMixer": ((), False),  # the same scan call as Jamba's (read in its code)
+}
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_path(obj: Any, path: str, value: Any) -> None:
+    *head, last = path.split(".")
+    setattr(_get_path(obj, ".".join(head)) if head else obj, last, value)
+
+
+class _SeqState:
+    """One sequence's state: its cache layers (its own state layers, the shared K/V layers) and the values of
+    the state its modules hold themselves (`STATE_MODULES`; None before its first forward)."""
+
+    def __init__(self, layers: list[Any], module_values: list[torch.Tensor | None]) -> None:
+        self.layers = layers
+        self.module_values = module_values
+
+
+class SequenceStates:
+    """The recurrent / convolution state of each running sequence of a model with state layers.
+
+    Per sequence: transformers' own state layer classes (those `DynamicCache` and the drop-in build: a
+    `LinearAttentionLayer` per linear-attention, Mamba or conv layer, a `_StepStateLayer` per "hybrid" layer),
+    created at the sequence's first chunk (`begin`), advanced in place by each of its forwards, copied by `fork`
+    and dropped by `free` (the scheduler calls both: finish, failure, abort, preemption; a preempted sequence
+    begins again from its first token). The K/V of its attention layers stay in the paged pool."""
+
+    def __init__(self, model: TransformersModel) -> None:
+        self.owner = model.step_cache
+        self.specs = model.attention
+        self.shared = model.step_layers  # K/V layers and layers without attention: the same for every sequence
+        self.modules = [(module, STATE_MODULES[type(module).__name__]) for module in model.hf.modules()
+                        if type(module).__name__ in STATE_MODULES]  # fmt: skip
+        self.continues_chunks = all(cont for _, (_, cont) in self.modules)
+        self._states: dict[Any, _SeqState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, seq_id: Any) -> bool:
+        return seq_id in self._states
+
+    def begin(self, seq_id: Any) -> _SeqState:
+        """A fresh state for `seq_id` (replacing any it had), before its first token."""
+        layers = []
+        for i, spec in enumerate(self.specs):
+            kwargs = dict(spec.layer_kwargs)
+            if spec.kind == "state":
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[spec.layer_type](**kwargs))
+            elif spec.state:
+                shared = self.shared[i]
+                layers.append(_StepStateLayer(self.owner, i, shared.kv, kwargs.get("number_of_states", 1)))
+            else:
+                layers.append(self.shared[i])
+        state = self._states[seq_id] = _SeqState(layers, [None] * sum(len(paths) for _, (paths, _) in self.modules))
+        return state
+
+    def get(self, seq_id: Any) -> _SeqState:
+        state = self._states.get(seq_id)
+        if state is None:
+            raise UnknownSequence(
+                f"sequence {seq_id!r} has no recurrent state: a model with state layers computes every sequence "
+                "from its first token (no prefix-cache hit can skip a state layer)"
+            )
+        return state
+
+    @torch.inference_mode()
+    def fork(self, src: Any, dst: Any) -> None:
+        """`dst` continues from a copy of `src`'s state (nothing if `src` has not run yet)."""
+        state = self._states.get(src)
+        if state is None:
+            return
+        memo = {id(self.owner): self.owner}  # a hybrid layer's link to the step cache is shared, not copied
+        layers = [copy.deepcopy(la, memo) if isinstance(la, LinearAttentionCacheLayerMixin) else la
+                  for la in state.layers]  # fmt: skip
+        values = [None if t is None else t.clone() for t in state.module_values]
+        self._states[dst] = _SeqState(layers, values)
+
+    def free(self, seq_id: Any) -> None:
+        self._states.pop(seq_id, None)
+
+    def enter(self, state: _SeqState) -> list[Any]:
+        """Put `state`'s module-held values on the modules; returns what they held (for `leave`)."""
+        held, i = [], 0
+        for module, (paths, _) in self.modules:
+            for path in paths:
+                held.append(_get_path(module, path))
+                _set_path(module, path, state.module_values[i])
+                i += 1
+        return held
+
+    def leave(self, state: _SeqState, held: list[Any]) -> None:
+        """Keep the modules' values as `state`'s and give the modules back what they held before `enter`."""
+        i = 0
+        for module, (paths, _) in self.modules:
+            for path in paths:
+                state.module_values[i] = _get_path(module, path)
+                _set_path(module, path, held[i])
+                i += 1
+
+    def check_used(self, state: _SeqState) -> None:
+        """After a forward: every state layer's state went through the cache, unless the model keeps its state
+        on its modules (`STATE_MODULES`); anything else keeps state the engine cannot give each sequence."""
+        if any(paths for _, (paths, _) in self.modules):
+            return
+        for i, layer in enumerate(state.layers):
+            if self.specs[i].state and not (
+                any(layer.is_conv_states_initialized.values()) or any(layer.is_recurrent_states_initialized.values())
+            ):
+                raise UnsupportedModel(
+                    f"layer {i} ({self.specs[i].layer_type!r}) kept no state in the cache during a forward: the model "
+                    "keeps its recurrent state somewhere the engine cannot give each sequence its own"
+                )
+
+
+_PROBE = object()  # the probe forward's sequence
+
+
+def _one_token(batch: Batch, i: int) -> Batch:
+    """Token `i` of a one-sequence `batch` as a decode batch of its own."""
+    n = int(batch.input_ids.shape[0])
+    cu = torch.arange(2, dtype=torch.int32, device=batch.cu_seqlens_q.device)
+    return Batch(batch.input_ids[i : i + 1], batch.positions[i : i + 1], batch.slots[i : i + 1], cu,
+                 batch.block_tables, batch.context_lens - (n - 1 - i), is_decode=True)  # fmt: skip
 
 
 class TransformersModel:
-    """The engine's model on any transformers decoder (module docs); the same interface as `DecoderModel`."""
+    """The engine's model on any transformers decoder (module docs); the same interface as `DecoderModel`.
+
+    A model with state layers (linear attention, Mamba, conv: `states` is then a `SequenceStates`) runs one
+    sequence per forward (`forward_sequence`, through `SequenceRunner`): a recurrent state cannot be packed with
+    other sequences' tokens. Its pool holds only the layers with K/V (`kv_layers`)."""
 
     def __init__(self, hf_model: torch.nn.Module, backend: str | None = None) -> None:
-        check_architecture(hf_model)
+        self.attention = check_architecture(hf_model)
         self.hf = hf_model
         self.backend = backend  # the ops dispatcher's backend (None: from the cache's device)
         self.config = hf_model.config
-        self.attention = engine_layer_specs(self.config)
-        self.layout = KvLayout.from_config(self.config)
+        if len(self.attention) != self.config.num_hidden_layers:
+            raise UnsupportedModel(f"{len(self.attention)} layer types for {self.config.num_hidden_layers} layers")
+        self.kv_layers = [i for i, spec in enumerate(self.attention) if spec.has_kv]
+        _, heads, head_dim = KvLayout.from_config(self.config).dims
+        self.layout = KvLayout(len(self.kv_layers), heads, head_dim)
         self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
-        if len(self.attention) != self.num_layers:
-            raise UnsupportedModel(f"{len(self.attention)} layer types for {self.num_layers} layers")
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(self.config.max_position_embeddings)
-        # Keys older than the window are never read when every layer slides (the scheduler frees their blocks).
+        # Keys older than the window are never read when every K/V layer slides (the scheduler frees their blocks).
         self.window = sliding_only_window(self.attention)
-        self._cache = StepCache(self.num_layers)
+        self.step_cache = StepCache([])
+        kv = {layer: k for k, layer in enumerate(self.kv_layers)}
+        self.step_layers = [_StepLayer(self.step_cache, i, kv[i]) if i in kv else _NoKvLayer(i)
+                            for i in range(len(self.attention))]  # fmt: skip
+        self.states = SequenceStates(self) if any(spec.state for spec in self.attention) else None
         self._probe()
 
     def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
@@ -274,11 +507,35 @@ class TransformersModel:
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:
         return plan_step(cache, batch, self.max_positions, validate)
 
-    @torch.inference_mode()
     def forward(
         self, cache: PagedKvCache, batch: Batch, all_logits: bool = False, plan: AttentionPlan | None = None
     ) -> torch.Tensor:
         """Logits of each sequence's last token in the batch [batch, vocab] (or of every token [tokens, vocab])."""
+        if self.states is not None:
+            raise UnsupportedModel(
+                "this model has state layers: its sequences cannot be packed into one forward (forward_sequence)"
+            )
+        return self._run(cache, batch, all_logits, plan, self.step_layers)
+
+    def forward_sequence(
+        self, cache: PagedKvCache, batch: Batch, seq_id: Any, start: int, all_logits: bool = False
+    ) -> torch.Tensor:
+        """The next tokens of one sequence (`batch` holds only them, from position `start`) through that
+        sequence's state: the logits of its last token [1, vocab] (of every token [tokens, vocab] with
+        all_logits). `start == 0` begins a fresh state; a later chunk continues the one its earlier forwards left."""
+        states = self.states
+        state = states.begin(seq_id) if start == 0 else states.get(seq_id)
+        n = int(batch.input_ids.shape[0])
+        if start == 0 or n == 1 or states.continues_chunks:
+            return self._run(cache, batch, all_logits, None, state.layers, state)
+        rows = [self._run(cache, _one_token(batch, i), all_logits, None, state.layers, state) for i in range(n)]
+        return torch.cat(rows) if all_logits else rows[-1]
+
+    @torch.inference_mode()
+    def _run(
+        self, cache: PagedKvCache, batch: Batch, all_logits: bool, plan: AttentionPlan | None, layers: list[Any],
+        state: _SeqState | None = None,
+    ) -> torch.Tensor:
         if plan is None:
             plan = self.plan(cache, batch)
         step = _Step(cache, plan, self.attention, self.backend)
@@ -287,22 +544,27 @@ class TransformersModel:
         previous = {"": config._attn_implementation}
         previous.update({k: getattr(config, k)._attn_implementation for k in config.sub_configs
                          if getattr(config, k, None) is not None})  # fmt: skip
-        self._cache.step = step
+        held = None if state is None else self.states.enter(state)
+        self.step_cache.layers = layers
+        self.step_cache.step = step
         config._attn_implementation = ATTN_IMPLEMENTATION
         try:
             out = self.hf(
-                input_ids=batch.input_ids[None], position_ids=batch.positions[None], cache=self._cache,
+                input_ids=batch.input_ids[None], position_ids=batch.positions[None], cache=self.step_cache,
                 use_cache=True, logits_to_keep=keep,
             )  # fmt: skip
         finally:
             config._attn_implementation = previous
-            self._cache.step = None
+            self.step_cache.step = None
+            if held is not None:
+                self.states.leave(state, held)
         step.check_complete()
         return out.logits[0].float()
 
     def _probe(self) -> None:
         """One two-token forward on a one-block cache: a model that does not write and read every layer through
-        the engine's hooks is refused here, before any pool is allocated."""
+        the engine's hooks (or, with state layers, keeps no state in them) is refused here, before any pool is
+        allocated."""
         from ..formats import KvStorageFormat
 
         cache = self.make_cache(1, 2, KvStorageFormat.F16)
@@ -312,6 +574,38 @@ class TransformersModel:
         batch = Batch(torch.zeros(2, dtype=torch.int64, device=device), torch.arange(2, device=device), slots,
                       torch.tensor([0, 2], dtype=torch.int32, device=device), tables, lens, is_decode=False)
         try:
-            self.forward(cache, batch)
+            if self.states is None:
+                self.forward(cache, batch)
+            else:
+                try:
+                    self.forward_sequence(cache, batch, _PROBE, 0)
+                    self.states.check_used(self.states.get(_PROBE))
+                finally:
+                    self.states.free(_PROBE)
         except NonFiniteError:
             pass  # a property of the weights or of token 0, not of the architecture: requests will say so
+
+
+class SequenceRunner(ModelRunner):
+    """The runner of a model with state layers: one forward per scheduled sequence (`forward_sequence`), each
+    through that sequence's own state. A failure fails only its sequence, and no sequence is run twice in a step
+    (a state advances in place: a retry would advance it again)."""
+
+    def _one(self, item: Scheduled, all_logits: bool = False) -> torch.Tensor:
+        seq = item.seq
+        return self.model.forward_sequence(self.cache, self.prepare([item]), seq.seq_id, seq.num_cached, all_logits)
+
+    def forward(self, scheduled: list[Scheduled], all_logits: bool = False) -> torch.Tensor:
+        return torch.cat([self._one(item, all_logits) for item in scheduled])
+
+    def run(self, scheduled: list[Scheduled]) -> tuple[torch.Tensor, list[Exception | None]]:
+        rows: list[torch.Tensor] = []
+        errors: list[Exception | None] = []
+        for item in scheduled:
+            try:
+                rows.append(self._one(item)[0])
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - reported for this sequence only
+                rows.append(torch.full((self.vocab_size,), float("nan"), device=self.cache.device))
+                errors.append(e)
+        return torch.stack(rows), errors

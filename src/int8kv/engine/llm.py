@@ -9,6 +9,9 @@ choices are copy-on-write forks of its blocks; docs/design.md, "Forked groups").
 Prefix caching is on by default (full blocks keyed by a SHA-256 chain rooted in the model's fingerprint,
 cache/prefix.py); `kv_store="embedded" | "disk:/path" | "redis://host:6379/0" | ...` adds a block store shared
 with other processes (engine/store_tier.py). `close()` (or `with LLM(...) as llm:`) flushes and closes it.
+A model with recurrent / conv layers (Qwen3-Next, Jamba, Bamba, LFM2, RecurrentGemma, ...) runs without them:
+a cached block holds only attention K/V, not the state its other layers reached, so by default prefix caching
+is off for it (logged), and asking for it (`prefix_caching=True`, `kv_store=`) is refused by name.
 
 Error contract (docs/design.md, "Engine error contract"): everything a request can be refused for is checked
 before any request of the call is queued (typed `InvalidRequest` / `KvPoolExhausted`, nothing changed); an
@@ -18,6 +21,7 @@ frees its blocks and leaves the engine as a fresh one would be. Calls from sever
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import os
@@ -35,7 +39,7 @@ from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
 from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
-from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
+from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted, UnsupportedModel
 from ..formats import KvStorageFormat
 from ..ops import BACKENDS
 from .chat import chat_prompt_ids
@@ -50,6 +54,7 @@ from .store_tier import StoreTier
 # it runs at 0.94x / 0.91x the fused forward's speed at batch 1 and 1.06x / 0.97x at batch 8 (loads 3.3 / 6.5;
 # docs/benchmarks.md, `python -m int8kv.bench engine_paths`), and it is exact for every config field.
 IMPLEMENTATIONS = ("transformers", "fused")
+logger = logging.getLogger("int8kv.engine")
 
 
 def engine_model(hf_model: torch.nn.Module, implementation: str = "transformers", backend: str | None = None):
@@ -181,7 +186,7 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         tokenizer=None,
-        prefix_caching: bool = True,
+        prefix_caching: bool | None = None,
         kv_store: str | BlockStore | bool | None = None,
         kv_namespace: str = "int8kv",
         model_id: str | None = None,
@@ -189,9 +194,11 @@ class LLM:
         implementation: str = "transformers",
         backend: str | None = None,
     ) -> None:
-        """`kv_store`: a block store URL (`True` is "embedded") or an open BlockStore (left open); it needs
-        prefix caching. `kv_store_secret` (at least 16 bytes; default: the INT8KV_KV_STORE_SECRET variable)
-        authenticates the store's values with an HMAC, for a URL (an open store has its own). `model_id`
+        """`prefix_caching`: None (the default) is on, except for a model with state layers (then off, logged);
+        True asks for it (refused by name for such a model). `kv_store`: a block store URL (`True` is
+        "embedded") or an open BlockStore (left open); it needs prefix caching. `kv_store_secret` (at least 16
+        bytes; default: the INT8KV_KV_STORE_SECRET variable) authenticates the store's values with an HMAC, for a
+        URL (an open store has its own). `model_id`
         replaces the weights' SHA-256 in the key root (the model fingerprint, int8kv.store.model_fingerprint):
         equal ids must mean equal K/V. `implementation`: "transformers" (the default) runs the model's own
         forward over the paged cache (any decoder whose attention goes through transformers' attention
@@ -201,14 +208,14 @@ class LLM:
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
-        if not isinstance(prefix_caching, bool):
-            raise InvalidEngineConfig(f"prefix_caching must be a bool, got {prefix_caching!r}")
+        if prefix_caching is not None and not isinstance(prefix_caching, bool):
+            raise InvalidEngineConfig(f"prefix_caching must be None or a bool, got {prefix_caching!r}")
         if kv_store is True:
             kv_store = "embedded"
         if kv_store is not None and kv_store is not False:
             if not isinstance(kv_store, str | BlockStore):
                 raise InvalidEngineConfig(f"kv_store must be a URL, a BlockStore or None, got {kv_store!r}")
-            if not prefix_caching:
+            if prefix_caching is False:
                 raise InvalidEngineConfig("kv_store needs prefix_caching=True (blocks are found by their keys)")
             check_namespace(kv_namespace)  # InvalidBlockKey
             check_secret(kv_store_secret)  # InvalidStoreSecret
@@ -237,6 +244,11 @@ class LLM:
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
         self.model = engine_model(hf_model, implementation, backend)
+        # Per-sequence recurrent / conv state (engine/hf_model.py SequenceStates), None for attention-only models.
+        self._states = getattr(self.model, "states", None)
+        if self._states is not None:
+            prefix_caching = self._without_prefix_cache(prefix_caching, kv_store)
+        prefix_caching = prefix_caching is not False
         self.vocab_size = self.model.vocab_size
         self.max_positions = self.model.max_positions
         m = self.model
@@ -262,12 +274,31 @@ class LLM:
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self.model.window)
-        self.runner = ModelRunner(self.model, self.cache)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self.model.window,
+                                   self._states)  # fmt: skip
+        if self._states is None:
+            self.runner = ModelRunner(self.model, self.cache)
+        else:
+            from .hf_model import SequenceRunner
+
+            self.runner = SequenceRunner(self.model, self.cache)
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).
         self._lock = threading.RLock()
         self._live: dict[int, _Live] = {}  # online requests (add_request) whose last update is not yet popped
+
+    def _without_prefix_cache(self, prefix_caching: bool | None, kv_store: Any) -> bool:
+        """Prefix caching (and with it the block store) for a model with state layers: a cached block holds only
+        attention K/V, not the recurrent / conv state the model's other layers reached at its end, so a hit would
+        skip tokens those layers never saw. Off by default (logged); refused when asked for."""
+        layers = sorted({spec.layer_type for spec in self.model.attention if spec.state})
+        why = f"{type(self.model.hf).__name__} keeps a recurrent / conv state in its {', '.join(layers)} layers"
+        if prefix_caching or (kv_store is not None and kv_store is not False):
+            what = "prefix_caching=True" if prefix_caching else "kv_store (which needs prefix caching)"
+            raise UnsupportedModel(f"{what} is not supported for this model: {why}, which no cached block holds")
+        if prefix_caching is None:
+            logger.info("prefix caching is off: %s, which no cached block holds", why)
+        return False
 
     # -- public -------------------------------------------------------------------
     @property
@@ -382,6 +413,8 @@ class LLM:
                 seq.num_cached += n
         finally:
             self.cache.free(seq.seq_id)
+            if self._states is not None:
+                self._states.free(seq.seq_id)
 
     def flush_kv_store(self, timeout: float | None = None) -> bool:
         """Wait until the blocks queued for the KV store are written; False if `timeout` passed first."""

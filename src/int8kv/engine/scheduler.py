@@ -21,6 +21,10 @@ Sliding windows (`window`, for a model whose every layer slides): after the bloc
 sees keys > num_cached - window), so a sequence holds about window / block_size + 1 blocks however long it
 runs. A released keyed block stays cached for prefix hits while it is not evicted (the hit rule still needs
 the whole chain from the first block).
+
+Per-sequence state (`states`, for a model with recurrent / conv layers: engine/hf_model.py `SequenceStates`):
+whatever frees a sequence's blocks frees its state, whatever forks its blocks copies its state. Such a model
+runs without a prefix cache (a hit would skip tokens its state layers never saw).
 """
 
 from __future__ import annotations
@@ -62,8 +66,10 @@ class Scheduler:
         hasher: PrefixHasher | None = None,
         tier: StoreTier | None = None,
         window: int | None = None,
+        states=None,
     ) -> None:
         self.cache = cache
+        self.states = states  # per-sequence model state: fork(src, dst) and free(seq_id) (None: the model has none)
         self.window = window  # every layer attends to the last `window` positions only (None: full attention)
         self.hasher = hasher  # None: no prefix caching
         self.tier = tier  # None: no block store (needs a hasher)
@@ -223,9 +229,19 @@ class Scheduler:
             seq.num_table_blocks = min(seq.num_table_blocks, length // self.cache.block_size)
         seq.slots = self.cache.grow(seq.seq_id, n)
 
+    def _free(self, seq: Sequence) -> None:
+        self.cache.free(seq.seq_id)
+        if self.states is not None:
+            self.states.free(seq.seq_id)
+
+    def _fork(self, src: Sequence, dst: Sequence) -> None:
+        self.cache.fork(src.seq_id, dst.seq_id)
+        if self.states is not None:
+            self.states.fork(src.seq_id, dst.seq_id)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.cache.free(seq.seq_id)
+        self._free(seq)
         seq.status = Status.WAITING
         seq.num_cached = 0
         seq.num_table_blocks = 0  # its blocks went back to the pool; the runner's copy is stale
@@ -256,7 +272,7 @@ class Scheduler:
         a fork preempted later recomputes its prompt + its own tokens like any preempted sequence."""
         forks, parent.forks = parent.forks, []
         for seq in forks:
-            self.cache.fork(parent.seq_id, seq.seq_id)
+            self._fork(parent, seq)
             self._inherit(seq, parent)
         at = self.running.index(parent) + 1
         self.running[at:at] = forks
@@ -306,7 +322,7 @@ class Scheduler:
         for s in rest:
             s.fork_of = heir
         if seq.seq_id in self.cache.allocator:
-            self.cache.fork(seq.seq_id, heir.seq_id)  # the prefill done so far stays (seq's references go next)
+            self._fork(seq, heir)  # the prefill done so far stays (seq's references go next)
         self._inherit(heir, seq)
         heir.slots = None
         queue = self.running if seq.status is Status.RUNNING else self.waiting
@@ -322,6 +338,6 @@ class Scheduler:
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         if seq.seq_id in self.cache.allocator:
-            self.cache.free(seq.seq_id)
+            self._free(seq)
         seq.slots = None
         seq.num_table_blocks = 0
