@@ -70,6 +70,15 @@ MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_p
 # of CPU each, 54 of bamba's 59 s (profiled) in transformers' chunked scan padding 16 tokens to 256.
 MAMBA = dict(chunk_size=8, mamba_chunk_size=8, mamba_d_state=16, ssm_state_size=16, mamba_n_heads=4,
              mamba_num_heads=8, mamba_head_dim=16, mamba_d_ssm=128, n_mamba_heads=4)  # fmt: skip
+# Other modules whose defaults are full size (none of them holds K/V for int8kv, except cpmant's head size, a model
+# refused for computing attention itself): linear-attention heads (Qwen3-Next, Qwen3.5, LARA), per-layer input
+# embeddings (Gemma 3n / 4: 262,144 x 256 per layer), DeepSeek V4's indexer and low ranks, MiniMax M3's dense MLP,
+# CPM-Ant's MLP, and Inkling 2's unpadded vocabulary (200,058, past the 256 built: it failed to build). gemma3n_text,
+# deepseek_v4 and the Qwen3-Next family took 32-39 s each at load 21 with the defaults (0.3-1.1 s of CPU without).
+SIDE = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, laurel_rank=8,
+            index_n_heads=4, o_lora_rank=16, q_lora_rank=16, dense_intermediate_size=128, shared_intermediate_size=32,
+            dim_ff=128, dim_head=16, unpadded_vocab_size=VOCAB)  # fmt: skip
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
@@ -94,6 +103,7 @@ NEEDS = {
     "granitemoehybrid": {"num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"]},
     "dots3_note_text": {"num_key_value_heads": 4},
     "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+    "deepseek_v4": {"index_head_dim": 16},  # its indexer (see SIDE); other configs check it against qk_rope_head_dim
 }
 
 
@@ -121,7 +131,7 @@ def _attempts(model_type: str) -> Iterator[dict]:
     """Tiny settings to try, in order: as is; without ``head_dim`` (configs that derive it); with MLA's
     dimensions (DeepSeek-like configs); more layers (hybrids whose first layers hold no attention)."""
     cls = CONFIG_MAPPING[VARIANTS.get(model_type, (model_type,))[0]]
-    moe = {k: v for k, v in {**MOE, **MAMBA}.items() if hasattr(cls, k)}
+    moe = {k: v for k, v in {**MOE, **MAMBA, **SIDE}.items() if hasattr(cls, k)}
     base = {**TINY, **moe, **VARIANTS.get(model_type, ("", {}))[1], **NEEDS.get(model_type, {})}
     if not hasattr(cls, "num_key_value_heads") and "num_key_value_heads" not in cls.attribute_map:
         del base["num_key_value_heads"]  # a config its users have: no K/V head count its attention ignores (GPT-2)
