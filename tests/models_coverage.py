@@ -12,12 +12,19 @@ linear weights rescaled so attention is peaked and its biases non-zero. One left
   gap is within the logit perturbation) and every step's logits within 1 % of their range;
 * with INT8 storage against a ``DynamicCache`` whose K/V went through int8kv's own codec (fake-quantized),
   so rounding is not mistaken for a bug: the same criteria;
-* the int8kv kernels really called: every int8kv layer read once per forward.
+* the int8kv kernels really called: every int8kv layer read once per forward;
+* for a type that works, the engine (``int8kv.engine.LLM`` on the same model object) on the two prompts
+  without their padding, side by side with chunked prefill: greedy tokens and top log-probabilities following
+  the F16 reference at F16 and the fake-quantized one at INT8, or a typed refusal (``UnsupportedModel`` /
+  ``UnsupportedAttention``) after which the model gives its original output.
 
-Outcomes: ``works``; ``refused`` (an ``UnsupportedAttention`` naming what is missing, after which the model run
-with its default cache gives its original logits: no side effects); ``crash`` (any other error); ``wrong``
-(no error, wrong output, kernels not called, or a refusal that changed the model). The test
-(tests/test_models_coverage.py) fails on any crash or wrong and checks that docs/models.md is what this finds.
+Outcomes: ``works`` (with the engine's result: ``works`` or its refusal); ``refused`` (an
+``UnsupportedAttention`` naming what is missing, after which the model run with its default cache gives its
+original logits: no side effects); ``crash`` (any other error); ``wrong`` (no error, wrong output, kernels not
+called, or a refusal that changed the model), in the drop-in or the engine. Configs get only the K/V head
+count their class knows (GPT-2 has none), hybrids' Mamba-2 layers small sizes (:data:`MAMBA`); the kernels run
+on one thread (the serial kernel). The test (tests/test_models_coverage.py) fails on any crash or wrong and
+checks that docs/models.md is what this finds.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -38,9 +46,11 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 import int8kv.codec
-from int8kv.errors import UnsupportedAttention
+import int8kv.errors
+from int8kv.engine import LLM, SamplingParams
+from int8kv.errors import UnsupportedAttention, UnsupportedModel
 from int8kv.formats import KvStorageFormat
-from int8kv.hf import Int8KvCache, layer_specs
+from int8kv.hf import Int8KvCache, disable_int8kv_attention, layer_specs
 
 F16 = KvStorageFormat.F16
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
@@ -55,6 +65,20 @@ TINY = dict(
 # model slow to build).
 MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=32, n_shared_experts=1)  # fmt: skip
+# Mamba-2 sizes, for the hybrids' state layers (kept as transformers' own modules: only the attention layers are
+# int8kv's). Their defaults (chunks of 256 tokens, 128 heads, state 256) made bamba's and falcon_h1's runs 9-12 s
+# of CPU each, 54 of bamba's 59 s (profiled) in transformers' chunked scan padding 16 tokens to 256.
+MAMBA = dict(chunk_size=8, mamba_chunk_size=8, mamba_d_state=16, ssm_state_size=16, mamba_n_heads=4,
+             mamba_num_heads=8, mamba_head_dim=16, mamba_d_ssm=128, n_mamba_heads=4)  # fmt: skip
+# Other modules whose defaults are full size (none of them holds K/V for int8kv, except cpmant's head size, a model
+# refused for computing attention itself): linear-attention heads (Qwen3-Next, Qwen3.5, LARA), per-layer input
+# embeddings (Gemma 3n / 4: 262,144 x 256 per layer), DeepSeek V4's indexer and low ranks, MiniMax M3's dense MLP,
+# CPM-Ant's MLP, and Inkling 2's unpadded vocabulary (200,058, past the 256 built: it failed to build). gemma3n_text,
+# deepseek_v4 and the Qwen3-Next family took 32-39 s each at load 21 with the defaults (0.3-1.1 s of CPU without).
+SIDE = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16, laurel_rank=8,
+            index_n_heads=4, o_lora_rank=16, q_lora_rank=16, dense_intermediate_size=128, shared_intermediate_size=32,
+            dim_ff=128, dim_head=16, unpadded_vocab_size=VOCAB)  # fmt: skip
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 
 
@@ -63,6 +87,7 @@ class Outcome:
     model_type: str
     kind: str  # works | refused | crash | wrong | skipped
     detail: str = ""
+    engine: str = ""  # works: "works" or the engine's refusal
 
 
 # Variants of one model type whose attention differs (name -> (model type, config overrides)), and settings a
@@ -78,6 +103,7 @@ NEEDS = {
     "granitemoehybrid": {"num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"]},
     "dots3_note_text": {"num_key_value_heads": 4},
     "zamba2": {"layers_block_type": ["mamba", "hybrid"]},
+    "deepseek_v4": {"index_head_dim": 16},  # its indexer (see SIDE); other configs check it against qk_rope_head_dim
 }
 
 
@@ -105,8 +131,10 @@ def _attempts(model_type: str) -> Iterator[dict]:
     """Tiny settings to try, in order: as is; without ``head_dim`` (configs that derive it); with MLA's
     dimensions (DeepSeek-like configs); more layers (hybrids whose first layers hold no attention)."""
     cls = CONFIG_MAPPING[VARIANTS.get(model_type, (model_type,))[0]]
-    moe = {k: v for k, v in MOE.items() if hasattr(cls, k)}
+    moe = {k: v for k, v in {**MOE, **MAMBA, **SIDE}.items() if hasattr(cls, k)}
     base = {**TINY, **moe, **VARIANTS.get(model_type, ("", {}))[1], **NEEDS.get(model_type, {})}
+    if not hasattr(cls, "num_key_value_heads") and "num_key_value_heads" not in cls.attribute_map:
+        del base["num_key_value_heads"]  # a config its users have: no K/V head count its attention ignores (GPT-2)
     yield base
     yield {k: v for k, v in base.items() if k != "head_dim"}
     if hasattr(cls, "kv_lora_rank"):
@@ -229,6 +257,84 @@ def compare(ref, got) -> str:
     return ""
 
 
+# The engine on the batch's two prompts without their padding (16 and 12 tokens) side by side: prefill in chunks
+# of at most 10 tokens, the second prompt's chunks beside the first one's decode (continuous batching), blocks of
+# 4 tokens. TOP: log-probabilities reported per generated token (the chosen one and the runner-up).
+ENGINE = dict(memory="1MiB", block_size=4, max_num_batched_tokens=10)
+TOP = 2
+
+
+def engine_generate(model: torch.nn.Module, fmt: KvStorageFormat) -> list:
+    """The engine's outputs (tokens and their log-probabilities) for the unpadded prompts of :func:`inputs`;
+    a request that failed mid-step raises its error again."""
+    ids, mask = inputs()
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    llm = LLM(model, kv_format=fmt, **ENGINE)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=TOP))
+    for out in outs:
+        if out.finish_reason == "error":
+            name, _, message = out.error.partition(": ")
+            error = getattr(int8kv.errors, name, None)
+            raise (error if isinstance(error, type) and issubclass(error, Exception) else RuntimeError)(out.error)
+    return outs
+
+
+def compare_engine(ref, outs) -> str:
+    """'' when each engine output follows the reference's row: every top log-probability within 2 % of the
+    logits' range (what logits within 1 % allow), the same tokens until a divergence the logits explain (the
+    reference's top-2 gap within the two tokens' deviations), else what differs."""
+    rt, rl = ref
+    for row, out in enumerate(outs):
+        if len(out.token_ids) != rt.shape[1]:
+            return f"row {row}: {len(out.token_ids)} tokens instead of {rt.shape[1]}"
+        for step, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            logits = rl[step][row]
+            want = torch.log_softmax(logits.double(), -1)
+            dev = {t: abs(v - float(want[t])) for t, v in lp.top}
+            worst = max(dev.values()) / (float(logits.abs().max()) or 1.0)
+            if worst > 0.02:
+                return f"row {row}: log-probabilities off by {worst:.3g} of the logits' range at step {step}"
+            expected = int(rt[row, step])
+            if token != expected:
+                gap = float(want[expected] - want[token])
+                if expected not in dev or gap > dev[expected] + dev[token]:
+                    return f"row {row} diverged at step {step} (a clear winner, gap {gap:.3g})"
+                break  # a near-tie flipped: later steps condition on other tokens
+    return ""
+
+
+def engine_outcome(model_type: str, model: torch.nn.Module, fake) -> Outcome | None:
+    """None when the engine generates like the references (F16: transformers', INT8: the fake-quantized
+    one); its typed refusal as the engine column (the model left as it was); crash or wrong otherwise."""
+    ref = model.reference
+    impl = model.config._attn_implementation
+    for fmt, want in ((F16, ref), (INT8, fake)):
+        try:
+            outs = engine_generate(model, fmt)
+        except (UnsupportedModel, UnsupportedAttention) as e:
+            if model.config._attn_implementation != impl or not same_output(model):
+                return Outcome(model_type, "wrong", f"engine refused ({e}) but the model's output changed afterwards")
+            return Outcome(model_type, "works", "", str(e).split("\n")[0])
+        except Exception as e:  # noqa: BLE001 - the point is to classify whatever happens
+            return Outcome(model_type, "crash", f"engine: {describe(e)}")
+        diff = compare_engine(want, outs)
+        if diff:
+            return Outcome(model_type, "wrong", f"engine {fmt.value}: {diff}")
+    if model.config._attn_implementation != impl:
+        return Outcome(model_type, "wrong", "the engine left the model's attention implementation changed")
+    return None
+
+
+def describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def same_output(model: torch.nn.Module) -> bool:
+    """Whether the model run with its default cache gives its original tokens and logits (no side effects)."""
+    after, ref = reference(model), model.reference
+    return torch.equal(after[0], ref[0]) and all(map(torch.equal, after[1], ref[1]))
+
+
 def classify(model_type: str, model: torch.nn.Module) -> Outcome:
     ref = model.reference
     fake = generate(model, _fake_quant(DynamicCache(config=model.config), INT8))
@@ -237,13 +343,11 @@ def classify(model_type: str, model: torch.nn.Module) -> Outcome:
             cache = Int8KvCache(model.config, format=fmt)
             got = generate(model, cache)
         except UnsupportedAttention as e:
-            after = reference(model)  # the same model with its default cache, after the refusal
-            same = torch.equal(after[0], ref[0]) and all(map(torch.equal, after[1], ref[1]))
-            if not same:
+            if not same_output(model):  # the same model with its default cache, after the refusal
                 return Outcome(model_type, "wrong", f"refused ({e}) but the model's output changed afterwards")
             return Outcome(model_type, "refused", str(e).split("\n")[0])
         except Exception as e:  # noqa: BLE001 - the point is to classify whatever happens
-            return Outcome(model_type, "crash", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return Outcome(model_type, "crash", describe(e))
         diff = compare(want, got)
         if diff:
             return Outcome(model_type, "wrong", f"{fmt.value}: {diff}")
@@ -255,8 +359,12 @@ def classify(model_type: str, model: torch.nn.Module) -> Outcome:
         if any(la.attention_calls != NEW for la in layers):
             calls = [la.attention_calls for la in layers]
             return Outcome(model_type, "wrong", f"int8kv kernels not called once per forward: {calls}")
-    kinds = sorted({spec.kind for spec in cache.specs or []})
-    return Outcome(model_type, "works", ", ".join(kinds))
+    kinds = ", ".join(sorted({spec.kind for spec in cache.specs or []}))
+    disable_int8kv_attention(model)  # the engine gets the model as its user has it
+    engine = engine_outcome(model_type, model, fake)
+    if engine is not None and engine.kind != "works":
+        return engine
+    return Outcome(model_type, "works", kinds, "works" if engine is None else engine.engine)
 
 
 def refused_by_config(name: str) -> Outcome | None:
@@ -288,19 +396,27 @@ def refused_by_config(name: str) -> Outcome | None:
     return None
 
 
+# Models whose runs compile (or load from numba's cache) every kernel specialisation the page needs: plain,
+# softcap, sinks, window and chunk bounds, F16 and INT8. A cold compile is 25-35 s of CPU per specialisation at
+# load 13 (gemma2's four took 158 s of wall time at load 16): inside a model's time limit it would skip the model.
+WARM = ("llama", "gemma2", "gpt_oss", "llama4_text")
+
+
 def warm_up() -> None:
-    """Compile the kernels (or load them from numba's cache) outside any model's time."""
+    """Compile the kernels (or load them from numba's cache) outside any model's time limit."""
     transformers.logging.set_verbosity_error()
-    warm = build("llama")
-    if warm is not None:
-        classify("llama", warm)
+    for mt in WARM:
+        outcome(mt, seconds=0)
 
 
 def outcome(mt: str, seconds: int = 120) -> Outcome | None:
     """``mt``'s outcome, or None for a type that cannot be built this small or is not decoder-only (not on the
-    page); "skipped" when it runs over ``seconds`` on this machine."""
-    threads = torch.get_num_threads()
+    page); "skipped" when it runs over ``seconds`` on this machine (0: no limit)."""
+    threads, kernel_threads = torch.get_num_threads(), numba.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: waking a second thread costs more than the work (2-4x measured)
+    # The kernels' serial variant only (the same work items and numerics as the parallel one): one compile or
+    # cache load per specialisation instead of two, and no pool to wake for a few keys.
+    numba.set_num_threads(1)
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(seconds)
     try:
@@ -315,6 +431,7 @@ def outcome(mt: str, seconds: int = 120) -> Outcome | None:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         torch.set_num_threads(threads)
+        numba.set_num_threads(kernel_threads)
 
 
 def run_all(seconds_per_model: int = 120, start: str = "") -> Iterator[Outcome]:
@@ -348,10 +465,12 @@ def render(outcomes: list[Outcome]) -> str:
         f"Generated by `python tests/models_coverage.py` (transformers {transformers.__version__}); "
         "tests/test_models_coverage.py checks that this page is what it finds. Each decoder-only model type is "
         "built tiny (hidden 64, 2 layers or more until a hybrid has an attention layer, vocab 256, 4 heads / 2 "
-        f"KV heads, peaked attention, non-zero biases) and generates {NEW} greedy tokens for a left-padded batch "
-        f"of two {PROMPT}-token prompts: F16 storage against `DynamicCache`, INT8 against a `DynamicCache` "
-        "holding the same rounded K/V, the int8kv kernels called for every layer and step. A refused model "
-        "gets a typed `UnsupportedAttention` naming what is missing and is left exactly as it was.",
+        f"KV heads where the config has a K/V head count, peaked attention, non-zero biases) and generates {NEW} "
+        f"greedy tokens for a left-padded batch of two {PROMPT}-token prompts: F16 storage against "
+        "`DynamicCache`, INT8 against a `DynamicCache` holding the same rounded K/V, the int8kv kernels called "
+        "for every layer and step. A refused model gets a typed `UnsupportedAttention` naming what is missing and "
+        "is left exactly as it was. Where the drop-in works, the engine runs the same model (the Works table's "
+        "last column); a crash or wrong output there is the model type's outcome.",
         "",
         "| outcome | model types |",
         "|---|---|",
@@ -365,10 +484,15 @@ def render(outcomes: list[Outcome]) -> str:
         "linear-attention, Mamba or conv layers kept as transformers' own layer classes; `shared`: layers without "
         "K/V of their own.",
         "",
-        "| model type | layer kinds |",
-        "|---|---|",
+        "The engine column: `int8kv.engine.LLM` on the same model object, the batch's two prompts unpadded (16 and "
+        "12 tokens) side by side with chunked prefill; `works` when its greedy tokens and top log-probabilities "
+        "follow transformers' at F16 and the fake-quantized reference at INT8, else the engine's typed refusal "
+        "(after which the model gives its original output).",
+        "",
+        "| model type | layer kinds | engine |",
+        "|---|---|---|",
     ]
-    lines += [f"| `{o.model_type}` | {o.detail} |" for o in by["works"]]
+    lines += [f"| `{o.model_type}` | {o.detail} | {o.engine.replace('|', '/')} |" for o in by["works"]]
     titles = (
         ("refused", "Refused"), ("no attention", "No attention layers at this size (nothing for int8kv to store)"),
         ("crash", "Crash"), ("wrong", "Wrong"), ("skipped", "Skipped"),
@@ -383,8 +507,8 @@ def render(outcomes: list[Outcome]) -> str:
 if __name__ == "__main__":
     found = []
     start = sys.argv[sys.argv.index("--from") + 1] if "--from" in sys.argv else ""  # a partial run, not written
-    for outcome in run_all(start=start):
-        print(f"{outcome.model_type:28} {outcome.kind:8} {outcome.detail}", flush=True)
-        found.append(outcome)
+    for row in run_all(start=start):
+        print(f"{row.model_type:28} {row.kind:8} {row.detail} {row.engine}", flush=True)
+        found.append(row)
     if "--no-write" not in sys.argv and not start:
         DOC.write_text(render(found))
