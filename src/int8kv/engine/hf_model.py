@@ -31,10 +31,13 @@ through its own state (`SequenceStates`, `SequenceRunner`; docs/design.md, "Engi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import inspect
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -298,6 +301,71 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 AttentionInterface.register(ATTN_IMPLEMENTATION, engine_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
+SHAPES_IMPLEMENTATION = "int8kv_engine_shapes"
+_SHAPES: contextvars.ContextVar[list[tuple[int, int, int]] | None] = contextvars.ContextVar("shapes", default=None)
+
+
+def _record_shapes(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """The shape probe's attention: records (kv_heads, key dim, value dim) of the call and attends to nothing
+    (zeros ``[batch, tokens, q_heads, value dim]``: only the shapes of this forward are used)."""
+    shapes = _SHAPES.get()
+    if shapes is None:
+        raise UnsupportedAttention("the engine's shape probe attention was called outside the shape probe")
+    shapes.append((int(key.shape[1]), int(key.shape[-1]), int(value.shape[-1])))
+    return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+
+AttentionInterface.register(SHAPES_IMPLEMENTATION, _record_shapes)
+AttentionMaskInterface.register(SHAPES_IMPLEMENTATION, _no_mask)
+
+
+@contextlib.contextmanager
+def _attention_implementation(config: Any, name: str) -> Iterator[None]:
+    """The config (and its sub-configs) switched to attention implementation ``name`` for the block only."""
+    previous = {"": config._attn_implementation}
+    previous.update({k: getattr(config, k)._attn_implementation for k in config.sub_configs
+                     if getattr(config, k, None) is not None})  # fmt: skip
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@torch.inference_mode()
+def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> tuple[int, int]:
+    """(kv_heads, head_dim) of the model's attention layers, from the K/V its own forward computes (a two-token
+    forward without cache through a recording attention): configs name them in many ways or not at all (GPT-2's
+    n_head, per-layer head_dim in Gemma 4), and only the tensors are certain. UnsupportedModel, by name, when the
+    layers differ from each other or values have another head_dim than keys (the pool holds one shape)."""
+    device = next(hf_model.parameters()).device
+    shapes: list[tuple[int, int, int]] = []
+    token = _SHAPES.set(shapes)
+    try:
+        with _attention_implementation(hf_model.config, SHAPES_IMPLEMENTATION):
+            hf_model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device),
+                     position_ids=torch.arange(2, device=device)[None], use_cache=False)  # fmt: skip
+    finally:
+        _SHAPES.reset(token)
+    if len(shapes) != num_kv_layers:
+        raise AttentionBypassed(
+            f"the model's config declares {num_kv_layers} attention layer(s) but its forward called transformers' "
+            f"attention interface {len(shapes)} time(s): it does not run its attention through the interface"
+        )
+    if len(set(shapes)) != 1:
+        raise UnsupportedModel(
+            "the engine's pool holds one K/V shape for every layer, but this model's attention layers have "
+            f"{sorted(set(shapes))} (kv_heads, key head_dim, value head_dim)"
+        )
+    heads, key_dim, value_dim = shapes[0]
+    if key_dim != value_dim:
+        raise UnsupportedModel(
+            f"the engine's pool does not implement values of another head_dim than the keys' ({key_dim}, {value_dim})"
+        )
+    return heads, key_dim
+
 
 def check_architecture(hf_model: torch.nn.Module) -> list[LayerSpec]:
     """Refuse (UnsupportedModel, by name) what the generic path cannot run, and return the model's layer specs;
@@ -486,7 +554,7 @@ class TransformersModel:
         if len(self.attention) != self.config.num_hidden_layers:
             raise UnsupportedModel(f"{len(self.attention)} layer types for {self.config.num_hidden_layers} layers")
         self.kv_layers = [i for i, spec in enumerate(self.attention) if spec.has_kv]
-        _, heads, head_dim = KvLayout.from_config(self.config).dims
+        heads, head_dim = discover_kv_dims(hf_model, len(self.kv_layers))
         self.layout = KvLayout(len(self.kv_layers), heads, head_dim)
         self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
@@ -540,21 +608,16 @@ class TransformersModel:
             plan = self.plan(cache, batch)
         step = _Step(cache, plan, self.attention, self.backend)
         keep = 0 if all_logits else batch.cu_seqlens_q[1:].to(torch.int64) - 1
-        config = self.config
-        previous = {"": config._attn_implementation}
-        previous.update({k: getattr(config, k)._attn_implementation for k in config.sub_configs
-                         if getattr(config, k, None) is not None})  # fmt: skip
         held = None if state is None else self.states.enter(state)
         self.step_cache.layers = layers
         self.step_cache.step = step
-        config._attn_implementation = ATTN_IMPLEMENTATION
         try:
-            out = self.hf(
-                input_ids=batch.input_ids[None], position_ids=batch.positions[None], cache=self.step_cache,
-                use_cache=True, logits_to_keep=keep,
-            )  # fmt: skip
+            with _attention_implementation(self.config, ATTN_IMPLEMENTATION):
+                out = self.hf(
+                    input_ids=batch.input_ids[None], position_ids=batch.positions[None], cache=self.step_cache,
+                    use_cache=True, logits_to_keep=keep,
+                )  # fmt: skip
         finally:
-            config._attn_implementation = previous
             self.step_cache.step = None
             if held is not None:
                 self.states.leave(state, held)
