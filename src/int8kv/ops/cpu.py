@@ -28,9 +28,10 @@ from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
 from . import cpu_simd
+from .parts import KERNELS, codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
 
-__all__ = ["attend", "quantize_query"]
+__all__ = ["KERNELS", "attend", "quantize_query"]
 
 TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
@@ -694,8 +695,9 @@ def _layer_arrays(pool: KvPool, layer: int) -> tuple:
         views = _VIEWS[pool] = {}
     arrays = views.get(layer)
     if arrays is None:
-        kc, vc, ks, vs = pool.layer_tensors(layer)
-        if not pool.format.is_quantized:
+        k, v = pool.layer_parts(layer)
+        (kc, ks), (vc, vs) = codes_and_scales(pool.format, k), codes_and_scales(pool.format, v)
+        if not int8_codes(pool.format):
             kc, vc = kc.view(torch.int16), vc.view(torch.int16)
         arrays = views[layer] = (kc.numpy(), None if ks is None else ks.numpy(), vc.numpy(),
                                  None if vs is None else vs.numpy())
@@ -885,7 +887,7 @@ def _run(
     # to zeros (queries before a window's start). numpy's allocation: 0.5 us against torch.empty's 1.8.
     o = np.empty(q.shape, np.float32) if plan.is_decode else np.zeros(q.shape, np.float32)
     out = torch.from_numpy(o)
-    if plan.precision == "int8" and pool.format.is_quantized:
+    if plan.precision == "int8" and int8_codes(pool.format):
         codes, scales = quantize_query(q)
         q_arg, q_scale = codes.numpy(), scales.numpy()
     else:
@@ -1007,8 +1009,8 @@ def _flash_prefill(
     hkv, d, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
     assert plan.host is not None
     cu, lens, starts = plan.host.cu_seqlens_q, plan.host.context_lens, plan.host.kv_starts
-    kc, vc, ks, vs = pool.layer_rows(layer)
-    layer_rows = (kc, ks, vc, vs)
+    k, v = pool.layer_rows(layer)
+    layer_rows = (*codes_and_scales(pool.format, k), *codes_and_scales(pool.format, v))
     group = q_all.shape[1] // hkv
     for b in seqs:
         lo, hi, ctx = int(cu[b]), int(cu[b + 1]), int(lens[b])
@@ -1061,7 +1063,7 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
         items, lists, pairs_total = _assign_items(items, row_limits, workers)
     else:
         lists, pairs_total = np.zeros(2, np.int64), 0
-    integer_q = plan.precision == "int8" and pool.format.is_quantized
+    integer_q = plan.precision == "int8" and int8_codes(pool.format)
     capped = variant is not None and variant.softcap is not None  # tanh per score: another cost per unit
     choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim, capped))
     work = (items, row_limits, lows, splits, pairs_total, lists, plan.block_tables.numpy(), choice)
