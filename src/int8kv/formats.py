@@ -53,7 +53,8 @@ def _per_row(head_dim: int) -> tuple[int, ...]:
 
 
 class KvFormat:
-    """A storage format. Subclasses set the class attributes and implement encode, decode and value_problem.
+    """A storage format. Subclasses set the class attributes and implement encode, _decode (called by decode once
+    the part count is checked) and value_problem.
 
     ``parts`` are in the order :meth:`encode` returns them (and the pool, a state and a kernel receive them);
     ``wire_order`` is the order files and block values lay them out (part names; K before V within a part).
@@ -85,10 +86,11 @@ class KvFormat:
     def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def value_problem(self, part: str, values: np.ndarray) -> str | None:
-        """Why ``values`` (any shape, numpy) of the part named ``part`` are not ones :meth:`encode` produces,
-        or None. Readers of untrusted bytes (files, block values) refuse such values: they would poison
-        attention (inf keys, huge scales, codes outside the range)."""
+    def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
+        """Why ``values`` (any shape, numpy) of the tensor named ``tensor`` (``k_<part>`` or ``v_<part>``, see
+        :meth:`tensor_names`) are not ones :meth:`encode` produces, or None. Readers of untrusted bytes (files,
+        block values) refuse such values: they would poison attention (inf keys, huge scales, codes outside the
+        range)."""
         raise NotImplementedError
 
     # -- names and sizes -----------------------------------------------------------------------------------
@@ -146,12 +148,12 @@ class F16Format(KvFormat):
     def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
         return parts[0].to(torch.float32)
 
-    def value_problem(self, part: str, values: np.ndarray) -> str | None:
+    def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
         # float16 NaN and inf are the values whose five exponent bits are all set: an integer test on the bits
         # (numpy's float16 isfinite converts each value first).
         bits = np.ascontiguousarray(values).view(np.uint16)
         if ((bits & 0x7C00) == 0x7C00).any():
-            return f"{part} holds NaN or inf, which the F16 format never stores"
+            return f"{tensor} holds NaN or inf, which the F16 format never stores"
         return None
 
 
@@ -174,17 +176,17 @@ class Int8V1Format(KvFormat):
     def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
         return dequantize_int8(*parts)
 
-    def value_problem(self, part: str, values: np.ndarray) -> str | None:
+    def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
         # numpy, not torch: on the 2-core dev machine a 1 MiB chunk takes 0.01-1 ms here against 15-85 ms for
         # the same reductions in torch (thread start-up under contention).
         if values.size == 0:
             return None
-        if part.endswith("scales"):
+        if tensor.endswith("scales"):
             # NaN fails both comparisons (min/max propagate it), so this also refuses NaN.
             if not (values.min() > 0 and values.max() <= self.SCALE_MAX):
-                return f"{part} holds a scale outside (0, 65504/127] (not finite, not positive, or above V1's largest)"
+                return f"{tensor} holds a scale outside (0, 65504/127] (not finite, not positive, or above V1's top)"
         elif values.min() == -128:
-            return f"{part} holds -128, outside the V1 code range [-127, 127]"
+            return f"{tensor} holds -128, outside the V1 code range [-127, 127]"
         return None
 
 
