@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from int8kv import NonFiniteError, ShapeMismatch, dequantize_int8, quantize_int8
-from int8kv.codec import decode, encode, quantize_int8_torch, round_to_f16
+from int8kv.codec import quantize_int8_torch, round_to_f16
 from int8kv.formats import KvStorageFormat
 
 GOLDEN = json.loads(pathlib.Path(__file__).with_name("golden").joinpath("v1_codec.json").read_text())
@@ -226,10 +226,9 @@ def test_inputs_that_require_grad_are_encoded_detached():
             assert torch.equal(q, want_q) and torch.equal(s, want_s)
             assert not q.requires_grad and not s.requires_grad
     for fmt in KvStorageFormat:
-        codes, scales = encode(fmt, x.clone().requires_grad_())
-        assert codes.grad_fn is None and not codes.requires_grad
-        assert scales is None or not scales.requires_grad
-        assert not decode(fmt, codes, scales).requires_grad
+        parts = fmt.spec.encode(x.clone().requires_grad_())
+        assert all(t.grad_fn is None and not t.requires_grad for t in parts)
+        assert not fmt.spec.decode(parts).requires_grad
     out = dequantize_int8(want_q, want_s.clone().requires_grad_())
     assert torch.equal(out, want_q.float() * want_s.unsqueeze(-1)) and not out.requires_grad
 
@@ -248,7 +247,7 @@ def test_inputs_that_require_grad_are_encoded_detached():
         lambda: dequantize_int8(torch.zeros(2, 8, dtype=torch.int8), torch.empty(2, device="meta")),
         lambda: quantize_int8([1.0, 2.0]),
         lambda: dequantize_int8([1, 2], torch.ones(())),
-        lambda: decode(KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, torch.zeros(2, 8, dtype=torch.int8), None),
+        lambda: KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1.spec.decode((torch.zeros(2, 8, dtype=torch.int8),)),
     ],
     ids=["dequant-0d", "quant-0d", "torch-0d", "f16-0d", "quant-meta", "torch-meta", "f16-meta", "dequant-meta",
          "dequant-meta-scale", "quant-list", "dequant-list", "decode-no-scales"],

@@ -100,7 +100,8 @@ def test_no_hidden_full_precision_copy():
     gen = torch.Generator().manual_seed(3)
     cache.push_step(*step(gen, tokens=3))
     for layer in cache.layers:
-        tensors = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        held = [t for v in vars(layer).values() for t in (v if isinstance(v, tuple) else (v,))]
+        tensors = [t for t in held if isinstance(t, torch.Tensor)]
         assert sorted((str(t.dtype), tuple(t.shape)) for t in tensors) == sorted(
             [("torch.int8", (CAP, H, D))] * 2 + [("torch.float32", (CAP, H))] * 2
         )

@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-import int8kv.codec
 from int8kv import KvStorageFormat, UnsupportedAttention, UnsupportedModel
 from int8kv.engine import LLM, SamplingParams
 from int8kv.engine.hf_model import TransformersModel
@@ -60,7 +59,7 @@ def fake_quant_cache(model, fmt: KvStorageFormat) -> DynamicCache:
     cache = DynamicCache(config=model.config)
 
     def roundtrip(x: torch.Tensor) -> torch.Tensor:
-        return int8kv.codec.decode(fmt, *int8kv.codec.encode(fmt, x)).to(x.dtype)
+        return fmt.spec.decode(fmt.spec.encode(x)).to(x.dtype)
 
     for layer in cache.layers:
         if not hasattr(layer, "update"):

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from int8kv import KvStorageFormat
 
@@ -46,8 +47,12 @@ def test_from_dtype_refuses_the_rest(name):
 
 
 def test_byte_accounting():
-    assert (F16.bytes_per_element, F16.bytes_per_row_overhead) == (2, 0)
-    assert (INT8.bytes_per_element, INT8.bytes_per_row_overhead) == (1, 4)
+    assert [(p.name, p.dtype, p.shape(128), p.row_bytes(128)) for p in F16.parts] == [
+        ("codes", torch.float16, (128,), 256)
+    ]
+    assert [(p.name, p.dtype, p.shape(128), p.row_bytes(128)) for p in INT8.parts] == [
+        ("codes", torch.int8, (128,), 128), ("scales", torch.float32, (), 4)
+    ]
     assert INT8.bytes_per_row(128) == 132 and F16.bytes_per_row(128) == 256
     # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64.
     assert F16.bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 128

@@ -77,7 +77,7 @@ class FakeQuantLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         def roundtrip(x: torch.Tensor) -> torch.Tensor:
-            return int8kv.codec.decode(self.fmt, *int8kv.codec.encode(self.fmt, x)).to(x.dtype)
+            return self.fmt.spec.decode(self.fmt.spec.encode(x)).to(x.dtype)
 
         return super().update(roundtrip(key_states), roundtrip(value_states), *args, **kwargs)
 
@@ -247,7 +247,8 @@ def test_kernels_serve_every_step_without_dequantizing(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the generation path must not dequantize or fall back to SDPA")
 
-    monkeypatch.setattr(int8kv.codec, "decode", forbidden)
+    for fmt in KvStorageFormat:
+        monkeypatch.setattr(type(fmt.spec), "decode", forbidden)
     monkeypatch.setattr(int8kv.codec, "dequantize_int8", forbidden)
     for name in ("sdpa", "eager"):  # the fallbacks for other caches
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, name, forbidden)
@@ -379,7 +380,7 @@ def test_autograd_on_stores_values_not_graphs():
     assert out.logits.requires_grad
     out = model(ids[:, :1], cache=cache, use_cache=True)
     for layer in cache.layers:
-        assert all(t is None or (not t.requires_grad and t.grad_fn is None) for t in layer.stored())
+        assert all(not t.requires_grad and t.grad_fn is None for side in layer.stored() for t in side)
     with torch.no_grad():
         ref_cache = Int8KvCache(model.config)
         model(ids, cache=ref_cache, use_cache=True)
@@ -574,7 +575,7 @@ def test_sliding_window_generation_matches_and_storage_stays_bounded(fmt):
 
 def _fake_quant_update(update, fmt):
     def roundtrip(x):
-        return int8kv.codec.decode(fmt, *int8kv.codec.encode(fmt, x)).to(x.dtype)
+        return fmt.spec.decode(fmt.spec.encode(x)).to(x.dtype)
 
     return lambda k, v, *a, **kw: update(roundtrip(k), roundtrip(v), *a, **kw)
 

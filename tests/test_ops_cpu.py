@@ -38,8 +38,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def poison(cache: PagedKvCache) -> None:
-    k, v, ks, vs = cache.pool.storage()
-    for t in (ks, vs) if cache.format.is_quantized else (k, v):
+    storage = cache.pool.storage()  # K and V of each part: (k codes, v codes[, k scales, v scales])
+    for t in storage[2:] if cache.format.is_quantized else storage:
         t.fill_(float("nan"))
 
 

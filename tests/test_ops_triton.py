@@ -23,7 +23,7 @@ import triton.language as tl  # noqa: E402
 
 from int8kv import ops  # noqa: E402
 from int8kv.cache.paged import PagedKvCache  # noqa: E402
-from int8kv.codec import encode, quantize_int8  # noqa: E402
+from int8kv.codec import quantize_int8  # noqa: E402
 from int8kv.errors import LayerOutOfRange, NonFiniteError, PositionOutOfRange, ShapeMismatch  # noqa: E402
 from int8kv.formats import KvStorageFormat  # noqa: E402
 from int8kv.ops import reference as ref  # noqa: E402
@@ -108,7 +108,7 @@ def filled_cache(fmt, block_size, num_kv_heads, head_dim, context_lens, seed, sp
         k = torch.randn((n, num_kv_heads, head_dim), generator=gen) * mag
         v = torch.randn((n, num_kv_heads, head_dim), generator=gen) * mag
         # Encoded by the codec, not the kernel: append has its own tests and the interpreter is slow.
-        cache.write_rows(0, slots.to(DEVICE), encode(fmt, k.to(DEVICE)), encode(fmt, v.to(DEVICE)))
+        cache.write_rows(0, slots.to(DEVICE), fmt.spec.encode(k.to(DEVICE)), fmt.spec.encode(v.to(DEVICE)))
     # Poison every slot no sequence owns (spare blocks, page tails past a context): a kernel that reads
     # one unmasked turns its output into NaN.
     unused = (~written).nonzero().squeeze(1).to(DEVICE)

@@ -47,8 +47,8 @@ def poison_outside(cache, layer, tables, context, starts, cu, args) -> torch.Ten
     """NaN every stored key of each sequence that none of its queries of this step may see, and point the table
     entries of blocks holding no visible key at block 0 (all NaN: it belongs to no sequence). Returns the tables."""
     variant = AttentionVariant(args.get("window"), args.get("chunk"))
-    kc, vc, ks, vs = cache.pool.layer_tensors(layer)
-    poisoned = (ks, vs) if cache.format.is_quantized else (kc, vc)
+    k, v = cache.pool.layer_parts(layer)
+    poisoned = (k[-1], v[-1])  # V1's scales, F16's codes
     bs = cache.block_size
     tables = tables.clone()
     start_list = [0] * len(context) if starts is None else starts.tolist()

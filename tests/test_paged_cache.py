@@ -28,7 +28,7 @@ def test_layout_matches_design(fmt):
     c = PagedKvCache(5, 8, 3, 2, 16, fmt)
     assert len(c.k_codes) == len(c.v_codes) == len(c.k_scales) == 3
     for layer in range(3):
-        assert c.k_codes[layer].shape == (5, 8, 2, 16) and c.k_codes[layer].dtype == fmt.code_dtype
+        assert c.k_codes[layer].shape == (5, 8, 2, 16) and c.k_codes[layer].dtype == fmt.spec.part("codes").dtype
         if fmt.is_quantized:
             assert c.k_scales[layer].shape == (5, 8, 2) and c.k_scales[layer].dtype == torch.float32
         else:

@@ -41,7 +41,6 @@ from store_helpers import (  # tests/ is on sys.path under pytest's default impo
 
 from int8kv import KvCacheError, KvPoolExhausted, KvStorageFormat, QuantizedKvCache, StoreError, store
 from int8kv.cache.paged import PagedKvCache
-from int8kv.codec import encode
 from int8kv.store import (
     ChecksumMismatch,
     CorruptKvFile,
@@ -110,7 +109,7 @@ def test_paged_round_trip_gathers_and_scatters(tmp_path: Path, fmt: KvStorageFor
         slots = src.grow(seq, n) if seq in src.allocator else src.add_sequence(seq, n)
         for layer in range(LAYERS):
             k, v = torch.randn(n, HEADS, DIM, generator=gen), torch.randn(n, HEADS, DIM, generator=gen)
-            src.write_rows(layer, slots, encode(fmt, k), encode(fmt, v))
+            src.write_rows(layer, slots, fmt.spec.encode(k), fmt.spec.encode(v))
 
     # Interleaved sequences and a fork with copy-on-write: "a"'s blocks end up scattered over the pool.
     append("other", 3)

@@ -30,7 +30,7 @@ from store_helpers import (
 
 from int8kv.cache.paged import PagedKvCache
 from int8kv.cli import main
-from int8kv.codec import encode
+from int8kv.formats import Int8V1Format
 from int8kv.store import (
     MAX_METADATA_DEPTH,
     ChecksumMismatch,
@@ -40,7 +40,8 @@ from int8kv.store import (
     load_kv,
     save_kv,
 )
-from int8kv.store.format import SCALE_MAX
+
+SCALE_MAX = Int8V1Format.SCALE_MAX
 
 
 def _f32_after(x: float) -> float:
@@ -85,7 +86,7 @@ def test_forged_values_with_valid_digests_are_refused_by_load_and_inspect(tmp_pa
 
 def test_the_largest_scale_the_codec_writes_loads(tmp_path) -> None:
     # A row whose max |x| is float16's max gets the largest scale, which the reader must accept.
-    _, scale = encode(INT8, torch.full((1, 1, DIM), 65504.0))
+    _, scale = INT8.spec.encode(torch.full((1, 1, DIM), 65504.0))
     assert float(scale.flatten()[0]) == SCALE_MAX
     src = tmp_path / "src.kv"
     save_kv(src, filled_cache(INT8))

@@ -12,7 +12,6 @@ import torch
 
 import int8kv.ops.write as write_mod
 from int8kv.cache.paged import PagedKvCache
-from int8kv.codec import decode, encode
 from int8kv.errors import LayerOutOfRange, NonFiniteError, PositionOutOfRange, ShapeMismatch
 from int8kv.formats import KvStorageFormat
 from int8kv.ops import append_paged_kv, paged_write, plan_attention
@@ -50,13 +49,13 @@ def test_append_stores_exactly_the_codec_output(fmt, dtype):
     append_paged_kv(c, 1, k, v, slots)
     flat = (8 * 4, 3, 16)
     for x, codes, scales in ((k, c.k_codes[1], c.k_scales[1]), (v, c.v_codes[1], c.v_scales[1])):
-        want_codes, want_scales = encode(fmt, x)
+        want_codes, *want_scales = fmt.spec.encode(x)
         assert torch.equal(codes.view(flat)[slots], want_codes)
         if fmt.is_quantized:
-            assert torch.equal(scales.view(flat[:2])[slots], want_scales)
+            assert torch.equal(scales.view(flat[:2])[slots], want_scales[0])
     assert not c.k_codes[0].any()  # other layers untouched
     rk, rv = c.read_rows(1, slots)
-    assert torch.equal(rk, decode(fmt, *encode(fmt, k)))
+    assert torch.equal(rk, fmt.spec.decode(fmt.spec.encode(k)))
 
 
 def test_append_validates_before_writing():
@@ -141,8 +140,8 @@ def test_paged_write_matches_float64_formula(style, qk_norm, fmt):
     _, k32, v32 = prepare_qkv(c, qkv, positions, cos.float(), sin.float(), hq, qw, kw, 1e-6, style)
     assert (k32.double() - k64).abs().max() / k64.abs().max() < 1e-5
     rk, rv = c.read_rows(1, slots)
-    assert torch.equal(rk, decode(fmt, *encode(fmt, k32)))
-    assert torch.equal(rv, decode(fmt, *encode(fmt, v32)))
+    assert torch.equal(rk, fmt.spec.decode(fmt.spec.encode(k32)))
+    assert torch.equal(rv, fmt.spec.decode(fmt.spec.encode(v32)))
     # ... which is within the format's rounding of the float64 formula.
     # Half a quantization step (INT8) on top of the float16 rounding both formats start with.
     tol = (0.5 / 127 if fmt.is_quantized else 0.0) + 2.0**-11
@@ -248,20 +247,20 @@ def test_int64_slots_beyond_int32_are_refused():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_k_and_v_are_encoded_in_one_call(fmt, monkeypatch):
     calls = []
-    real = write_mod.encode
+    real = type(fmt.spec).encode
 
-    def counting(f, x):
+    def counting(self, x):
         calls.append(tuple(x.shape))
-        return real(f, x)
+        return real(self, x)
 
-    monkeypatch.setattr(write_mod, "encode", counting)
+    monkeypatch.setattr(type(fmt.spec), "encode", counting)
     c = PagedKvCache(4, 4, 1, 2, 8, fmt)
     slots = c.add_sequence(0, 3)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     append_paged_kv(c, 0, k, v, slots)
     assert calls == [(2, 3, 2, 8)]
     rk, rv = c.read_rows(0, slots)
-    assert torch.equal(rk, decode(fmt, *encode(fmt, k))) and torch.equal(rv, decode(fmt, *encode(fmt, v)))
+    assert torch.equal(rk, fmt.spec.decode(fmt.spec.encode(k))) and torch.equal(rv, fmt.spec.decode(fmt.spec.encode(v)))
 
 
 def test_rows_with_autograd_history_are_stored_as_values():
@@ -272,7 +271,7 @@ def test_rows_with_autograd_history_are_stored_as_values():
     append_paged_kv(c, 0, k, v, slots)
     rk, _ = c.read_rows(0, slots)
     assert not c.k_codes[0].requires_grad and c.k_codes[0].grad_fn is None
-    assert torch.equal(rk, decode(INT8, *encode(INT8, k.detach())))
+    assert torch.equal(rk, INT8.spec.decode(INT8.spec.encode(k.detach())))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

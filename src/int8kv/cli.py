@@ -31,6 +31,8 @@ from .formats import KvStorageFormat
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 F16 = KvStorageFormat.F16
+# The --kv-format / --formats choices: every registered format's stable name, and the dtype aliases.
+FORMAT_CHOICES = ", ".join((*(f.value for f in KvStorageFormat), "int8", "f16"))
 DEMO_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", action="append", help="your own prompt (repeatable; default: three built-in)")
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
     demo.add_argument("--memory", default="8GiB", help="budget for the capacity table, e.g. 512MiB, 8GiB")
-    demo.add_argument("--formats", default="f16,int8", help="comma-separated KV formats to compare")
+    demo.add_argument("--formats", default="f16,int8", help=f"comma-separated KV formats to compare: {FORMAT_CHOICES}")
     demo.add_argument("--json", metavar="PATH", help=JSON_HELP)
     demo.add_argument("--plot", metavar="PATH.png", help="KV memory versus context length per format")
     demo.add_argument("--kv-store", metavar="URL", help=KV_STORE_HELP)
@@ -93,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = command(sub, "serve", "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     serve.add_argument("model_path", nargs="?", metavar="MODEL", help=f"{MODEL_HELP}; or --model")
     serve.add_argument("--model", help=MODEL_HELP)
-    serve.add_argument("--kv-format", default="int8", help="KV storage format: int8 or f16")
+    serve.add_argument("--kv-format", default="int8", help=f"KV storage format: {FORMAT_CHOICES}")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
     serve.add_argument("--kv-store", help="shared KV block store (disk:PATH, redis://..., embedded)")
     serve.add_argument("--kv-store-secret", metavar="SECRET",

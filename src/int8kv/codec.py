@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from .errors import NonFiniteError, ShapeMismatch
-from .formats import KvStorageFormat
 
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QMAX = 127
@@ -119,18 +118,3 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return out.reshape(q.shape)
     return q.to(torch.float32) * scale.unsqueeze(-1)
 
-
-def encode(fmt: KvStorageFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Encode rows in ``fmt``: (codes, scales) for INT8, (float16 values, None) for F16."""
-    if fmt.is_quantized:
-        return quantize_int8(x)
-    return round_to_f16(x), None
-
-
-def decode(fmt: KvStorageFormat, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """Decode stored rows of ``fmt`` to float32."""
-    if fmt.is_quantized:
-        if scales is None:
-            raise ShapeMismatch(f"{fmt} codes need their scales to decode")
-        return dequantize_int8(codes, scales)
-    return codes.to(torch.float32)

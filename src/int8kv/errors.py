@@ -76,6 +76,10 @@ class AttentionBypassed(UnsupportedAttention):
     cache returned, or wrote a layer's K/V without the int8kv attention reading them."""
 
 
+class UnsupportedFormat(KvCacheError, NotImplementedError):
+    """A storage format a backend has no kernels for (int8kv.formats: its ``kernel`` name), refused by name."""
+
+
 class UnknownBackend(KvCacheError, ValueError):
     """A kernel backend name that is not one of int8kv.ops.BACKENDS."""
 

@@ -69,8 +69,7 @@ def cache_kinds(include_fp8: bool = True) -> list[CacheKind]:
 
     kinds = [
         CacheKind("DynamicCache fp32 (baseline)", lambda cfg: DynamicCache(), per_elem(4)),
-        ours(KvStorageFormat.F16),
-        ours(KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1),
+        *(ours(fmt) for fmt in KvStorageFormat),
     ]
     if include_fp8:
         # transformers' fp8 backend: one float8_e4m3 scale per layer tensor, frozen after the first update.

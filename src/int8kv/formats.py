@@ -1,25 +1,240 @@
-"""The storage formats, defined once.
+"""The storage formats, defined once: one :class:`KvFormat` object per format, found by its stable name.
 
-A format says how one row (one token, one KV head, ``head_dim`` values) is stored.
-Names are stable: they are written into files and configs and must never change.
+A format says how one row (one token, one KV head, ``head_dim`` values) is stored: the tensors it keeps per
+row (its :class:`Part` s: a name, a dtype and a trailing shape that is a function of ``head_dim``), how rows
+are encoded into them and decoded back, which stored values are legal (what a reader of untrusted bytes
+checks), and the bytes a row and a token take. Everything else (pools, states, files, block values, the CLI's
+choices, the backends' dispatch) iterates over a format's parts; docs/design.md, "Storage formats", lists
+what a new format touches.
+
+Names are stable: they are written into files, block values and configs and must never change. The public
+:class:`KvStorageFormat` enum names the registered formats; ``fmt.spec`` is the member's format object.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .codec import dequantize_int8, quantize_int8, round_to_f16
+from .errors import ShapeMismatch
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor a format stores per row: ``name`` (``"codes"``, ``"scales"``), its dtype, its trailing
+    shape for a given ``head_dim`` (``(head_dim,)`` for codes, ``()`` for one scale per row, ``(head_dim // 2,)``
+    for two 4-bit codes per byte) and the value fresh storage holds (never garbage: a kernel multiplying a
+    masked lane by 0 must not meet NaN)."""
+
+    name: str
+    dtype: torch.dtype
+    row_shape: Callable[[int], tuple[int, ...]]
+    fill: float = 0.0
+
+    def shape(self, head_dim: int) -> tuple[int, ...]:
+        return tuple(self.row_shape(head_dim))
+
+    def row_bytes(self, head_dim: int) -> int:
+        return math.prod(self.shape(head_dim)) * self.dtype.itemsize
+
+
+def _per_value(head_dim: int) -> tuple[int, ...]:
+    return (head_dim,)
+
+
+def _per_row(head_dim: int) -> tuple[int, ...]:
+    return ()
+
+
+class KvFormat:
+    """A storage format. Subclasses set the class attributes and implement encode, _decode (called by decode once
+    the part count is checked) and value_problem.
+
+    ``parts`` are in the order :meth:`encode` returns them (and the pool, a state and a kernel receive them);
+    ``wire_order`` is the order files and block values lay them out (part names; K before V within a part).
+    ``kernel`` names the attention kernels that read the parts (each backend maps it to its kernel; a kernel
+    name a backend does not know is refused by name, so a new format never runs through another's kernels).
+    """
+
+    name: str
+    version: int
+    parts: tuple[Part, ...]
+    wire_order: tuple[str, ...]
+    kernel: str
+
+    def __repr__(self) -> str:
+        return f"<KvFormat {self.name} v{self.version}>"
+
+    # -- the codec -----------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows ``x [..., head_dim]`` (float32/float16/bfloat16, any device) as one tensor per part,
+        ``[..., *part.shape(head_dim)]``; NaN/inf and out-of-domain inputs raise typed errors."""
+        raise NotImplementedError
+
+    def decode(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Stored parts (as :meth:`encode` returns them, any leading shape) as float32 rows ``[..., head_dim]``."""
+        if not isinstance(parts, (tuple, list)) or len(parts) != len(self.parts):
+            raise ShapeMismatch(f"{self.name} decodes one tensor per part {self.part_names}")
+        return self._decode(*parts)
+
+    def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
+        """Why ``values`` (any shape, numpy) of the tensor named ``tensor`` (``k_<part>`` or ``v_<part>``, see
+        :meth:`tensor_names`) are not ones :meth:`encode` produces, or None. Readers of untrusted bytes (files,
+        block values) refuse such values: they would poison attention (inf keys, huge scales, codes outside the
+        range)."""
+        raise NotImplementedError
+
+    # -- names and sizes -----------------------------------------------------------------------------------
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.parts)
+
+    def part(self, name: str) -> Part:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise KeyError(f"{self.name} stores no part {name!r}; it stores {self.part_names}")
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """``k_<part>``, ``v_<part>`` in wire order: the tensors of a file and of a block value's payload."""
+        return tuple(f"{side}_{name}" for name in self.wire_order for side in ("k", "v"))
+
+    def bytes_per_row(self, head_dim: int) -> int:
+        """Bytes of one (token, KV head) of K or of V: every part of the row."""
+        return sum(p.row_bytes(head_dim) for p in self.parts)
+
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes one token occupies across all layers, keys and values together."""
+        return 2 * num_layers * num_kv_heads * self.bytes_per_row(head_dim)
+
+    def check_parts(self, parts: object, lead: tuple[int, ...], head_dim: int, what: str) -> tuple[torch.Tensor, ...]:
+        """``parts`` as a tuple of tensors of this format with leading shape ``lead`` (one per part, right dtype
+        and shape, one device), or ShapeMismatch naming ``what``."""
+        if not isinstance(parts, (tuple, list)) or len(parts) != len(self.parts):
+            raise ShapeMismatch(f"{what} must be one tensor per part {self.part_names} of {self.name}")
+        out = []
+        for p, t in zip(self.parts, parts, strict=True):
+            want = (*lead, *p.shape(head_dim))
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != p.dtype:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ShapeMismatch(f"{what} {p.name} must be {p.dtype} {want}, got {got}")
+            if out and t.device != out[0].device:
+                raise ShapeMismatch(f"{what} parts are on {out[0].device} and {t.device}")
+            out.append(t)
+        return tuple(out)
+
+
+class F16Format(KvFormat):
+    """Rows rounded to float16 (round to nearest even); NaN, inf and |x| > 65504 refused."""
+
+    name = "f16"
+    version = 1
+    parts = (Part("codes", torch.float16, _per_value),)
+    wire_order = ("codes",)
+    kernel = "f16"
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (round_to_f16(x),)
+
+    def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
+        return parts[0].to(torch.float32)
+
+    def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
+        # float16 NaN and inf are the values whose five exponent bits are all set: an integer test on the bits
+        # (numpy's float16 isfinite converts each value first).
+        bits = np.ascontiguousarray(values).view(np.uint16)
+        if ((bits & 0x7C00) == 0x7C00).any():
+            return f"{tensor} holds NaN or inf, which the F16 format never stores"
+        return None
+
+
+class Int8V1Format(KvFormat):
+    """The frozen V1 codec (int8kv.codec): int8 codes in [-127, 127] per value, one float32 scale per row."""
+
+    name = "int8_per_token_head_f32_scale_v1"
+    version = 1
+    parts = (Part("codes", torch.int8, _per_value), Part("scales", torch.float32, _per_row, fill=1.0))
+    wire_order = ("scales", "codes")
+    kernel = "int8"
+    # The largest scale the encoder writes: float32(65504 / 127), from a row whose max |x| is float16's max
+    # (larger inputs are refused as overflowing float16), computed the encoder's way (float32 division).
+    # Smaller positive scales all occur (subnormal rows).
+    SCALE_MAX = float(torch.tensor(65504.0, dtype=torch.float32) / 127)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quantize_int8(x)
+
+    def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
+        return dequantize_int8(*parts)
+
+    def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
+        # numpy, not torch: on the 2-core dev machine a 1 MiB chunk takes 0.01-1 ms here against 15-85 ms for
+        # the same reductions in torch (thread start-up under contention).
+        if values.size == 0:
+            return None
+        if tensor.endswith("scales"):
+            # NaN fails both comparisons (min/max propagate it), so this also refuses NaN.
+            if not (values.min() > 0 and values.max() <= self.SCALE_MAX):
+                return f"{tensor} holds a scale outside (0, 65504/127] (not finite, not positive, or above V1's top)"
+        elif values.min() == -128:
+            return f"{tensor} holds -128, outside the V1 code range [-127, 127]"
+        return None
+
+
+F16 = F16Format()
+INT8_V1 = Int8V1Format()
+_REGISTRY: dict[str, KvFormat] = {}
+
+
+def register(fmt: KvFormat) -> KvFormat:
+    """Add a format to the registry under its stable name (refused if the name is taken)."""
+    if fmt.name in _REGISTRY and _REGISTRY[fmt.name] is not fmt:
+        raise ValueError(f"a KV storage format named {fmt.name!r} is already registered")
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+for _fmt in (F16, INT8_V1):
+    register(_fmt)
+
+
+def get_format(name: str) -> KvFormat:
+    """The registered format of stable name ``name``, or ValueError listing the accepted names."""
+    fmt = _REGISTRY.get(name) if isinstance(name, str) else None
+    if fmt is None:
+        raise ValueError(f"unknown KV storage format {name!r}; accepted: {', '.join(_REGISTRY)}")
+    return fmt
+
+
+def format_names() -> tuple[str, ...]:
+    """The stable names of every registered format (the CLI's ``--kv-format`` choices)."""
+    return tuple(_REGISTRY)
 
 
 class KvStorageFormat(str, enum.Enum):
-    F16 = "f16"
-    INT8_PER_TOKEN_HEAD_F32_SCALE_V1 = "int8_per_token_head_f32_scale_v1"
+    """The registered formats by stable name; ``.spec`` is the member's :class:`KvFormat`."""
+
+    F16 = F16Format.name
+    INT8_PER_TOKEN_HEAD_F32_SCALE_V1 = Int8V1Format.name
 
     def as_str(self) -> str:
         return self.value
 
     def __str__(self) -> str:
         return self.value
+
+    @property
+    def spec(self) -> KvFormat:
+        return _REGISTRY[self.value]
 
     @classmethod
     def parse(cls, name: str) -> KvStorageFormat:
@@ -44,34 +259,27 @@ class KvStorageFormat(str, enum.Enum):
         accepted = ", ".join(sorted(_F16_ALIASES | _INT8_ALIASES))
         raise ValueError(f"unsupported KV cache dtype {name!r}; accepted: {accepted}")
 
+    # -- the format object's answers, for the callers that hold a member (encode and decode: ``.spec``, as
+    # ``str.encode`` is the member's own) ------------------------------------------------------------------
     @property
     def is_quantized(self) -> bool:
-        return self is KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+        """Whether rows are stored lossily beyond float16 rounding (every format but F16)."""
+        return self is not KvStorageFormat.F16
 
     @property
     def version(self) -> int:
-        return 1
+        return self.spec.version
 
     @property
-    def code_dtype(self) -> torch.dtype:
-        """dtype of the stored element codes."""
-        return torch.int8 if self.is_quantized else torch.float16
-
-    @property
-    def bytes_per_element(self) -> int:
-        return 1 if self.is_quantized else 2
-
-    @property
-    def bytes_per_row_overhead(self) -> int:
-        """Bytes stored per (token, KV head) besides the elements: the float32 scale."""
-        return 4 if self.is_quantized else 0
+    def parts(self) -> tuple[Part, ...]:
+        return self.spec.parts
 
     def bytes_per_row(self, head_dim: int) -> int:
-        return head_dim * self.bytes_per_element + self.bytes_per_row_overhead
+        return self.spec.bytes_per_row(head_dim)
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """Bytes one token occupies across all layers, keys and values together."""
-        return 2 * num_layers * num_kv_heads * self.bytes_per_row(head_dim)
+        return self.spec.bytes_per_token(num_layers, num_kv_heads, head_dim)
 
 
 _F16_ALIASES = frozenset({"auto", "fp16", "float16", "half", "f16"})

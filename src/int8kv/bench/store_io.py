@@ -27,16 +27,13 @@ FORMATS = (KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, KvStorageFormat.F16
 
 
 def random_state(layout: KvLayout, tokens: int, seed: int = 0) -> KvState:
-    """A batch-1 state of valid random codes (and scales in the encoder's range) for ``tokens`` tokens."""
+    """A batch-1 state of ``tokens`` random rows encoded by the layout's format (valid values for any format)."""
     g = torch.Generator().manual_seed(seed)
     shape = (1, tokens, layout.num_kv_heads, layout.head_dim)
-    L = layout.num_layers
-    if layout.format.is_quantized:
-        codes = [torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for _ in range(2 * L)]
-        scales = [torch.rand(shape[:3], generator=g) * 0.1 + 1e-3 for _ in range(2 * L)]
-        return KvState.build(layout, codes[:L], codes[L:], scales[:L], scales[L:])
-    codes = [torch.randn(shape, generator=g).to(torch.float16) for _ in range(2 * L)]
-    return KvState.build(layout, codes[:L], codes[L:])
+    encode = layout.format.spec.encode
+    layers = [(encode(torch.randn(shape, generator=g)), encode(torch.randn(shape, generator=g)))
+              for _ in range(layout.num_layers)]  # fmt: skip
+    return KvState.from_layers(layout, layers)
 
 
 def _keys(n: int, salt: str) -> list[bytes]:

@@ -4,10 +4,11 @@ The byte layout, the order of the checks and the versioning rules are specified 
 ("Block value format, version 2"). In short: a 56-byte little-endian header (magic, versions, header length,
 layer count, KV head range, head_dim, block size, token count, payload length, key length, authentication
 kind), the storage format name, the model fingerprint and the block key the value is stored under, zero
-padding to a multiple of 8, the payload (``[L, T, Hk]`` float32 K then V scales for INT8, then
-``[L, T, Hk, D]`` K then V codes), an XXH3-128 digest of everything before it and, with a shared secret, an
-HMAC-SHA256 of everything before that. The key inside the digested header binds a value to its key (a value
-copied under another key is refused); the HMAC binds it to the secret (a value forged without it is refused).
+padding to a multiple of 8, the payload (the storage format's tensors in its wire order, ``[L, T, Hk, ...]``
+each: for INT8 V1 ``[L, T, Hk]`` float32 K then V scales, then ``[L, T, Hk, D]`` K then V codes), an XXH3-128
+digest of everything before it and, with a shared secret, an HMAC-SHA256 of everything before that. The key
+inside the digested header binds a value to its key (a value copied under another key is refused); the HMAC
+binds it to the secret (a value forged without it is refused).
 
 XXH3-128 rather than CRC-32 or SHA-256 (measured over 128 SmolLM2 blocks on this shared 2-core machine):
 zlib's CRC-32 ran at 1.1-4.9 GB/s and SHA-256 at 1.7 GB/s against a loopback Valkey GET at 0.2-0.6 GB/s, so
@@ -70,11 +71,8 @@ _TAG = 32  # HMAC-SHA256, with a shared secret
 _AUTH_NONE, _AUTH_HMAC = 0, 1
 MAX_KEY_BYTES = 64
 MIN_SECRET_BYTES = 16
-_NUMPY = {torch.int8: np.int8, torch.float16: np.float16, torch.float32: np.float32}
+_NUMPY = {torch.int8: np.int8, torch.uint8: np.uint8, torch.float16: np.float16, torch.float32: np.float32}
 _ALIGN = 8
-# The largest scale the V1 encoder can produce: float32(max |x16| / 127) with max |x16| = 65504, computed the
-# same way (float32 division) so the bound is exactly the encoder's value.
-_MAX_SCALE = float(torch.tensor(65504.0, dtype=torch.float32) / 127)
 
 
 @dataclass(frozen=True)
@@ -193,7 +191,8 @@ def encode_block(spec: BlockSpec, state: KvState, key: bytes, secret: bytes | No
     )
     strings = name + fp + key
     buf[_FIXED.size : _FIXED.size + len(strings)] = strings
-    for (offset, dtype, shape), group in zip(_payload_layout(spec, tokens), _groups(state), strict=True):
+    for name, offset, dtype, shape in _payload_layout(spec, tokens):
+        group = state.groups[name]
         dst = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape), offset=header_len + offset).view(shape)
         for layer, src in enumerate(group):
             dst[layer].copy_(src[0])
@@ -264,8 +263,8 @@ def verify_block(
     secret: bytes | None = None,
 ) -> BlockHeader:
     """Every check of ``value``, read under ``key``, against ``spec``, allocating nothing: framing, checksum,
-    HMAC (with ``secret``), the key, version, format, fingerprint, layout and sizes, then the values (no code
-    -128, scales in (0, 65504/127], F16 finite).
+    HMAC (with ``secret``), the key, version, format, fingerprint, layout and sizes, then the values (the
+    format's ``value_problem``: for V1 no code -128 and scales in (0, 65504/127], for F16 finite values).
 
     ``tokens`` is the expected token count (default: a full block). Raises a
     :class:`~int8kv.blockstore.errors.BlockValueError` subclass.
@@ -330,8 +329,8 @@ def assemble_blocks(
     if n == 0:
         raise BlockEncodeError("assemble_blocks needs at least one block value")
     header_len = spec.header_len() if header_len is None else header_len
-    groups = []
-    for offset, dtype, shape in _payload_layout(spec, tokens):
+    groups = {}
+    for name, offset, dtype, shape in _payload_layout(spec, tokens):
         # numpy allocates, torch wraps: torch.empty handed back fresh pages on every call here (page faults:
         # 83 us per SmolLM2 block of codes), numpy's allocation reuses freed memory (8 us for the same copy).
         out = np.empty((shape[0], n * tokens, *shape[2:]), dtype=_NUMPY[dtype])
@@ -340,12 +339,8 @@ def assemble_blocks(
             src = np.frombuffer(value, dtype=out.dtype, count=count, offset=header_len + offset)
             out[:, i * tokens : (i + 1) * tokens] = src.reshape(shape)
         dst = torch.from_numpy(out)
-        groups.append([dst[layer].unsqueeze(0) for layer in range(lay.num_layers)])
-    if lay.format.is_quantized:
-        k_scales, v_scales, k_codes, v_codes = groups
-        return KvState.build(lay, k_codes, v_codes, k_scales, v_scales)
-    k_codes, v_codes = groups
-    return KvState.build(lay, k_codes, v_codes)
+        groups[name] = [dst[layer].unsqueeze(0) for layer in range(lay.num_layers)]
+    return KvState.from_parts(lay, groups)
 
 
 def _digest(data: memoryview) -> bytes:
@@ -358,25 +353,18 @@ def _tag(secret: bytes, data: memoryview) -> bytes:
     return hmac.new(secret, data, hashlib.sha256).digest()
 
 
-def _groups(state: KvState) -> list[tuple[torch.Tensor, ...]]:
-    """The state's per-layer tensors in payload order."""
-    if state.format.is_quantized:
-        return [state.k_scales, state.v_scales, state.k_codes, state.v_codes]  # type: ignore[list-item]
-    return [state.k_codes, state.v_codes]
-
-
 @functools.lru_cache(maxsize=64)
-def _payload_layout(spec: BlockSpec, tokens: int) -> tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]:
-    """(offset in the payload, dtype, shape) of each group: [L, T, Hk] scales (INT8), then [L, T, Hk, D] codes."""
+def _payload_layout(spec: BlockSpec, tokens: int) -> tuple[tuple[str, int, torch.dtype, tuple[int, ...]], ...]:
+    """(tensor name, offset in the payload, dtype, shape) of each of the format's tensors in wire order,
+    ``[L, T, Hk, *part.shape(D)]`` (V1: K then V scales, then K then V codes)."""
     lay = spec.layout
-    shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
-    if lay.format.is_quantized:
-        shapes += [(torch.float32, (lay.num_layers, tokens, lay.num_kv_heads))] * 2
-    shapes += [(lay.format.code_dtype, (lay.num_layers, tokens, lay.num_kv_heads, lay.head_dim))] * 2
+    fmt = lay.format.spec
     out, offset = [], 0
-    for dtype, shape in shapes:
-        out.append((offset, dtype, shape))
-        offset += math.prod(shape) * dtype.itemsize
+    for name in fmt.tensor_names():
+        part = fmt.part(name[2:])
+        shape = (lay.num_layers, tokens, lay.num_kv_heads, *part.shape(lay.head_dim))
+        out.append((name, offset, part.dtype, shape))
+        offset += math.prod(shape) * part.dtype.itemsize
     return tuple(out)
 
 
@@ -385,31 +373,14 @@ def _as_bytes(value: bytes | bytearray | memoryview) -> bytes | bytearray:
 
 
 def _check_values(spec: BlockSpec, data: bytes | bytearray, header: BlockHeader) -> None:
-    # numpy and bytes.find on the value itself, not torch ops: on this shared 2-core machine torch's threaded
+    # numpy on the value itself, not torch ops: on this shared 2-core machine torch's threaded
     # ``(codes == -128).any()`` took 13 ms per 92 K-code SmolLM2 block (thread start-up under contention).
-    # K and V of a kind are adjacent in the payload, so each kind is checked in one call.
-    lay = spec.layout
-    rows = lay.num_layers * header.tokens * lay.num_kv_heads  # per K or V
-    start = header.header_len
-    if spec.format.is_quantized:
-        scales = np.frombuffer(data, dtype=np.float32, count=2 * rows, offset=start)
-        # NaN fails both comparisons, so this also refuses NaN; +inf fails the upper bound.
-        bad = ~((scales > 0) & (scales <= _MAX_SCALE))
-        if bad.any():
-            name = "k_scales" if int(bad.argmax()) < rows else "v_scales"
-            raise InvalidBlockValues(f"{name} holds a scale outside (0, 65504/127] or NaN")
-        start += 2 * rows * 4
-        at = data.find(b"\x80", start, start + 2 * rows * lay.head_dim)  # memchr for the one forbidden code
-        if at >= 0:
-            name = "k_codes" if at - start < rows * lay.head_dim else "v_codes"
-            raise InvalidBlockValues(f"{name} holds -128, outside the V1 code range [-127, 127]")
-    else:
-        bits = np.frombuffer(data, dtype=np.uint16, count=2 * rows * lay.head_dim, offset=start)
-        # float16 NaN and inf are the values whose five exponent bits are all set.
-        bad = (bits & 0x7C00) == 0x7C00
-        if bad.any():
-            name = "k_codes" if int(bad.argmax()) < rows * lay.head_dim else "v_codes"
-            raise InvalidBlockValues(f"{name} holds NaN or inf, which the F16 format never stores")
+    fmt = spec.format.spec
+    for name, offset, dtype, shape in _payload_layout(spec, header.tokens):
+        values = np.frombuffer(data, dtype=_NUMPY[dtype], count=math.prod(shape), offset=header.header_len + offset)
+        problem = fmt.value_problem(name, values)
+        if problem is not None:
+            raise InvalidBlockValues(problem)
 
 
 def _short(value: object, limit: int = 120) -> str:

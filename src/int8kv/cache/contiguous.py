@@ -1,8 +1,8 @@
 """Contiguous multi-layer cache for simple decoders: push a step, read rows back.
 
-Storage per layer is token-major, so a decode step appends one contiguous slab:
-  codes  [capacity, num_kv_heads, head_dim]  int8 (INT8) or float16 (F16), for K and for V
-  scales [capacity, num_kv_heads]            float32, INT8 only
+Storage per layer is token-major, so a decode step appends one contiguous slab: one tensor per part of the
+format (int8kv.formats), for K and for V, ``[capacity, num_kv_heads, *part.shape(head_dim)]`` (V1: int8 codes
+``[.., head_dim]`` and float32 scales ``[..]``; F16: float16 codes).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..codec import decode, encode
 from ..errors import (
     CapacityExceeded,
     HeadOutOfRange,
@@ -26,7 +25,7 @@ from ..formats import KvStorageFormat
 from .state import KvLayout, KvState
 
 Rows = torch.Tensor  # [tokens, num_kv_heads, head_dim]
-Encoded = tuple[torch.Tensor, "torch.Tensor | None"]
+Encoded = tuple[torch.Tensor, ...]  # one tensor per part of the format
 
 
 def checked_index(value: object, what: str, error: type[KvCacheError]) -> int:
@@ -69,15 +68,36 @@ class QuantizedKvLayer:
         self.capacity = capacity
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (capacity, num_kv_heads, head_dim)
-        self.k_codes = torch.zeros(shape, dtype=self.format.code_dtype, device=device)
-        self.v_codes = torch.zeros(shape, dtype=self.format.code_dtype, device=device)
-        self.k_scales: torch.Tensor | None = None
-        self.v_scales: torch.Tensor | None = None
-        if self.format.is_quantized:
-            self.k_scales = torch.ones(shape[:2], dtype=torch.float32, device=device)
-            self.v_scales = torch.ones(shape[:2], dtype=torch.float32, device=device)
+        lead = (capacity, num_kv_heads)
+
+        def side() -> Encoded:
+            return tuple(
+                torch.full((*lead, *p.shape(head_dim)), p.fill, dtype=p.dtype, device=device) for p in self.format.parts
+            )
+
+        self.k_parts, self.v_parts = side(), side()
         self.seq_len = 0
+
+    def _part(self, parts: Encoded, name: str) -> torch.Tensor | None:
+        names = self.format.spec.part_names
+        return parts[names.index(name)] if name in names else None
+
+    # The V1-era names of the parts (None when the format stores no such part).
+    @property
+    def k_codes(self) -> torch.Tensor:
+        return self._part(self.k_parts, "codes")  # type: ignore[return-value]
+
+    @property
+    def v_codes(self) -> torch.Tensor:
+        return self._part(self.v_parts, "codes")  # type: ignore[return-value]
+
+    @property
+    def k_scales(self) -> torch.Tensor | None:
+        return self._part(self.k_parts, "scales")
+
+    @property
+    def v_scales(self) -> torch.Tensor | None:
+        return self._part(self.v_parts, "scales")
 
     # -- writing -----------------------------------------------------------------
     def as_rows(self, x: object, what: str) -> Rows:
@@ -110,16 +130,13 @@ class QuantizedKvLayer:
             raise CapacityExceeded(
                 f"appending {k.shape[0]} token(s) to {self.seq_len} exceeds capacity {self.capacity}"
             )
-        device = self.k_codes.device
-        return encode(self.format, k.to(device)), encode(self.format, v.to(device))
+        device = self.k_parts[0].device
+        return self.format.spec.encode(k.to(device)), self.format.spec.encode(v.to(device))
 
     def commit(self, k: Encoded, v: Encoded) -> None:
         start, end = self.seq_len, self.seq_len + k[0].shape[0]
-        self.k_codes[start:end] = k[0]
-        self.v_codes[start:end] = v[0]
-        if self.k_scales is not None and self.v_scales is not None:
-            self.k_scales[start:end] = k[1]
-            self.v_scales[start:end] = v[1]
+        for dst, src in zip((*self.k_parts, *self.v_parts), (*k, *v), strict=True):
+            dst[start:end] = src
         self.seq_len = end
 
     def push(self, keys: object, values: object) -> None:
@@ -136,22 +153,22 @@ class QuantizedKvLayer:
             raise HeadOutOfRange(f"head {head} outside [0, {self.num_kv_heads})")
         return token_pos, head
 
-    def _decode(self, codes: torch.Tensor, scales: torch.Tensor | None, index: object) -> torch.Tensor:
-        return decode(self.format, codes[index], None if scales is None else scales[index])
+    def _decode(self, parts: Encoded, index: object) -> torch.Tensor:
+        return self.format.spec.decode(tuple(t[index] for t in parts))
 
     def get_key(self, token_pos: int, head: int) -> torch.Tensor:
         """The decoded key row ``[head_dim]`` at (token_pos, head)."""
-        return self._decode(self.k_codes, self.k_scales, self.check_row(token_pos, head))
+        return self._decode(self.k_parts, self.check_row(token_pos, head))
 
     def get_value(self, token_pos: int, head: int) -> torch.Tensor:
         """The decoded value row ``[head_dim]`` at (token_pos, head)."""
-        return self._decode(self.v_codes, self.v_scales, self.check_row(token_pos, head))
+        return self._decode(self.v_parts, self.check_row(token_pos, head))
 
     def keys(self) -> torch.Tensor:
-        return self._decode(self.k_codes, self.k_scales, slice(0, self.seq_len))
+        return self._decode(self.k_parts, slice(0, self.seq_len))
 
     def values(self) -> torch.Tensor:
-        return self._decode(self.v_codes, self.v_scales, slice(0, self.seq_len))
+        return self._decode(self.v_parts, slice(0, self.seq_len))
 
     # -- accounting and rollback -------------------------------------------------
     def bytes_per_position(self) -> int:
@@ -282,15 +299,10 @@ class QuantizedKvCache:
     def export_state(self) -> KvState:
         """The stored tokens as a batch-1 :class:`KvState` (CPU copies)."""
         n = self.seq_len
-
-        def group(name: str) -> list[torch.Tensor] | None:
-            if getattr(self.layers[0], name) is None:
-                return None
-            return [getattr(layer, name)[:n].unsqueeze(0) for layer in self.layers]
-
-        return KvState.build(
-            self.layout, group("k_codes"), group("v_codes"), group("k_scales"), group("v_scales")
-        )
+        return KvState.from_layers(self.layout, [
+            (tuple(t[:n].unsqueeze(0) for t in layer.k_parts), tuple(t[:n].unsqueeze(0) for t in layer.v_parts))
+            for layer in self.layers
+        ])  # fmt: skip
 
     def import_state(self, state: KvState) -> None:
         """Replace the contents with a batch-1 ``state``; on any error the cache is unchanged."""
@@ -298,17 +310,10 @@ class QuantizedKvCache:
         if state.length > self.capacity:
             raise CapacityExceeded(f"the state holds {state.length} tokens but the capacity is {self.capacity}")
         n = state.length
-        device = self.layers[0].k_codes.device
+        device = self.layers[0].k_parts[0].device
         # Moved to the device first so an out-of-memory there happens before the first layer changes.
-        moved = [
-            [None if g is None else g[i][0].to(device) for g in (state.k_codes, state.v_codes, state.k_scales,
-                                                                   state.v_scales)]
-            for i in range(self.num_layers)
-        ]
-        for layer, (k, v, ks, vs) in zip(self.layers, moved, strict=True):
-            layer.k_codes[:n] = k
-            layer.v_codes[:n] = v
-            if ks is not None and vs is not None:
-                layer.k_scales[:n] = ks
-                layer.v_scales[:n] = vs
+        moved = [tuple(t[0].to(device) for side in state.layer(i) for t in side) for i in range(self.num_layers)]
+        for layer, parts in zip(self.layers, moved, strict=True):
+            for dst, src in zip((*layer.k_parts, *layer.v_parts), parts, strict=True):
+                dst[:n] = src
             layer.seq_len = n

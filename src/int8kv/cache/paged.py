@@ -180,13 +180,8 @@ class PagedKvCache:
         # blocks (shared, copied-on-write, scattered) the sequence occupies.
         slots = self.slots(seq_id, start, end)
         rows = [self.pool.export_rows(layer, slots) for layer in range(self.num_layers)]
-
-        def group(kv: int, part: int) -> list[torch.Tensor] | None:
-            if rows[0][kv][part] is None:
-                return None
-            return [r[kv][part].unsqueeze(0) for r in rows]
-
-        return KvState.build(self.layout, group(0, 0), group(1, 0), group(0, 1), group(1, 1))
+        batch_of_one = [tuple(tuple(t.unsqueeze(0) for t in side) for side in r) for r in rows]
+        return KvState.from_layers(self.layout, batch_of_one)
 
     def import_state(self, seq_id: SeqId, state: KvState) -> torch.Tensor:
         """Create sequence ``seq_id`` holding a batch-1 ``state``; returns its slots. Atomic: on any error
@@ -209,25 +204,25 @@ class PagedKvCache:
         self._write_state_rows(slots, moved)
         return slots
 
-    def _state_rows(self, state: KvState) -> list[list[torch.Tensor] | None]:
-        """The state's per-layer tensors (k_codes, v_codes, k_scales, v_scales), batch row 0, on this device."""
+    def _state_rows(self, state: KvState) -> list[tuple[Rows, Rows]]:
+        """The state's per-layer (k_parts, v_parts), batch row 0, on this device."""
         KvState.check_single(state, self.layout, "a paged sequence")
         return [
-            None if g is None else [t[0].to(self.device) for t in g]
-            for g in (state.k_codes, state.v_codes, state.k_scales, state.v_scales)
+            tuple(tuple(t[0].to(self.device) for t in side) for side in state.layer(layer))  # type: ignore[misc]
+            for layer in range(self.num_layers)
         ]
 
-    def _write_state_rows(self, slots: torch.Tensor, moved: list[list[torch.Tensor] | None]) -> None:
-        for layer in range(self.num_layers):
-            k, v, ks, vs = (None if g is None else g[layer] for g in moved)
-            self.pool.write_rows(layer, slots, (k, ks), (v, vs))
+    def _write_state_rows(self, slots: torch.Tensor, moved: list[tuple[Rows, Rows]]) -> None:
+        for layer, (k, v) in enumerate(moved):
+            self.pool.write_rows(layer, slots, k, v)
 
     # -- rows -------------------------------------------------------------------------------------------
     def check_layer(self, layer: int) -> int:
         return self.pool.check_layer(layer)
 
     def write_rows(self, layer: int, slots: torch.Tensor, k: Rows, v: Rows) -> None:
-        """Store already-encoded rows (codes, scales) at int64 `slots`; no validation (see ops.append_paged_kv)."""
+        """Store already-encoded rows (one tensor per part of the format) at int64 `slots`; no validation
+        (see ops.append_paged_kv)."""
         self.pool.write_rows(layer, slots, k, v)
 
     def read_rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
 """KV storage: the tensors of a paged cache and the operations on their layout, no bookkeeping.
 
-A :class:`KvPool` owns, for every layer ``l`` of its :class:`~int8kv.cache.state.KvLayout`,
-  k_codes[l], v_codes[l]    [num_blocks, block_size, num_kv_heads, head_dim]  int8 (INT8) | float16 (F16)
-  k_scales[l], v_scales[l]  [num_blocks, block_size, num_kv_heads]            float32 (INT8) | None (F16)
-(docs/design.md, "Paged cache layout"). A slot is ``block_id * block_size + offset``. All layers live in one
-tensor per kind so copying a block moves it in every layer with one indexing op.
+A :class:`KvPool` owns, for every part of its format (int8kv.formats: V1 has codes and scales, F16 codes only)
+and for K and for V, one tensor holding every layer ``l``:
+  k[part][l], v[part][l]   [num_blocks, block_size, num_kv_heads, *part.shape(head_dim)]
+e.g. V1's codes ``[.., head_dim]`` int8 and scales ``[..]`` float32 (docs/design.md, "Paged cache layout"). A
+slot is ``block_id * block_size + offset``. All layers live in one tensor per part so copying a block moves it
+in every layer with one indexing op.
 
 The pool knows nothing of sequences: which blocks belong to whom is the allocator's business
 (:class:`~int8kv.cache.allocator.BlockAllocator`), and :class:`~int8kv.cache.paged.PagedKvCache` is the two
@@ -15,15 +16,17 @@ row ``b`` and ``block_size`` = its capacity. Rows arrive here already checked an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ..codec import decode
 from ..errors import LayerOutOfRange, ShapeMismatch
 from ..formats import KvStorageFormat
 from .state import KvLayout
 
-#: Encoded rows: codes ``[n, num_kv_heads, head_dim]`` and float32 scales ``[n, num_kv_heads]`` (None for F16).
-Rows = tuple[torch.Tensor, torch.Tensor | None]
+#: Encoded rows: one tensor per part of the format, ``[n, num_kv_heads, *part.shape(head_dim)]`` (V1: codes
+#: ``[n, heads, dim]`` int8 and scales ``[n, heads]`` float32; F16: float16 codes only).
+Rows = tuple[torch.Tensor, ...]
 
 
 class KvPool:
@@ -37,57 +40,44 @@ class KvPool:
         for name, n in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ShapeMismatch(f"{name} must be a positive int, got {n!r}")
-        shape = (layout.num_layers, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-        # Zero codes and unit scales, never garbage: a kernel multiplying a masked lane by 0 must not meet NaN.
-        k = torch.zeros(shape, dtype=layout.format.code_dtype, device=device)
-        ks = vs = None
-        if layout.format.is_quantized:
-            ks = torch.ones(shape[:-1], dtype=torch.float32, device=device)
-            vs = torch.ones_like(ks)
-        self._init(layout, k, torch.zeros_like(k), ks, vs)
+        lead = (layout.num_layers, num_blocks, block_size, layout.num_kv_heads)
+
+        def side() -> tuple[torch.Tensor, ...]:
+            # Each part's fill (zero codes, unit scales), never garbage: a kernel multiplying a masked lane by 0
+            # must not meet NaN.
+            return tuple(
+                torch.full((*lead, *p.shape(layout.head_dim)), p.fill, dtype=p.dtype, device=device)
+                for p in layout.format.spec.parts
+            )
+
+        self._init(layout, side(), side())
 
     @classmethod
-    def from_tensors(
-        cls,
-        layout: KvLayout,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_scales: torch.Tensor | None,
-        v_scales: torch.Tensor | None,
-    ) -> KvPool:
-        """A pool over existing ``[num_layers, num_blocks, block_size, heads, dim]`` codes (and
-        ``[num_layers, num_blocks, block_size, heads]`` scales), without copying them."""
-        shape = tuple(k.shape)
-        if len(shape) != 5 or shape[0] != layout.num_layers or shape[3:] != (layout.num_kv_heads, layout.head_dim):
-            raise ShapeMismatch(f"codes {shape} do not fit {layout}")
-        for name, t, want, dtype in (
-            ("v", v, shape, layout.format.code_dtype),
-            ("k", k, shape, layout.format.code_dtype),
-            ("k_scales", k_scales, shape[:4], torch.float32),
-            ("v_scales", v_scales, shape[:4], torch.float32),
-        ):
-            if t is None and not layout.format.is_quantized and "scales" in name:
-                continue
-            if t is None or tuple(t.shape) != want or t.dtype != dtype or t.device != k.device:
-                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
-                raise ShapeMismatch(f"{name} must be {dtype} {want} on {k.device}, got {got}")
+    def from_tensors(cls, layout: KvLayout, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> KvPool:
+        """A pool over existing K and V parts (one tensor per part of the format,
+        ``[num_layers, num_blocks, block_size, heads, *part.shape(dim)]``, one device), without copying them."""
+        spec = layout.format.spec
+        first = k[0] if isinstance(k, (tuple, list)) and k and isinstance(k[0], torch.Tensor) else None
+        if first is None or first.dim() < 4 or (first.shape[0], first.shape[3]) != layout.dims[:2]:
+            raise ShapeMismatch(f"K parts do not fit {layout}")
+        lead = tuple(first.shape[:4])
+        k = spec.check_parts(k, lead, layout.head_dim, "k")
+        v = spec.check_parts(v, lead, layout.head_dim, "v")
+        if v[0].device != k[0].device:
+            raise ShapeMismatch(f"K is on {k[0].device} but V on {v[0].device}")
         pool = cls.__new__(cls)
-        pool._init(layout, k, v, k_scales if layout.format.is_quantized else None,
-                   v_scales if layout.format.is_quantized else None)  # fmt: skip
+        pool._init(layout, k, v)
         return pool
 
-    def _init(self, layout: KvLayout, k, v, ks, vs) -> None:
+    def _init(self, layout: KvLayout, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...]) -> None:
         self.layout = layout
         self.format: KvStorageFormat = layout.format
         self.num_layers, self.num_kv_heads, self.head_dim = layout.dims
-        self.num_blocks, self.block_size = int(k.shape[1]), int(k.shape[2])
-        self._k, self._v, self._ks, self._vs = k, v, ks, vs
+        self.num_blocks, self.block_size = int(k[0].shape[1]), int(k[0].shape[2])
+        self._k, self._v = tuple(k), tuple(v)
         # Taken from a tensor so "cuda" becomes "cuda:0" and device comparisons with inputs hold.
-        self.device = k.device
-        self.k_codes: list[torch.Tensor] = list(k.unbind(0))
-        self.v_codes: list[torch.Tensor] = list(v.unbind(0))
-        self.k_scales: list[torch.Tensor | None] = list(ks.unbind(0)) if ks is not None else [None] * self.num_layers
-        self.v_scales: list[torch.Tensor | None] = list(vs.unbind(0)) if vs is not None else [None] * self.num_layers
+        self.device = k[0].device
+        self._layers = [(tuple(t[i] for t in self._k), tuple(t[i] for t in self._v)) for i in range(self.num_layers)]
 
     def __repr__(self) -> str:
         return (
@@ -108,66 +98,78 @@ class KvPool:
             raise LayerOutOfRange(f"layer {layer!r} outside [0, {self.num_layers})")
         return layer
 
-    def storage(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The whole pool: codes ``[num_layers, num_blocks, block_size, heads, dim]`` and scales without ``dim``."""
-        return self._k, self._v, self._ks, self._vs
+    # -- the tensors --------------------------------------------------------------------------------------
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the pool, all layers: K then V of each part in part order (V1: k codes, v codes,
+        k scales, v scales)."""
+        return tuple(t for pair in zip(self._k, self._v, strict=True) for t in pair)
 
-    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(k_codes, v_codes, k_scales, v_scales)`` of one layer in the block layout above (views)."""
-        return self.k_codes[layer], self.v_codes[layer], self.k_scales[layer], self.v_scales[layer]
+    def layer_parts(self, layer: int) -> tuple[Rows, Rows]:
+        """``(k_parts, v_parts)`` of one layer in the block layout above (views), in the format's part order."""
+        return self._layers[layer]
 
-    def layer_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The same tensors viewed by slot: codes ``[num_slots, heads, dim]``, scales ``[num_slots, heads]``."""
-        rows = (self.num_slots, self.num_kv_heads, self.head_dim)
-        kc, vc, ks, vs = self.layer_tensors(layer)
-        return (
-            kc.view(rows), vc.view(rows),
-            None if ks is None else ks.view(rows[:2]), None if vs is None else vs.view(rows[:2]),
-        )  # fmt: skip
+    def layer_rows(self, layer: int) -> tuple[Rows, Rows]:
+        """The same tensors viewed by slot: ``[num_slots, heads, *part.shape(dim)]``."""
+        return tuple(tuple(t.flatten(0, 1) for t in side) for side in self._layers[layer])  # type: ignore[return-value]
+
+    def part(self, side: str, name: str) -> list[torch.Tensor | None]:
+        """One part of K (``side="k"``) or V, per layer: ``pool.part("k", "codes")[l]``; None per layer when the
+        format stores no part of that name (F16's scales)."""
+        index = self.format.spec.part_names.index(name) if name in self.format.spec.part_names else None
+        which = 0 if side == "k" else 1
+        return [None if index is None else layer[which][index] for layer in self._layers]
+
+    # The V1-era per-layer views (tests, benchmarks): the codes and scales parts.
+    @property
+    def k_codes(self) -> list[torch.Tensor]:
+        return self.part("k", "codes")  # type: ignore[return-value]
+
+    @property
+    def v_codes(self) -> list[torch.Tensor]:
+        return self.part("v", "codes")  # type: ignore[return-value]
+
+    @property
+    def k_scales(self) -> list[torch.Tensor | None]:
+        return self.part("k", "scales")
+
+    @property
+    def v_scales(self) -> list[torch.Tensor | None]:
+        return self.part("v", "scales")
 
     # -- rows ---------------------------------------------------------------------------------------------
     def write_rows(self, layer: int, slots: torch.Tensor, k: Rows, v: Rows) -> None:
         """Store encoded rows at int64 ``slots [n]`` (distinct, in range, on this device: the write path checks)."""
-        kc, vc, ks, vs = self.layer_rows(layer)
-        kc.index_copy_(0, slots, k[0])
-        vc.index_copy_(0, slots, v[0])
-        if ks is not None and vs is not None:
-            ks.index_copy_(0, slots, k[1])
-            vs.index_copy_(0, slots, v[1])
+        for dst, src in zip(self.layer_rows(layer), (k, v), strict=True):
+            for t, rows in zip(dst, src, strict=True):
+                t.index_copy_(0, slots, rows)
 
     def export_rows(self, layer: int, slots: torch.Tensor) -> tuple[Rows, Rows]:
         """Encoded K and V rows of int64 ``slots`` (copies), the inverse of :meth:`write_rows`."""
-        kc, vc, ks, vs = self.layer_rows(layer)
-        return (
-            (kc.index_select(0, slots), None if ks is None else ks.index_select(0, slots)),
-            (vc.index_select(0, slots), None if vs is None else vs.index_select(0, slots)),
-        )
+        k, v = self.layer_rows(layer)
+        return tuple(t.index_select(0, slots) for t in k), tuple(t.index_select(0, slots) for t in v)
 
     def read_rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded float32 K and V ``[len(slots), num_kv_heads, head_dim]`` (for tests and references)."""
-        (kc, ks), (vc, vs) = self.export_rows(layer, slots)
-        return decode(self.format, kc, ks), decode(self.format, vc, vs)
+        k, v = self.export_rows(layer, slots)
+        return self.format.spec.decode(k), self.format.spec.decode(v)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy block ``src`` onto ``dst`` in every layer (copy-on-write of a shared block)."""
-        for t in (self._k, self._v, self._ks, self._vs):
-            if t is not None:
-                t[:, dst] = t[:, src]
+        for t in self.storage():
+            t[:, dst] = t[:, src]
 
     # -- whole-pool reshaping (the transformers layer: block = batch row, block_size = capacity) -----------
     def resized(self, block_size: int, keep: int, start: int = 0) -> KvPool:
         """A new pool with ``block_size`` rows per block holding rows ``[start, start + keep)`` of every block
         as its first ``keep`` rows (``start > 0``: a sliding-window layer dropping the rows no query can see)."""
         out = KvPool(self.layout, self.num_blocks, block_size, self.device)
-        for dst, src in ((out._k, self._k), (out._v, self._v), (out._ks, self._ks), (out._vs, self._vs)):
-            if dst is not None and src is not None and keep:
+        if keep:
+            for dst, src in zip(out.storage(), self.storage(), strict=True):
                 dst[:, :, :keep] = src[:, :, start : start + keep]
         return out
 
     def select_blocks(self, index: torch.Tensor) -> KvPool:
         """A new pool whose block ``i`` is a copy of block ``index[i]`` (a block picked twice is copied twice)."""
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(1, index)
-
-        return KvPool.from_tensors(self.layout, pick(self._k), pick(self._v), pick(self._ks), pick(self._vs))
+        return KvPool.from_tensors(
+            self.layout, [t.index_select(1, index) for t in self._k], [t.index_select(1, index) for t in self._v]
+        )

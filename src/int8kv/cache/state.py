@@ -7,14 +7,17 @@ format)``, with the sizing helpers (bytes per row / token / block, blocks that f
 ``state``): each cache exports one (``export_state``) and imports one (``import_state``) through a validated
 public method that changes nothing on error, so save/load and block stores never touch a cache's internals.
 
-Tensor layout of a state (per layer ``l``, ``B = batch``, ``T = length``, ``H = num_kv_heads``, ``D = head_dim``):
-  k_codes[l], v_codes[l]    [B, T, H, D]  int8 (INT8) | float16 (F16), CPU, contiguous
-  k_scales[l], v_scales[l]  [B, T, H]     float32 (INT8); the lists are None for F16
+Tensor layout of a state (per layer ``l``, ``B = batch``, ``T = length``, ``H = num_kv_heads``, ``D = head_dim``),
+one entry per part of the format (int8kv.formats), CPU, contiguous:
+  groups["k_<part>"][l], groups["v_<part>"][l]   [B, T, H, *part.shape(D)]
+e.g. V1: k_codes/v_codes [B, T, H, D] int8 and k_scales/v_scales [B, T, H] float32; F16: k_codes/v_codes only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -90,64 +93,89 @@ class KvLayout:
         return KvLayout(self.num_layers, self.num_kv_heads, self.head_dim, as_format(format))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KvState:
     """Stored K/V of ``batch`` sequences of ``length`` tokens in ``layout``: CPU tensors, layout above.
 
-    Construct through :meth:`build`, which checks every shape and dtype; a state that exists is consistent.
-    Values are not range-checked here (a cache's own writer produced them); readers of untrusted bytes check
-    values before building one (see int8kv.store).
+    ``groups`` maps each of the format's tensor names (``k_<part>``, ``v_<part>``, in wire order:
+    ``fmt.spec.tensor_names()``) to one tensor per layer, ``[batch, length, num_kv_heads, *part.shape(D)]``.
+    Construct through :meth:`from_parts` (or :meth:`build`), which checks every shape and dtype; a state that
+    exists is consistent. Values are not range-checked here (a cache's own writer produced them); readers of
+    untrusted bytes check values before building one (see int8kv.store).
     """
 
     layout: KvLayout
     batch: int
     length: int
-    k_codes: tuple[torch.Tensor, ...]
-    v_codes: tuple[torch.Tensor, ...]
-    k_scales: tuple[torch.Tensor, ...] | None
-    v_scales: tuple[torch.Tensor, ...] | None
+    groups: Mapping[str, tuple[torch.Tensor, ...]]
 
     @classmethod
-    def build(
-        cls,
-        layout: KvLayout,
-        k_codes: Any,
-        v_codes: Any,
-        k_scales: Any = None,
-        v_scales: Any = None,
-    ) -> KvState:
-        """Check and normalise (detached, CPU, contiguous) per-layer tensors into a state."""
-        fmt = layout.format
-        groups = [("k_codes", k_codes), ("v_codes", v_codes)]
-        if fmt.is_quantized:
-            if k_scales is None or v_scales is None:
-                raise ShapeMismatch(f"format {fmt.value} needs k_scales and v_scales")
-            groups += [("k_scales", k_scales), ("v_scales", v_scales)]
-        elif k_scales is not None or v_scales is not None:
-            raise ShapeMismatch(f"format {fmt.value} stores no scales")
-        first = k_codes[0] if isinstance(k_codes, (list, tuple)) and k_codes else None
-        if not isinstance(first, torch.Tensor) or first.dim() != 4:
-            raise ShapeMismatch("k_codes must be a non-empty list of [batch, length, heads, dim] tensors")
+    def from_parts(cls, layout: KvLayout, groups: Mapping[str, Any]) -> KvState:
+        """Check and normalise (detached, CPU, contiguous) per-layer tensors, keyed by tensor name, into a state."""
+        spec = layout.format.spec
+        names = spec.tensor_names()
+        if not isinstance(groups, Mapping) or set(groups) != set(names):
+            got = sorted(groups) if isinstance(groups, Mapping) else type(groups).__name__
+            raise ShapeMismatch(f"format {spec.name} stores the tensors {list(names)}, got {got}")
+        first = groups[names[0]][0] if isinstance(groups[names[0]], (list, tuple)) and groups[names[0]] else None
+        if not isinstance(first, torch.Tensor) or first.dim() < 3:
+            raise ShapeMismatch(f"{names[0]} must be a non-empty list of [batch, length, heads, ...] tensors")
         batch, length = int(first.shape[0]), int(first.shape[1])
-        code_shape = (batch, length, layout.num_kv_heads, layout.head_dim)
         out: dict[str, tuple[torch.Tensor, ...]] = {}
-        for name, tensors in groups:
+        for name in names:
+            tensors = groups[name]
+            part = spec.part(name[2:])
+            shape = (batch, length, layout.num_kv_heads, *part.shape(layout.head_dim))
             if not isinstance(tensors, (list, tuple)) or len(tensors) != layout.num_layers:
                 raise ShapeMismatch(f"{name} must hold one tensor per layer ({layout.num_layers})")
-            shape = code_shape if "codes" in name else code_shape[:3]
-            dtype = fmt.code_dtype if "codes" in name else torch.float32
             for i, t in enumerate(tensors):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != part.dtype:
                     got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ShapeMismatch(f"{name}[{i}] must be {dtype} {shape}, got {got}")
+                    raise ShapeMismatch(f"{name}[{i}] must be {part.dtype} {shape}, got {got}")
             out[name] = tuple(t.detach().to("cpu").contiguous() for t in tensors)
-        return cls(
-            layout, batch, length, out["k_codes"], out["v_codes"], out.get("k_scales"), out.get("v_scales")
-        )
+        return cls(layout, batch, length, MappingProxyType({name: out[name] for name in names}))
+
+    @classmethod
+    def build(cls, layout: KvLayout, k_codes: Any, v_codes: Any, k_scales: Any = None, v_scales: Any = None) -> KvState:
+        """:meth:`from_parts` for the two V1-era formats, whose parts are codes (and scales)."""
+        given = {"k_codes": k_codes, "v_codes": v_codes, "k_scales": k_scales, "v_scales": v_scales}
+        return cls.from_parts(layout, {name: t for name, t in given.items() if t is not None})
+
+    @classmethod
+    def from_layers(cls, layout: KvLayout, layers: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]):
+        """A state from per-layer ``(k_parts, v_parts)`` (each one ``[batch, length, heads, ...]`` tensor per part,
+        in the format's part order): what a cache exports."""
+        parts = layout.format.spec.part_names
+        return cls.from_parts(layout, {
+            f"{side}_{name}": [layer[s][j] for layer in layers]
+            for j, name in enumerate(parts) for s, side in enumerate("kv")
+        })  # fmt: skip
 
     @property
     def format(self) -> KvStorageFormat:
         return self.layout.format
+
+    def layer(self, layer: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """``(k_parts, v_parts)`` of one layer, in the format's part order: the inverse of :meth:`from_layers`."""
+        parts = self.layout.format.spec.part_names
+        return tuple(self.groups[f"k_{p}"][layer] for p in parts), tuple(self.groups[f"v_{p}"][layer] for p in parts)
+
+    # The V1-era names: None when the format stores no such part.
+    @property
+    def k_codes(self) -> tuple[torch.Tensor, ...] | None:
+        return self.groups.get("k_codes")
+
+    @property
+    def v_codes(self) -> tuple[torch.Tensor, ...] | None:
+        return self.groups.get("v_codes")
+
+    @property
+    def k_scales(self) -> tuple[torch.Tensor, ...] | None:
+        return self.groups.get("k_scales")
+
+    @property
+    def v_scales(self) -> tuple[torch.Tensor, ...] | None:
+        return self.groups.get("v_scales")
 
     @staticmethod
     def check_single(state: object, layout: KvLayout, owner: str) -> KvState:
@@ -164,21 +192,12 @@ class KvState:
         """Positions ``[start, end)`` of every sequence (views, no copy)."""
         if not 0 <= start <= end <= self.length:
             raise ShapeMismatch(f"slice [{start}, {end}) outside [0, {self.length})")
-
-        def cut(group: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...] | None:
-            return None if group is None else tuple(t[:, start:end] for t in group)
-
-        return KvState(
-            self.layout, self.batch, end - start,
-            cut(self.k_codes), cut(self.v_codes), cut(self.k_scales), cut(self.v_scales),  # type: ignore[arg-type]
-        )
+        cut = {name: tuple(t[:, start:end] for t in group) for name, group in self.groups.items()}
+        return KvState(self.layout, self.batch, end - start, MappingProxyType(cut))
 
     def equal(self, other: KvState) -> bool:
         """Bit-exact equality of layout, sizes and every tensor."""
         if (self.layout, self.batch, self.length) != (other.layout, other.batch, other.length):
             return False
-        pairs = [(self.k_codes, other.k_codes), (self.v_codes, other.v_codes)]
-        if self.k_scales is not None and other.k_scales is not None:
-            pairs += [(self.k_scales, other.k_scales), (self.v_scales, other.v_scales)]  # type: ignore[list-item]
-        return all(torch.equal(a, b) for x, y in pairs for a, b in zip(x, y, strict=True))
-
+        pairs = ((a, b) for name, group in self.groups.items() for a, b in zip(group, other.groups[name], strict=True))
+        return all(torch.equal(a, b) for a, b in pairs)

@@ -35,7 +35,6 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from .. import codec
 from ..cache.pool import KvPool
 from ..cache.state import KvLayout, KvState, as_format
 from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention
@@ -63,8 +62,8 @@ def _slots(batch: int, capacity: int, start: int, n: int, device: torch.device) 
 class Int8KvLayer(CacheLayerMixin):
     """One decoder layer's K/V, stored as codes (+ scales) in a one-layer pool (:attr:`pool`).
 
-    ``pool.k_codes[0]``/``pool.v_codes[0]`` are ``[batch, capacity, num_kv_heads, head_dim]`` (int8 or float16),
-    ``pool.k_scales[0]``/``pool.v_scales[0]`` ``[batch, capacity, num_kv_heads]`` float32 (None for F16).
+    ``pool.layer_parts(0)`` are K's and V's parts of the format, ``[batch, capacity, num_kv_heads, *part.shape]``
+    (V1: int8 codes ``[.., head_dim]`` and float32 scales ``[..]``; F16: float16 codes).
     ``keys``/``values`` stay None: there is no float copy to expose (see :meth:`dequantize`).
     """
 
@@ -189,19 +188,13 @@ class Int8KvLayer(CacheLayerMixin):
         return drop
 
 
-    def storage_from(
-        self, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor | None, vs: torch.Tensor | None
-    ) -> KvPool:
-        """A pool holding ``[batch, length, heads, dim]`` codes (and ``[batch, length, heads]`` scales) with room
-        to grow, on the tensors' device; the layer is unchanged until :meth:`adopt`."""
-        batch, n, heads, dim = (int(d) for d in k.shape)
-        pool = self._new_pool(batch, heads, dim, self._round_up(max(n, 1)), k.device)
-        kc, vc, kss, vss = pool.layer_tensors(0)
-        kc[:, :n] = k
-        vc[:, :n] = v
-        if ks is not None and vs is not None and kss is not None and vss is not None:
-            kss[:, :n] = ks
-            vss[:, :n] = vs
+    def storage_from(self, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...], head_dim: int) -> KvPool:
+        """A pool holding K's and V's parts ``[batch, length, heads, *part.shape]`` with room to grow, on the
+        tensors' device; the layer is unchanged until :meth:`adopt`."""
+        batch, n, heads = (int(d) for d in k[0].shape[:3])
+        pool = self._new_pool(batch, heads, head_dim, self._round_up(max(n, 1)), k[0].device)
+        for dst, src in zip((*pool.layer_parts(0)[0], *pool.layer_parts(0)[1]), (*k, *v), strict=True):
+            dst[:, :n] = src
         return pool
 
     def adopt(self, pool: KvPool, length: int) -> None:
@@ -248,19 +241,18 @@ class Int8KvLayer(CacheLayerMixin):
         return make_handle(key_states, self), make_handle(value_states, self)
 
     # -- reading ---------------------------------------------------------------------------------------
-    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Views of the stored positions: codes ``[batch, seq_len, heads, dim]``, scales ``[batch, seq_len, heads]``."""
+    def stored(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Views of the stored positions: K's and V's parts ``[batch, held, heads, *part.shape]``."""
         if self.pool is None:
             raise PositionOutOfRange("the layer holds no tokens yet")
         n = self.held
-        return tuple(None if t is None else t[:, :n] for t in self.pool.layer_tensors(0))  # type: ignore[return-value]
+        k, v = self.pool.layer_parts(0)
+        return tuple(t[:, :n] for t in k), tuple(t[:, :n] for t in v)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 ``[batch, kv_heads, held, head_dim]`` copies of the stored K and V (positions from
         :attr:`offset`), for inspection and tests only."""
-        kc, vc, ks, vs = self.stored()
-        k = codec.decode(self.format, kc, ks)
-        v = codec.decode(self.format, vc, vs)
+        k, v = (self.format.spec.decode(side) for side in self.stored())
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -545,12 +537,7 @@ class Int8KvCache(Cache):
             raise ShapeMismatch(f"the layers disagree (lengths {sorted(lengths)}, batch/heads/dim {sorted(shapes)})")
         ((_, heads, dim),) = shapes
         layout = KvLayout(len(layers), heads, dim, self.format)
-        stored = [la.stored() for la in layers]
-
-        def group(i: int) -> list[torch.Tensor] | None:
-            return None if stored[0][i] is None else [s[i] for s in stored]
-
-        return KvState.build(layout, group(0), group(1), group(2), group(3))
+        return KvState.from_layers(layout, [la.stored() for la in layers])
 
     def import_state(self, state: KvState, device: torch.device | str | None = None) -> None:
         """Replace every layer's contents with ``state`` (creating the layers if the cache has none yet).
@@ -581,9 +568,8 @@ class Int8KvCache(Cache):
         pools = []
         for i, la in enumerate(layers):
             dev = torch.device(device) if device is not None else (la.device if la.is_initialized else "cpu")
-            parts = [None if g is None else g[i].to(dev) for g in (state.k_codes, state.v_codes, state.k_scales,
-                                                                   state.v_scales)]  # fmt: skip
-            pools.append(la.storage_from(*parts))
+            k, v = (tuple(t.to(dev) for t in side) for side in state.layer(i))
+            pools.append(la.storage_from(k, v, state.layout.head_dim))
         # Every pool exists: adopting them allocates nothing and cannot fail part-way.
         for la, pool in zip(layers, pools, strict=True):
             la.adopt(pool, state.length)

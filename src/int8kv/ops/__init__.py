@@ -29,7 +29,7 @@ import torch
 
 from ..cache.paged import PagedKvCache
 from ..cache.pool import KvPool
-from ..errors import NonFiniteError, ShapeMismatch, UnknownBackend
+from ..errors import NonFiniteError, ShapeMismatch, UnknownBackend, UnsupportedFormat
 from . import write
 from .plan import AttentionPlan, AttentionVariant, check_variant, plan_attention
 from .write import FLOAT_DTYPES, apply_rope, prepare_qkv, rms_norm, split_qkv
@@ -90,6 +90,16 @@ def _module(name: str) -> Any:
     return mod
 
 
+def check_kernels(module: Any, pool: KvPool) -> None:
+    """Refuse (UnsupportedFormat) a pool whose format's kernels the backend ``module`` lacks: its ``KERNELS``
+    names the formats' ``kernel`` values it reads (None: any format, through the format's own decode)."""
+    kernels = module.KERNELS
+    if kernels is not None and pool.format.spec.kernel not in kernels:
+        raise UnsupportedFormat(
+            f"the {module.__name__.rsplit('.', 1)[-1]} backend has no kernels for the {pool.format.value} format"
+        )
+
+
 def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """``q [num_queries, num_q_heads, head_dim]`` as float32, contiguous; NaN/inf refused (NonFiniteError)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != pool.head_dim or q.shape[0] != plan.num_queries:
@@ -142,6 +152,7 @@ def attention(
     pool.check_layer(layer)
     q = check_query(pool, q, plan) if check_q else q
     module = _module(resolve_backend(pool, backend))
+    check_kernels(module, pool)
     if window is None and chunk is None and softcap is None and sinks is None:  # plain causal: no extra work
         out = module.attend(pool, layer, q, plan)
     else:

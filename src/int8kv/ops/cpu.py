@@ -29,9 +29,10 @@ from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
 from . import cpu_simd
+from .parts import KERNELS, codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
 
-__all__ = ["attend", "quantize_query", "quantize_query_int16"]
+__all__ = ["KERNELS", "attend", "quantize_query", "quantize_query_int16"]
 
 TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
@@ -770,8 +771,9 @@ def _layer_arrays(pool: KvPool, layer: int) -> tuple:
         views = _VIEWS[pool] = {}
     arrays = views.get(layer)
     if arrays is None:
-        kc, vc, ks, vs = pool.layer_tensors(layer)
-        if not pool.format.is_quantized:
+        k, v = pool.layer_parts(layer)
+        (kc, ks), (vc, vs) = codes_and_scales(pool.format, k), codes_and_scales(pool.format, v)
+        if not int8_codes(pool.format):
             kc, vc = kc.view(torch.int16), vc.view(torch.int16)
         arrays = views[layer] = (kc.numpy(), None if ks is None else ks.numpy(), vc.numpy(),
                                  None if vs is None else vs.numpy())
@@ -967,7 +969,7 @@ def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
     """How the call multiplies q and k: "int8" (query codes from `quantize_query`), "int16" (decode rows
     quantized in the kernel) or "exact" (float32): integers need INT8 keys, and the int16 path quantizes decode
     steps only (a prefill under it runs exact), on CPUs with an integer dot variant (else exact too)."""
-    if not pool.format.is_quantized or (plan.precision == "int16" and not (plan.is_decode and cpu_simd.DOT)):
+    if not int8_codes(pool.format) or (plan.precision == "int16" and not (plan.is_decode and cpu_simd.DOT)):
         return "exact"
     return plan.precision
 
@@ -1111,8 +1113,8 @@ def _flash_prefill(
     hkv, d, bs = pool.num_kv_heads, pool.head_dim, pool.block_size
     assert plan.host is not None
     cu, lens, starts = plan.host.cu_seqlens_q, plan.host.context_lens, plan.host.kv_starts
-    kc, vc, ks, vs = pool.layer_rows(layer)
-    layer_rows = (kc, ks, vc, vs)
+    k, v = pool.layer_rows(layer)
+    layer_rows = (*codes_and_scales(pool.format, k), *codes_and_scales(pool.format, v))
     group = q_all.shape[1] // hkv
     for b in seqs:
         lo, hi, ctx = int(cu[b]), int(cu[b + 1]), int(lens[b])

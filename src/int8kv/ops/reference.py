@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..cache.pool import KvPool
-from ..codec import decode
 from .plan import AttentionPlan, AttentionVariant
 
 __all__ = ["attend", "gather_kv", "paged_decode_attention", "paged_prefill_attention", "probabilities", "visible_keys"]
+
+KERNELS = None  # any format: rows are decoded by the format itself
 
 
 def gather_kv(
@@ -27,9 +28,7 @@ def gather_kv(
     pos = torch.arange(first, context_len, device=pool.device)
     blocks = block_table.to(pool.device).long()[pos // bs]
     offsets = pos % bs
-    kc, vc, ks, vs = pool.layer_tensors(layer)
-    k = decode(pool.format, kc[blocks, offsets], None if ks is None else ks[blocks, offsets])
-    v = decode(pool.format, vc[blocks, offsets], None if vs is None else vs[blocks, offsets])
+    k, v = (pool.format.spec.decode(tuple(t[blocks, offsets] for t in side)) for side in pool.layer_parts(layer))
     return k.double(), v.double()
 
 

@@ -41,10 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import LayerOutOfRange, ShapeMismatch
+from ..errors import LayerOutOfRange, ShapeMismatch, UnsupportedFormat
+from .parts import KERNELS, codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant, require_unit_stride
 
 __all__ = [
+    "KERNELS",
     "Launch",
     "LaunchShape",
     "attend",
@@ -518,30 +520,24 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 
 def _layer_tensors(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    num_layers = len(cache.k_codes)
+    """``(k codes, v codes, k scales, v scales)`` of one layer of a pool (or a paged cache), checked: a format
+    these kernels read, the parts' shapes, one set of strides for K and V."""
+    pool = getattr(cache, "pool", cache)
     try:
         index = operator.index(layer)
     except TypeError:
         raise LayerOutOfRange(f"layer must be an integer, got {layer!r}") from None
-    if not 0 <= index < num_layers:
-        raise LayerOutOfRange(f"layer {layer!r} is outside [0, {num_layers})")
-    layer = index
-    kc, vc = cache.k_codes[layer], cache.v_codes[layer]
-    ks, vs = cache.k_scales[layer], cache.v_scales[layer]
-    shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim)
-    code_dtype = cache.format.code_dtype
-    for name, t in (("k_codes", kc), ("v_codes", vc)):
-        if tuple(t.shape) != shape or t.dtype != code_dtype:
-            raise ShapeMismatch(f"{name}[{layer}] is {t.dtype} {tuple(t.shape)}, expected {code_dtype} {shape}")
-    if cache.format.is_quantized:
-        for name, t in (("k_scales", ks), ("v_scales", vs)):
-            if t is None or tuple(t.shape) != shape[:3] or t.dtype != torch.float32:
-                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)}"
-                raise ShapeMismatch(f"{name}[{layer}] is {got}, expected float32 {shape[:3]}")
-        # One set of strides is passed for K and V (codes) and one for both scale tensors.
-        if kc.stride() != vc.stride() or ks.stride() != vs.stride():
-            raise ShapeMismatch("K and V storage of one layer must share strides")
-    elif kc.stride() != vc.stride():
+    if not 0 <= index < pool.num_layers:
+        raise LayerOutOfRange(f"layer {layer!r} is outside [0, {pool.num_layers})")
+    fmt = pool.format
+    if fmt.spec.kernel not in KERNELS:
+        raise UnsupportedFormat(f"the triton backend has no kernels for the {fmt.value} format")
+    lead = (pool.num_blocks, pool.block_size, pool.num_kv_heads)
+    k, v = (fmt.spec.check_parts(side, lead, pool.head_dim, f"{name}[{index}]")
+            for name, side in zip("kv", pool.layer_parts(index), strict=True))  # fmt: skip
+    (kc, ks), (vc, vs) = codes_and_scales(fmt, k), codes_and_scales(fmt, v)
+    # One set of strides is passed for K and V (codes) and one for both scale tensors.
+    if kc.stride() != vc.stride() or (ks is not None and vs is not None and ks.stride() != vs.stride()):
         raise ShapeMismatch("K and V storage of one layer must share strides")
     return kc, vc, ks, vs
 
@@ -562,7 +558,7 @@ def store_rows(cache, layer: int, k16: torch.Tensor, v16: torch.Tensor, slots: t
     tokens = int(k16.shape[0])
     if tokens == 0:
         return
-    is_int8 = cache.format.is_quantized
+    is_int8 = int8_codes(cache.format)
     sk = ks if is_int8 else kc
     sv = vs if is_int8 else vc
     s_strides = ks.stride() if is_int8 else (0, 0, 0)
@@ -711,7 +707,7 @@ def attention(
     group = num_q_heads // num_kv_heads
     batch = plan.batch
     page = cache.block_size
-    is_int8 = cache.format.is_quantized
+    is_int8 = int8_codes(cache.format)
     # Without a host read the block table's width is the only bound on any sequence's KV range.
     width_bound = int(block_tables.shape[1]) * page
     kv_bound = width_bound if kv_bound is None else min(int(kv_bound), width_bound)

@@ -13,7 +13,7 @@ A step planned with :func:`int8kv.ops.plan.plan_attention` carries slots and pos
 per layer only the rows themselves are checked (their values differ per layer).
 
 On CUDA with the ``triton`` backend the rows go to Triton's fused quantize-and-store kernel, whose codes and
-scales are bit-identical to :func:`int8kv.codec.encode` (tests/test_ops_triton.py): the same encoding, one
+scales are bit-identical to the format's encoder (``fmt.encode``) (tests/test_ops_triton.py): the same encoding, one
 kernel instead of several.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..codec import encode, round_to_f16
+from ..codec import round_to_f16
 from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
 from .plan import INDEX_DTYPES, AttentionPlan, check_slots
 
@@ -154,11 +154,11 @@ def check_rows(pool, x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def encode_kv(fmt, k: torch.Tensor, v: torch.Tensor):
-    """Encode K and V ``[tokens, heads, dim]`` in one codec call: ``((k_codes, k_scales), (v_codes, v_scales))``.
+    """Encode K and V ``[tokens, heads, dim]`` in one codec call: ``(k_parts, v_parts)``, one tensor per part.
 
     One call instead of two halves the per-call overhead, which dominates at decode (a few rows per layer)."""
-    codes, scales = encode(fmt, torch.stack((k, v)))
-    return (codes[0], None if scales is None else scales[0]), (codes[1], None if scales is None else scales[1])
+    parts = fmt.spec.encode(torch.stack((k, v)))
+    return tuple(t[0] for t in parts), tuple(t[1] for t in parts)
 
 
 def kv_to_f16(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,6 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
     "MAX_METADATA_DEPTH",
-    "SCALE_MAX",
     "Header",
     "TensorEntry",
     "encode",
@@ -54,24 +53,20 @@ MAX_HEADER_BYTES = 1 << 20
 # Caller metadata nests at most this deep (a prompt template is 2-3 levels). The bound keeps both the writer's
 # json.dumps and the reader's json.loads far from Python's recursion limit (~1000 frames).
 MAX_METADATA_DEPTH = 32
-# The largest scale the V1 codec writes: float32(65504 / 127), from a row whose max |x| is float16's max
-# (larger inputs are refused as overflowing float16). Smaller positive scales all occur (subnormal rows).
-SCALE_MAX = float(torch.tensor(65504.0, dtype=torch.float32) / 127)
 # The data section is hashed and value-checked in chunks of this many bytes (a multiple of 8, so a chunk
 # holds whole elements of every dtype). Measured on the 2-core dev machine over 64 MiB: sha256 1.20, 1.14
 # and 1.01 GB/s and the value checks 0.74, 1.05 and 0.54 GB/s with 64 KiB, 1 MiB and whole-buffer chunks.
 CHUNK_BYTES = 1 << 20
 ALIGN = 8
 
-SCALES = ("k_scales", "v_scales")
-CODES = ("k_codes", "v_codes")
-DTYPES = {"I64": torch.int64, "F32": torch.float32, "I8": torch.int8, "F16": torch.float16}
+DTYPES = {"I64": torch.int64, "F32": torch.float32, "I8": torch.int8, "U8": torch.uint8, "F16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # The same dtypes as numpy reads them from the file's little-endian bytes (for the value checks).
 _NUMPY = {
     torch.int64: np.dtype("<i8"),
     torch.float32: np.dtype("<f4"),
     torch.int8: np.dtype("i1"),
+    torch.uint8: np.dtype("u1"),
     torch.float16: np.dtype("<f2"),
 }
 DIM_KEYS = ("num_layers", "batch", "seq_len", "num_kv_heads", "head_dim")
@@ -188,11 +183,7 @@ def encode(
     parts: list[tuple[str, torch.dtype, list[int], tuple[torch.Tensor, ...]]] = []
     if token_ids is not None:
         parts.append(("token_ids", torch.int64, [B, T], (token_ids,)))
-    if state.k_scales is not None and state.v_scales is not None:
-        parts.append(("k_scales", torch.float32, [L, B, T, H], state.k_scales))
-        parts.append(("v_scales", torch.float32, [L, B, T, H], state.v_scales))
-    parts.append(("k_codes", fmt.code_dtype, [L, B, T, H, D], state.k_codes))
-    parts.append(("v_codes", fmt.code_dtype, [L, B, T, H, D], state.v_codes))
+    parts += [(name, dtype, list(shape), state.groups[name]) for name, dtype, shape in _tensors(fmt, L, B, T, H, D)]
 
     chunks = [chunk for _, _, _, group in parts for chunk in group]
     data_digest = hashlib.sha256()
@@ -337,9 +328,7 @@ def _check_tensors(raw: dict[str, Any], fmt: KvStorageFormat, dims: dict[str, in
     expected: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     if "token_ids" in raw:
         expected.append(("token_ids", torch.int64, (B, T)))
-    if fmt.is_quantized:
-        expected += [(name, torch.float32, (L, B, T, H)) for name in SCALES]
-    expected += [(name, fmt.code_dtype, (L, B, T, H, D)) for name in CODES]
+    expected += _tensors(fmt, L, B, T, H, D)
     names = set(raw) - {"__metadata__"}
     if names != {name for name, _, _ in expected}:
         raise HeaderShapeMismatch(
@@ -427,21 +416,19 @@ def _value_problem(fmt: KvStorageFormat, model: ModelFingerprint | None, name: s
     """
     if values.size == 0:
         return None
-    if name in SCALES:
-        # NaN fails both comparisons (min/max propagate it), so this also refuses NaN.
-        if not (values.min() > 0 and values.max() <= SCALE_MAX):
-            return f"{name} holds a scale outside (0, {SCALE_MAX}] (not finite, not positive, or above what V1 writes)"
-    elif name in CODES:
-        if fmt.is_quantized:
-            if values.min() == -128:
-                return f"{name} holds -128, outside the V1 code range [-127, 127]"
-        elif not np.isfinite(values).all():
-            return f"{name} holds NaN or inf, which the F16 format never stores"
-    elif name == "token_ids":
+    if name == "token_ids":
         vocab = model.vocab_size if model is not None else None
         if values.min() < 0 or (vocab is not None and values.max() >= vocab):
             return f"token ids outside [0, {vocab if vocab is not None else 'vocab'})"
-    return None
+        return None
+    return fmt.spec.value_problem(name, values)
+
+
+def _tensors(fmt: KvStorageFormat, *dims: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of the format's tensors in file order: ``[L, B, T, H, *part.shape(D)]`` each."""
+    L, B, T, H, D = dims
+    parts = [(name, fmt.spec.part(name[2:])) for name in fmt.spec.tensor_names()]
+    return [(name, part.dtype, (L, B, T, H, *part.shape(D))) for name, part in parts]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ._util import int8kv_cache_class
 from .errors import CorruptKvFile, IncompatibleCache, ModelMismatch
 from .files import check_path, open_for_reading
 from .fingerprint import ModelFingerprint, as_fingerprint
-from .format import CODES, SCALES, Header, read_data, read_header
+from .format import Header, read_data, read_header
 
 __all__ = ["LoadedKv", "load_kv"]
 
@@ -90,11 +90,10 @@ def _check_model(header: Header, expected: ModelFingerprint) -> None:
 
 
 def _to_state(header: Header, t: dict[str, torch.Tensor]) -> KvState:
-    """The checked tensors as a KvState: per layer ``[batch, seq_len, heads, dim]`` codes (views, no copy)."""
-    k_codes, v_codes = (list(t[name].unbind(0)) for name in CODES)
-    k_scales, v_scales = (list(t[name].unbind(0)) for name in SCALES) if header.fmt.is_quantized else (None, None)
+    """The checked tensors as a KvState: per layer ``[batch, seq_len, heads, ...]`` parts (views, no copy)."""
     try:
-        return KvState.build(header.layout, k_codes, v_codes, k_scales, v_scales)
+        names = header.fmt.spec.tensor_names()
+        return KvState.from_parts(header.layout, {name: list(t[name].unbind(0)) for name in names})
     except KvCacheError as exc:  # cannot happen for a header read_header accepted; kept typed regardless
         raise CorruptKvFile(f"the file's tensors do not form a KV state: {exc}") from exc
 
