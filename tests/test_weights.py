@@ -167,3 +167,70 @@ def test_conversion_refusals_change_nothing():
         Int8Linear(torch.zeros(2, 2, device="meta"), None)
     with pytest.raises(UnsupportedWeights, match="NaN or inf"):
         Int8Linear(torch.tensor([[1.0, float("nan")]]), None)
+
+
+def test_cli_refuses_unknown_weights_before_loading(capsys, monkeypatch):
+    import int8kv.models
+    from int8kv.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(int8kv.models, "load_model", no_load)
+    for command in ("demo", "eval", "serve"):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--weights", "fp8", "--quiet"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--weights: invalid choice: 'fp8'" in err and "'bfloat16', 'int8'" in err
+
+
+def test_cli_eval_runs_the_chosen_weights(capsys, tmp_path):
+    import json
+
+    from test_loader import _write_tiny_model
+
+    from int8kv.cli import main
+
+    torch.manual_seed(0)
+    _write_tiny_model(tmp_path / "tiny")
+    (tmp_path / "t.txt").write_text("hello world " * 40)
+    ppl = {}
+    for weights in ("model", "int8"):
+        out = tmp_path / f"{weights}.json"
+        argv = [
+            "eval",
+            "--model",
+            str(tmp_path / "tiny"),
+            "--text",
+            str(tmp_path / "t.txt"),
+            "--ctx",
+            "16",
+            "--windows",
+            "2",
+            "--prompts",
+            "0",
+            "--no-fp8",
+            "--weights",
+            weights,
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+        assert main(argv) == 0
+        assert f"weights: {weights}" in capsys.readouterr().out
+        result = json.loads(out.read_text())
+        assert result["weights"] == weights
+        ppl[weights] = result["rows"][0]["perplexity"]
+    assert ppl["int8"] != ppl["model"] and ppl["int8"] == pytest.approx(ppl["model"], rel=0.05)
+
+
+@pytest.mark.parametrize("flag, value", [("--weights", "int4"), ("--weights", "int8,int8"), ("--implementations", "x")])
+def test_bench_slope_refuses_unknown_engine_options(flag, value):
+    from int8kv.bench.slope import parse_args
+    from int8kv.cli_common import CliError
+
+    with pytest.raises(CliError, match=f"{flag} takes distinct names of"):
+        parse_args([flag, value])
+    args = parse_args(["--weights", "model, bfloat16", "--implementations", "fused,transformers"])
+    assert args.weights == ["model", "bfloat16"] and args.implementations == ["fused", "transformers"]
