@@ -16,9 +16,10 @@
 
 Why the weights: a SmolLM2 decode step at 512 tokens (batch 1, INT8 KV, one thread, load 18) spent 55 % in its
 211 matmuls (lm_head 9 %), 14-16 % in attention, 9 % writing K/V and 20 % in the rest of the forward; torch's
-profiler put `aten::mm` at 73-75 %. Measured on this 2-core Xeon (AVX-512 VNNI, AMX): int8 weight-only decodes
-1.36x (generic path) / 1.86x (fused) as fast as float32; bfloat16 0.87x / 1.34x, its one-row matmul being no
-faster than float32 in torch here (docs/benchmarks.md, "Weight precision").
+profiler put `aten::mm` at 73-75 %. Measured on this 2-core Xeon (AVX-512 VNNI, AMX; load 4.5, one thread): int8
+weight-only decodes 1.39x (generic path) / 1.49x (fused) as fast as float32 (84 against 117-125 ms per token);
+bfloat16 0.83x / 0.96x, its one-row matmul being no faster than float32 in torch here (docs/benchmarks.md,
+"Weight precision").
 
 Embeddings stay as they are (a lookup reads one row). Converted layers keep their weights in the module's
 ``state_dict`` (int8 codes and scales for "int8"), so a model fingerprint hashes what actually runs.
