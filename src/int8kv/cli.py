@@ -28,6 +28,7 @@ from .cli_common import (
     write_json,
 )
 from .formats import KvStorageFormat
+from .models.weights import WEIGHTS
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 F16 = KvStorageFormat.F16
@@ -40,6 +41,10 @@ DEMO_PROMPTS = (
 )
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
+WEIGHTS_HELP = (
+    "precision of the model's matmuls: model (as loaded; SmolLM2's are float32), bfloat16, or int8 (per-row int8 "
+    "weights, bfloat16 inputs; CPU only); perplexity and speed of each in docs/benchmarks.md"
+)
 KV_STORE_HELP = (
     "share prefix KV blocks through a block store: embedded, disk:PATH, redis://host:6379/0, "
     "redis+cluster://host:port,... (docs/block_store.md); the demo then reruns the prompts on a fresh engine "
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = command(sub, "demo", "F16 vs INT8 KV cache side by side on a real model")
     demo.add_argument("--model", help=MODEL_HELP)
+    demo.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     demo.add_argument("--prompt", action="append", help="your own prompt (repeatable; default: three built-in)")
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
     demo.add_argument("--memory", default="8GiB", help="budget for the capacity table, e.g. 512MiB, 8GiB")
@@ -75,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = command(sub, "eval", "perplexity and greedy agreement per KV cache type")
     ev.add_argument("--model", help=MODEL_HELP)
+    ev.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     ev.add_argument("--text", help="UTF-8 text file (default: the license texts in /usr/share/common-licenses)")
     ev.add_argument("--ctx", type=int, default=512, help="tokens per perplexity window")
     ev.add_argument("--chunk", type=int, default=128, help="tokens fed per forward (K/V written, then read)")
@@ -95,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = command(sub, "serve", "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     serve.add_argument("model_path", nargs="?", metavar="MODEL", help=f"{MODEL_HELP}; or --model")
     serve.add_argument("--model", help=MODEL_HELP)
+    serve.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     serve.add_argument("--kv-format", default="int8", help=f"KV storage format: {FORMAT_CHOICES}")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
     serve.add_argument("--kv-store", help="shared KV block store (disk:PATH, redis://..., embedded)")
@@ -158,7 +166,11 @@ def _load(args: argparse.Namespace):
     progress.note(f"loading model {args.model or '(packaged SmolLM2-135M-Instruct)'} ...")
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
-    progress.note(f"model loaded in {time.perf_counter() - start:.1f} s")
+    if args.weights != "model":
+        from .models import convert_weights
+
+        model = convert_weights(model, args.weights, inplace=True)
+    progress.note(f"model loaded in {time.perf_counter() - start:.1f} s ({args.weights} weights)")
     return model, tokenizer
 
 
@@ -340,10 +352,11 @@ def run_eval(args: argparse.Namespace) -> dict:
         raise CliError(f"--prompts must be in [0, {len(DEFAULT_PROMPTS)}] (0: no greedy run), got {args.prompts}")
     text = read_text(args.text)
     model, tokenizer = _load(args)
-    return evaluate(
+    result = evaluate(
         model, tokenizer, text, ctx=args.ctx, chunk=args.chunk, max_windows=args.windows,
         gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts], kinds=cache_kinds(not args.no_fp8),
     )
+    return {"weights": args.weights, **result}
 
 
 def plot_eval(result: dict, path: str) -> None:
@@ -445,7 +458,7 @@ def _dispatch(args: argparse.Namespace, extra: list[str]) -> int | None:
         result = run_eval(args)
         from .eval import format_eval
 
-        print(format_eval(result))
+        print(f"weights: {result['weights']}\n{format_eval(result)}")
         if args.plot:
             plot_eval(result, args.plot)
     else:

@@ -86,3 +86,8 @@ class UnknownBackend(KvCacheError, ValueError):
 
 class UnsupportedModel(KvCacheError, NotImplementedError):
     """A model (architecture, layer kind or config field) the engine does not implement, refused by name."""
+
+
+class UnsupportedWeights(KvCacheError, ValueError):
+    """A weight precision that is not one of int8kv.models.weights.WEIGHTS, or that cannot hold this model's
+    weights (int8 off the CPU, Linear layers already converted to another precision, non-float weights)."""

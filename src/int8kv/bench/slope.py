@@ -1,12 +1,16 @@
 """Decode cost per 1,000 tokens of context, batch 1, SmolLM2: the int8kv engine against llama.cpp.
 
-    python -m int8kv.bench slope [--contexts 512,7000] [--new-tokens 16] [--repeat 3] [--json PATH]
+    python -m int8kv.bench slope [--contexts 512,7000] [--new-tokens 16] [--repeat 3] [--weights model,int8]
+                                 [--implementations transformers] [--json PATH]
 
 For each peer and context: prefill `context` tokens of the license texts, then decode `--new-tokens` tokens one
 at a time; the decode cost is the median milliseconds per new token. The slope between the shortest and the
 longest context, in ms per generated token per 1,000 tokens of context, is what attention adds as the context
 grows (the weights cost the same at every context). Peers, all in one process, taking turns per repetition:
-  engine int8         int8kv engine, INT8 paged cache, exact attention (precision "exact")
+  engine int8         int8kv engine, INT8 paged cache, exact attention (precision "exact"), the model's own
+                      weights, the default model path; "w:bfloat16" / "w:int8" after the name: those weights
+                      (`LLM(weights=)`, one peer per --weights entry), "fused": the fused forward (one peer per
+                      --implementations entry and weights)
   engine int8 q8      the same with the quantized-query attention (precision "int8")
   engine f16          int8kv engine, F16 paged cache
   llama.cpp f16 / q8_0  llama-cpp-python (the optional `peers` extra), same GGUF, flash attention on, F16 or
@@ -25,7 +29,9 @@ from collections.abc import Callable
 import torch
 
 from ..cli_common import CliError, bench_parser, check_minimums
+from ..engine.llm import IMPLEMENTATIONS
 from ..formats import KvStorageFormat
+from ..models.weights import WEIGHTS
 from ..ops.plan import PRECISION_ENV
 from ..progress import note
 from .timing import emit
@@ -41,8 +47,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=3, help="runs per peer and context (median)")
     parser.add_argument("--threads", type=int, default=None, help="threads for every peer (default: torch's)")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp even when installed")
+    parser.add_argument("--weights", default="model,int8", help=f"engine weight precisions, of {', '.join(WEIGHTS)}")
+    parser.add_argument("--implementations", default="transformers", help=f"engine model paths, of "
+                        f"{', '.join(IMPLEMENTATIONS)}")  # fmt: skip
     args = parser.parse_args(argv)
     check_minimums(args, {"new_tokens": 2, "repeat": 1})
+    for name, allowed in (("weights", WEIGHTS), ("implementations", IMPLEMENTATIONS)):
+        values = [v.strip() for v in getattr(args, name).split(",")]
+        unknown = [v for v in values if v not in allowed]
+        if unknown or len(set(values)) != len(values):
+            raise CliError(f"--{name} takes distinct names of {', '.join(allowed)}, got {getattr(args, name)!r}")
+        setattr(args, name, values)
     try:
         args.contexts = sorted({int(c) for c in args.contexts.split(",")})
     except ValueError:
@@ -52,13 +67,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _engine_peer(model, tokenizer, fmt: KvStorageFormat, precision: str, longest: int, new_tokens: int):
+def _engine_peer(
+    model, tokenizer, fmt: KvStorageFormat, precision: str, longest: int, new_tokens: int,
+    weights: str = "model", implementation: str = "transformers",
+):  # fmt: skip
     """ms per decode step of the int8kv engine at batch 1, for a prompt of ids."""
     from ..engine import LLM, EngineStats, SamplingParams
     from ..models import kv_dims
 
     memory = int(1.2 * (longest + new_tokens + 64) * fmt.bytes_per_token(*kv_dims(model.config)))
-    llm = LLM(model, kv_format=fmt, memory=max(memory, 64 << 20), max_num_seqs=1, tokenizer=tokenizer)
+    llm = LLM(model, kv_format=fmt, memory=max(memory, 64 << 20), max_num_seqs=1, tokenizer=tokenizer,
+              weights=weights, implementation=implementation)  # fmt: skip
 
     def run(ids: list[int]) -> float:
         previous = os.environ.get(PRECISION_ENV)
@@ -132,11 +151,15 @@ def run(args: argparse.Namespace) -> dict:
         raise CliError(f"the default text has only {len(text_ids)} tokens; use smaller --contexts")
     longest = args.contexts[-1]
     int8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
-    peers: dict[str, Callable[[list[int]], float]] = {
-        "engine int8": _engine_peer(model, tokenizer, int8, "exact", longest, args.new_tokens),
-        "engine int8 q8": _engine_peer(model, tokenizer, int8, "int8", longest, args.new_tokens),
-        "engine f16": _engine_peer(model, tokenizer, KvStorageFormat.F16, "exact", longest, args.new_tokens),
-    }
+    peers: dict[str, Callable[[list[int]], float]] = {}
+    for implementation in args.implementations:
+        for weights in args.weights:
+            name = "engine int8" + ("" if weights == "model" else f" w:{weights}")
+            name += "" if implementation == "transformers" else f" {implementation}"
+            peers[name] = _engine_peer(model, tokenizer, int8, "exact", longest, args.new_tokens, weights,
+                                       implementation)  # fmt: skip
+    peers["engine int8 q8"] = _engine_peer(model, tokenizer, int8, "int8", longest, args.new_tokens)
+    peers["engine f16"] = _engine_peer(model, tokenizer, KvStorageFormat.F16, "exact", longest, args.new_tokens)
     llama_note = None
     if args.no_llama:
         llama_note = "skipped (--no-llama)"
@@ -172,12 +195,16 @@ def run(args: argparse.Namespace) -> dict:
     base = results.get("llama.cpp f16")
     for row in results.values():
         row["slope_vs_llama_f16"] = row["slope_ms_per_1k"] / base["slope_ms_per_1k"] if base else None
+        # The fixed cost: ms per token at the shortest context against llama.cpp's (F16 KV) in the same run.
+        row["ms_vs_llama_f16_at_shortest"] = row["ms_per_token"][lo] / base["ms_per_token"][lo] if base else None
     return {
         "benchmark": "decode_slope_batch1",
         "contexts": args.contexts,
         "new_tokens": args.new_tokens,
         "repeat": args.repeat,
         "threads": threads,
+        "weights": args.weights,
+        "implementations": args.implementations,
         "llama_cpp": llama_note,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -192,14 +219,15 @@ def report(result: dict) -> str:
         f"decode cost per 1,000 tokens of context, batch 1, SmolLM2, {result['threads']} threads, "
         f"{result['new_tokens']} new tokens, median of {result['repeat']}; llama.cpp: {result['llama_cpp']}; "
         f"load average {load}",
-        f"{'peer':<18}" + "".join(f"{f'ms/tok @{c}':>14}" for c in result["contexts"])
-        + f"{'ms per 1k ctx':>15}{'x llama f16':>13}",
+        f"{'peer':<26}" + "".join(f"{f'ms/tok @{c}':>14}" for c in result["contexts"])
+        + f"{'ms per 1k ctx':>15}{'x llama f16':>13}{f'ms @{lo} x llama':>18}",
     ]  # fmt: skip
     for name, r in result["results"].items():
         ratio = "" if r["slope_vs_llama_f16"] is None else f"{r['slope_vs_llama_f16']:.2f}"
+        fixed = "" if r["ms_vs_llama_f16_at_shortest"] is None else f"{r['ms_vs_llama_f16_at_shortest']:.2f}"
         lines.append(
-            f"{name:<18}" + "".join(f"{r['ms_per_token'][c]:>14.2f}" for c in result["contexts"])
-            + f"{r['slope_ms_per_1k']:>15.3f}{ratio:>13}"
+            f"{name:<26}" + "".join(f"{r['ms_per_token'][c]:>14.2f}" for c in result["contexts"])
+            + f"{r['slope_ms_per_1k']:>15.3f}{ratio:>13}{fixed:>18}"
         )  # fmt: skip
     lines.append(f"slope = (ms/token at {hi} - at {lo}) / {(hi - lo) / 1000:g}")
     return "\n".join(lines)

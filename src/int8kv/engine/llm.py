@@ -39,8 +39,9 @@ from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
 from ..cache.prefix import PrefixHasher
 from ..cache.state import KvLayout, as_format
-from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted, UnsupportedModel
+from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted, UnsupportedModel, UnsupportedWeights
 from ..formats import KvStorageFormat
+from ..models.weights import WEIGHTS, convert_weights
 from ..ops import BACKENDS
 from .chat import chat_prompt_ids
 from .model import DecoderModel
@@ -193,6 +194,7 @@ class LLM:
         kv_store_secret: str | bytes | None = None,
         implementation: str = "transformers",
         backend: str | None = None,
+        weights: str = "model",
     ) -> None:
         """`prefix_caching`: None (the default) is on, except for a model with state layers (then off, logged);
         True asks for it (refused by name for such a model). `kv_store`: a block store URL (`True` is
@@ -204,7 +206,9 @@ class LLM:
         forward over the paged cache (any decoder whose attention goes through transformers' attention
         interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py, refusing
         every config field it does not implement). `backend`: the attention kernels (int8kv.ops.BACKENDS;
-        None: "cpu" or "triton" from the pool's device)."""
+        None: "cpu" or "triton" from the pool's device). `weights`: the precision of the model's matmuls,
+        "model" (as loaded), "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not
+        changed; the prefix-cache key root hashes the converted weights)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -223,6 +227,8 @@ class LLM:
                 raise InvalidEngineConfig("kv_store_secret is for a store URL; an open BlockStore has its own secret")
         if implementation not in IMPLEMENTATIONS:
             raise InvalidEngineConfig(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        if not isinstance(weights, str) or weights not in WEIGHTS:
+            raise InvalidEngineConfig(f"weights must be one of {WEIGHTS}, got {weights!r}")
         if backend is not None and backend not in BACKENDS:
             raise InvalidEngineConfig(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
@@ -241,6 +247,10 @@ class LLM:
 
             hf_model, loaded_tokenizer = load_model(model)
             tokenizer = tokenizer or loaded_tokenizer
+        try:  # a model of the caller's is copied; one loaded here is converted in place
+            hf_model = convert_weights(hf_model, weights, inplace=hf_model is not model)
+        except UnsupportedWeights as e:
+            raise InvalidEngineConfig(str(e)) from None
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
         self.model = engine_model(hf_model, implementation, backend)

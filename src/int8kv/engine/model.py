@@ -16,6 +16,7 @@ from .. import ops
 from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
 from ..errors import UnsupportedModel
+from ..models.weights import fused_linear
 from ..ops.plan import AttentionPlan, plan_attention
 from ..ops.write import rms_norm
 
@@ -87,15 +88,17 @@ def plan_step(cache: PagedKvCache, batch: Batch, max_position: int, validate: bo
 
 @dataclass
 class LayerWeights:
+    """One layer's norms and matmuls; each matmul is a Linear in the model's weight precision
+    (int8kv.models.weights: float32, or what `convert_weights` made of the model's Linear layers)."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(q + 2 kv heads) * head_dim, hidden]: one matmul, then the fused write path
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: torch.nn.Module  # hidden -> (q + 2 kv heads) * head_dim: one matmul, then the fused write path
+    o: torch.nn.Module
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: torch.nn.Module  # hidden -> 2 * intermediate
+    down: torch.nn.Module
 
 
 class DecoderModel:
@@ -116,30 +119,25 @@ class DecoderModel:
         with torch.no_grad():
             self.embed = base.embed_tokens.weight.detach().float()
             self.final_norm = base.norm.weight.detach().float()
-            self.lm_head = hf_model.lm_head.weight.detach().float()
+            self.lm_head = fused_linear([hf_model.lm_head])
             self.layers = [self._layer(layer) for layer in base.layers]
             self.cos, self.sin = self._rope_tables(base.rotary_emb, cfg.max_position_embeddings)
-        self.vocab_size = int(self.lm_head.shape[0])
+        self.vocab_size = int(self.lm_head.out_features)
 
     @staticmethod
     def _layer(layer: torch.nn.Module) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        bias = None
-        if all(p.bias is not None for p in projs):
-            bias = torch.cat([p.bias.detach().float() for p in projs])
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach().float(),
-            qkv=torch.cat([p.weight.detach().float() for p in projs]),
-            qkv_bias=bias,
-            o=attn.o_proj.weight.detach().float(),
+            qkv=fused_linear([attn.q_proj, attn.k_proj, attn.v_proj]),
+            o=fused_linear([attn.o_proj]),
             q_norm=None if q_norm is None else q_norm.weight.detach().float(),
             k_norm=None if k_norm is None else k_norm.weight.detach().float(),
             post_norm=layer.post_attention_layernorm.weight.detach().float(),
-            gate_up=torch.cat([mlp.gate_proj.weight.detach().float(), mlp.up_proj.weight.detach().float()]),
-            down=mlp.down_proj.weight.detach().float(),
+            gate_up=fused_linear([mlp.gate_proj, mlp.up_proj]),
+            down=fused_linear([mlp.down_proj]),
         )
 
     @staticmethod
@@ -169,17 +167,17 @@ class DecoderModel:
         x = self.embed[batch.input_ids]
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, self.eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            qkv = w.qkv(h)
             q = ops.paged_write(
                 cache, i, qkv, None, None, self.cos, self.sin, self.num_q_heads,
                 q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps, plan=plan, backend=self.backend,
             )  # fmt: skip
             # q was checked (shape, finiteness) by the write path.
             attn = ops.attention(cache, i, q, plan, check_q=False, backend=self.backend)
-            x = x + F.linear(attn.reshape(x.shape[0], -1), w.o)
+            x = x + w.o(attn.reshape(x.shape[0], -1))
             h = rms_norm(x, w.post_norm, self.eps)
-            gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(h).chunk(2, dim=-1)
+            x = x + w.down(F.silu(gate) * up)
         if not all_logits:
             x = x[batch.cu_seqlens_q[1:].long() - 1]
-        return F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head)
+        return self.lm_head(rms_norm(x, self.final_norm, self.eps))

@@ -13,12 +13,15 @@ from .loader import (
     model_dir,
     packaged_model_dir,
 )
+from .weights import WEIGHTS, convert_weights
 
 __all__ = [
+    "WEIGHTS",
     "DEFAULT_GGUF_NAME",
     "InvalidModelError",
     "ModelNotFoundError",
     "cache_root",
+    "convert_weights",
     "default_gguf_path",
     "gguf_cache_dir",
     "kv_dims",
