@@ -33,9 +33,9 @@ KV_HEADS, HEAD_DIM, BLOCK, CONTEXT, SEQUENCES = 2, 64, 8, 40, [0, 1]
 CALLS = 8  # a kind of call tries each of the two kernels twice (after the call that compiled it) before choosing
 # (window, softcap, sinks): the combinations the engine runs on the model families of tests/test_engine_models.py
 # (sliding layers and chunked attention: a window's key bounds; Gemma 2: softcap on full and sliding layers;
-# gpt-oss: sinks on full and sliding layers).
+# gpt-oss: sinks on full and sliding layers) and all three at once (tests/test_ops_windows.py).
 VARIANTS = [(None, None, False), (4, None, False), (None, 30.0, False), (4, 30.0, False), (None, None, True),
-            (4, None, True)]  # fmt: skip
+            (4, None, True), (4, 30.0, True)]  # fmt: skip
 JOBS = [(fmt, precision, variant) for fmt in (INT8, F16) for precision in ("exact", "int8") for variant in VARIANTS
         if precision == "exact" or fmt is INT8 and variant == VARIANTS[0]]  # fmt: skip
 
