@@ -6,8 +6,10 @@
 while it downloads and unpacks), so every kernel specialisation the suite needs is compiled once, instead of in
 whichever test first calls it, on both pytest workers at once and again in every server or child process the
 tests start. One specialisation (format x query precision x window / softcap / sinks, parallel or serial
-kernel) cost 25-35 s of CPU at load 13 on the 2-core VM, and an engine test on Gemma 2 spent 234 of its 237 s
-compiling 8 of them; with the cache warm the same test took 3.4 s.
+kernel) cost 19-35 s of CPU at load 13-22 on the 2-core VM, and an engine test on Gemma 2 spent 234 of its 237 s
+compiling 8 of them; with the cache warm the same test took 3.4 s. The 15 jobs below compile 30 of them (~720 s
+of CPU at that load); after them tests/test_engine_models.py, test_ops_cpu_quantized.py and test_plan.py
+compiled nothing.
 
 Only public entry points are called (a paged cache, `plan_attention`, `attention`), so what compiles is what
 the tests' calls compile: the signatures depend only on the formats, the precision and which of window,
