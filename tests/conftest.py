@@ -44,6 +44,7 @@ if LoadScopeScheduling is not None:
             path = nodeid.split("::", 1)[0]
             return path if Path(path).stem in ONE_WORKER_MODULES else nodeid
 
+    @pytest.hookimpl(optionalhook=True)  # `-p no:xdist` leaves xdist's hooks undeclared
     def pytest_xdist_make_scheduler(config, log):
         # `-n N` alone (dist "load"); an explicit --dist keeps xdist's own scheduler.
         return ModuleFixtureScheduling(config, log) if config.getvalue("dist") == "load" else None
