@@ -32,7 +32,9 @@ demo: $(STAMP)
 # and keeps each module with module-scoped servers or models on one worker, so those start once.
 TEST_WORKERS ?= 2
 
-test: WARM_KERNELS := 1
+# WARM_KERNELS=1 (make test WARM_KERNELS=1) compiles the kernels during the install (tests/warm_kernels.py); off by
+# default: in a fresh clone at load 2-4 its two shards took 630 s of wall, more than the suite spent compiling
+# inside the tests when they compile what they use (pytest 642 s in all, idle).
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=15
