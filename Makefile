@@ -12,11 +12,9 @@ STAMP := $(VENV)/.installed
 # --no-compile: pip byte-compiled every file of every package (torch's alone: thousands of them); Python writes
 # the .pyc of the modules it imports on first import instead (measured at load 6-13: torch and the extras took
 # 46 s of CPU in one pip call with it, 97 s in two calls without; a first import of torch, transformers, triton
-# and int8kv's engine and server then took 20 s of CPU, the second 22). The core (torch, numba) goes in first: for `make test` two background processes then
+# and int8kv's engine and server then took 20 s of CPU, the second 22). The core (torch, numba) goes in first: with WARM_KERNELS=1 two background processes then
 # compile the numba kernels the suite runs into numba's disk cache (tests/warm_kernels.py; 25-35 s of CPU per
-# kernel specialisation, an engine test on Gemma 2 spent 234 of its 237 s compiling) while pip fetches and
-# unpacks the extras, which leaves a core idle; the tests, both workers and the servers they start then load
-# them instead of compiling them, sometimes on both workers at once.
+# kernel specialisation) while pip fetches and unpacks the extras, and the tests load them instead of compiling.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)" -e .
