@@ -352,12 +352,13 @@ def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> tuple[int
     if len(shapes) != num_kv_layers:
         raise AttentionBypassed(
             f"the model's config declares {num_kv_layers} attention layer(s) but its forward called transformers' "
-            f"attention interface {len(shapes)} time(s): it does not run its attention through the interface"
+            f"attention interface {len(shapes)} time(s): it does not attend once per layer through the interface (it "
+            "changes K/V after cache.update or attends itself), which the engine cannot serve"
         )
     if len(set(shapes)) != 1:
         raise UnsupportedModel(
-            "the engine's pool holds one K/V shape for every layer, but this model's attention layers have "
-            f"{sorted(set(shapes))} (kv_heads, key head_dim, value head_dim)"
+            "the engine's pool does not implement per-layer K/V shapes (it holds one for every layer), but this "
+            f"model's attention layers have {sorted(set(shapes))} (kv_heads, key head_dim, value head_dim)"
         )
     heads, key_dim, value_dim = shapes[0]
     if key_dim != value_dim:
