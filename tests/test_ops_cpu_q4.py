@@ -46,10 +46,8 @@ def test_decode_matches_float64_reference_over_the_codes(shape, variant):
         opts["sinks"] = r.normal(0, 2, heads * group).astype(np.float32)
     elif variant == "kv_starts":
         starts = np.array([int(r.integers(0, n)) for n in lens], np.int32)
-    got = decode_attention(q, **layout, kv_starts=starts, **opts)
-    var = None
-    if opts:
-        var = AttentionVariant(**{k: torch.from_numpy(v) if k == "sinks" else v for k, v in opts.items()})
+    var = AttentionVariant(**{k: torch.from_numpy(v) if k == "sinks" else v for k, v in opts.items()})
+    got = decode_attention(q, **layout, kv_starts=starts, variant=var if opts else None)
     for b, rows in enumerate(seqs):
         want = attend_q4(torch.from_numpy(q[b : b + 1]).double(), rows, kv_start=int(starts[b]), variant=var)
         want = want[0].numpy()
