@@ -34,7 +34,7 @@ from numba import njit, prange
 
 from ..quant4 import BLOCK
 from . import cpu_simd
-from .cpu_q4_simd import expsum16, fold, unpack16, weights16
+from .cpu_q4_simd import expsum16, max16, split16, unpack16
 from .plan import AttentionVariant
 
 __all__ = ["F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items"]
@@ -53,106 +53,125 @@ def _channel(i, half):
 
 
 @njit(fastmath=True, inline="always")
-def _block_scores(qflat, qoff, kc, ks, km, blk, h, rows, qf, bias, sflat, soff, kbuf, fbuf, f16):
-    """Raw scores (q . k, the bias included) of `rows` query rows (q at qflat[qoff], rows contiguous) against the
-    16 keys of sealed block `blk`, KV head h -> sflat[soff + r*16 + t]. qf (float32 [rows*d]), bias, kbuf (int8
-    [16*d]), fbuf (float32 [16*d]): scratch."""
+def _block_scores(qp, kc, ks, km, blk, h, rows, row0, ksp, kmp, qf, bias, sflat, kbuf, fbuf, f16):
+    """Raw scores q'.c (without the bias) of query rows row0..row0+rows (qp: q in the unpacked order, rows d
+    apart) against the 16 keys of sealed block `blk`, KV head h -> sflat[(row0 + r)*16 + t], and each row's
+    bias sum_i q_i m_i -> bias[row0 + r]. ksp, kmp (float32 [d]), qf (float32 [rows*d]), kbuf (int8 [16*d]),
+    fbuf (float32 [16*d]): scratch."""
     heads, half = kc.shape[2], kc.shape[3]
     d = 2 * half
-    kflat = kc.reshape(-1)
-    if cpu_simd.fits(d):
-        fold(qflat, qoff, ks.reshape(-1), km.reshape(-1), (blk * heads + h) * d, qf, 0, bias, 0, rows, d)
-        unpack16(kflat, (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
-        cpu_simd.qk16(qf, 0, kbuf, 0, d, sflat, soff, BLOCK, rows, d, fbuf)
-        for r in range(rows):
-            b = bias[r]
-            for t in range(BLOCK):
-                sflat[soff + r * BLOCK + t] += b
-        return
-    for r in range(rows):
+    vector = cpu_simd.fits(d)
+    if vector:
+        split16(ks.reshape(-1), (blk * heads + h) * d, d, ksp, 0)
+        split16(km.reshape(-1), (blk * heads + h) * d, d, kmp, 0)
+    else:
+        for i in range(d):
+            ksp[_channel(i, half)] = f16[ks[blk, h, i] & 0xFFFF]  # int16 bits -> table index
+            kmp[_channel(i, half)] = f16[km[blk, h, i] & 0xFFFF]
+    for r in range(rows):  # views, indexed by the loop counter: a computed index is a gather (numba's wraparound)
+        x = qp[(row0 + r) * d : (row0 + r + 1) * d]
+        y = qf[r * d : (r + 1) * d]
         b = np.float32(0.0)
         for i in range(d):
-            qi = qflat[qoff + r * d + i]
-            qf[r * d + _channel(i, half)] = qi * f16[ks[blk, h, i] & 0xFFFF]  # int16 bits -> table index
-            b += qi * f16[km[blk, h, i] & 0xFFFF]
+            y[i] = x[i] * ksp[i]
+            b += x[i] * kmp[i]
+        bias[row0 + r] = b
+    if vector:
+        unpack16(kc.reshape(-1), (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
+        cpu_simd.qk16(qf, 0, kbuf, 0, d, sflat, row0 * BLOCK, BLOCK, rows, d, fbuf)
+        return
+    for r in range(rows):
         for t in range(BLOCK):
-            x = b
+            x = np.float32(0.0)
             for j in range(half):
                 byte = kc[blk, t, h, j]
                 x += qf[r * d + j] * np.float32(byte & 15) + qf[r * d + half + j] * np.float32(byte >> 4)
-            sflat[soff + r * BLOCK + t] = x
+            sflat[(row0 + r) * BLOCK + t] = x
 
 
 @njit(fastmath=True, inline="always")
-def _block_values(vc, vs, vm, blk, h, rows, sflat, soff, accflat, aoff, macc, kbuf):
-    """acc (unpacked order, rows at accflat[aoff], d apart) += sum_t p_t s_t c_t and macc[r] += sum_t p_t m_t
-    over the 16 values of sealed block `blk`, KV head h; p at sflat[soff + r*16 + t] (scaled in place)."""
+def _block_values(vc, vs, vm, blk, h, rows, row0, vst, vmt, sflat, acc, macc, kbuf):
+    """acc (unpacked order, rows d apart) += sum_t p_t s_t c_t and macc[row] += sum_t p_t m_t for query rows
+    row0..row0+rows over the 16 values of sealed block `blk`, KV head h; p at sflat[row*16 + t] (scaled in
+    place); vst, vmt: the block's value scales and minimums as float32 [heads, 16]."""
     heads, half = vc.shape[2], vc.shape[3]
     d = 2 * half
-    weights16(sflat, soff, BLOCK, vs.reshape(-1), vm.reshape(-1), blk * BLOCK * heads + h, heads, macc, 0, rows)
+    scale, low = vst[h * BLOCK : (h + 1) * BLOCK], vmt[h * BLOCK : (h + 1) * BLOCK]
+    for r in range(rows):
+        w = sflat[(row0 + r) * BLOCK : (row0 + r + 1) * BLOCK]
+        total = np.float32(0.0)
+        for t in range(BLOCK):
+            total += w[t] * low[t]
+            w[t] *= scale[t]
+        macc[row0 + r] += total
     if cpu_simd.fits(d):
         unpack16(vc.reshape(-1), (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
-        cpu_simd.pv16(sflat, soff, BLOCK, kbuf, 0, d, accflat, aoff, rows, d)
+        cpu_simd.pv16(sflat, row0 * BLOCK, BLOCK, kbuf, 0, d, acc, row0 * d, rows, d)
         return
     for r in range(rows):
         for t in range(BLOCK):
-            p = sflat[soff + r * BLOCK + t]
+            p = sflat[(row0 + r) * BLOCK + t]
             for j in range(half):
                 byte = vc[blk, t, h, j]
-                accflat[aoff + r * d + j] += p * np.float32(byte & 15)
-                accflat[aoff + r * d + half + j] += p * np.float32(byte >> 4)
+                acc[(row0 + r) * d + j] += p * np.float32(byte & 15)
+                acc[(row0 + r) * d + half + j] += p * np.float32(byte >> 4)
 
 
 @njit(fastmath=True, inline="always")
-def _open_scores(qflat, qoff, ko, b, h, n_rows, rows, sflat, soff, f16):
-    """Scores of `rows` query rows against the open block's first n_rows F16 keys (KV head h)."""
-    d = ko.shape[3]
-    for r in range(rows):
-        for t in range(n_rows):
-            x = np.float32(0.0)
-            for i in range(d):
-                x += qflat[qoff + r * d + i] * f16[ko[b, t, h, i]]
-            sflat[soff + r * BLOCK + t] = x
-        for t in range(n_rows, BLOCK):
-            sflat[soff + r * BLOCK + t] = np.float32(0.0)
-
-
-@njit(fastmath=True, inline="always")
-def _open_values(vo, b, h, n_rows, rows, sflat, soff, accflat, aoff, f16):
-    d = vo.shape[3]
+def _open_block(qp, ko, vo, b, n_rows, skip, softcap, m, den, macc, bias, sflat, acc, f16):
+    """The open block's first n_rows F16 rows (at most 15), every head: plain loops."""
+    heads, d = ko.shape[2], ko.shape[3]
     half = d // 2
-    for r in range(rows):
+    g = m.shape[0] // heads
+    for row in range(m.shape[0]):
+        h = row // g
+        bias[row] = 0.0
+        for t in range(BLOCK):
+            x = np.float32(0.0)
+            if t < n_rows:
+                for i in range(d):
+                    x += qp[row * d + _channel(i, half)] * f16[ko[b, t, h, i]]
+            sflat[row * BLOCK + t] = x
+    _softmax(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d)
+    for row in range(m.shape[0]):
+        h = row // g
         for t in range(n_rows):
-            p = sflat[soff + r * BLOCK + t]
+            p = sflat[row * BLOCK + t]
             for i in range(d):
-                accflat[aoff + r * d + _channel(i, half)] += p * f16[vo[b, t, h, i]]
+                acc[row * d + _channel(i, half)] += p * f16[vo[b, t, h, i]]
 
 
 @njit(fastmath=True, inline="always")
-def _online(sflat, soff, n_rows, skip, sm, softcap, m, den, macc, accflat, aoff, r, d):
-    """Fold the raw scores sflat[soff : soff + n_rows] of row r into its running (max m, sum den, acc, macc);
-    the first `skip` keys are hidden. The scores become the weights (0 for hidden keys and for t >= n_rows)."""
-    top = NEG
-    for t in range(BLOCK):
-        x = sflat[soff + t] * sm
-        if softcap > 0:
-            x = softcap * math.tanh(x / softcap)
-        if t < skip or t >= n_rows:
-            x = NEG
-        sflat[soff + t] = x
-        top = max(top, x)
-    if top <= NEG:  # nothing visible in this block for this row: it weighs nothing
-        for t in range(BLOCK):
-            sflat[soff + t] = np.float32(0.0)
-        return
-    if top > m[r]:
-        corr = np.float32(math.exp(m[r] - top))
-        den[r] *= corr
-        macc[r] *= corr
-        for i in range(d):
-            accflat[aoff + i] *= corr
-        m[r] = top
-    den[r] += expsum16(sflat, soff, m[r])
+def _softmax(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d):
+    """Fold one block's raw scores (16 per row: row r's at sflat[r*16], its score sflat[r*16 + t] + bias[r], the
+    softmax scale already in them) into every row's running (max m, sum den, acc, macc); keys t < skip and
+    t >= n_rows are hidden. The scores become the weights (0 for hidden keys). Every row in one pass, so that
+    their dependency chains (max, then the exponentials) overlap: row by row, interleaved with the dot products,
+    this step took 17 ns per (key, KV head) at 3 rows of 64."""
+    for r in range(m.shape[0]):
+        at = r * BLOCK
+        x = sflat[at : at + BLOCK]
+        if softcap > 0:  # the bias goes in before the cap
+            for t in range(BLOCK):
+                x[t] = softcap * math.tanh((x[t] + bias[r]) / softcap)
+            bias[r] = 0.0
+        for t in range(skip):
+            x[t] = NEG
+        for t in range(n_rows, BLOCK):
+            x[t] = NEG
+        top = max16(sflat, at) + bias[r]
+        if top > m[r]:
+            corr = np.float32(math.exp(m[r] - top))
+            den[r] *= corr
+            macc[r] *= corr
+            a = acc[r * d : (r + 1) * d]
+            for i in range(d):
+                a[i] *= corr
+            m[r] = top
+        # Hidden keys weigh exactly 0 (expsum16: below e^-87), also while no key has been seen (shift 0). An
+        # early return for a block with nothing visible doubled this step's cost (51 -> 119 ns per row and block).
+        shift = m[r] - bias[r] if m[r] > NEG else np.float32(0.0)
+        den[r] += expsum16(sflat, at, shift)
 
 
 @njit(fastmath=True, inline="always")
@@ -167,9 +186,16 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
     half = d // 2
     n = lens[b]
     sealed = n // BLOCK
-    qflat = q.reshape(-1)
+    qp = np.empty(hq * d, np.float32)  # q times the softmax scale, in the unpacked order: scores come out scaled
+    for h in range(hq):
+        for i in range(d):
+            qp[h * d + _channel(i, half)] = q[b, h, i] * sm
+    ksp = np.empty(d, np.float32)
+    kmp = np.empty(d, np.float32)
+    vst = np.empty(heads * BLOCK, np.float32)
+    vmt = np.empty(heads * BLOCK, np.float32)
     qf = np.empty(g * d, np.float32)
-    bias = np.empty(g, np.float32)
+    bias = np.empty(hq, np.float32)
     kbuf = np.empty(BLOCK * d, np.int8)
     fbuf = np.empty(BLOCK * d, np.float32)
     s = np.empty(hq * BLOCK, np.float32)
@@ -178,34 +204,29 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
     m = np.full(hq, NEG, np.float32)
     den = np.zeros(hq, np.float32)
     kflat, vflat = kc.reshape(-1), vc.reshape(-1)
+    vsb, vmb = vs.reshape(-1), vm.reshape(-1)
     block_bytes = BLOCK * heads * half
     last = (hi - 1) // BLOCK
     for j in range(lo // BLOCK, last + 1):
-        base = j * BLOCK
-        skip = max(lo - base, 0)
-        if j < sealed:
-            blk = tables[b, j]
-            if j + 1 < sealed and j < last:
-                nxt = tables[b, j + 1]
-                cpu_simd.prefetch(kflat, nxt * block_bytes, block_bytes)
-                cpu_simd.prefetch(vflat, nxt * block_bytes, block_bytes)
+        skip = max(lo - j * BLOCK, 0)
+        if j >= sealed:
+            _open_block(qp, ko, vo, b, n - j * BLOCK, skip, softcap, m, den, macc, bias, s, acc, f16)
+            continue
+        blk = tables[b, j]
+        if j + 1 < sealed and j < last:
+            nxt = tables[b, j + 1]
+            cpu_simd.prefetch(kflat, nxt * block_bytes, block_bytes)
+            cpu_simd.prefetch(vflat, nxt * block_bytes, block_bytes)
+        for h in range(heads):
+            _block_scores(qp, kc, ks, km, blk, h, g, h * g, ksp, kmp, qf, bias, s, kbuf, fbuf, f16)
+        _softmax(s, BLOCK, skip, softcap, m, den, macc, bias, acc, d)
+        at = blk * BLOCK * heads
+        for t in range(BLOCK):  # the block's value scales and minimums, [heads, 16]
             for h in range(heads):
-                row = h * g
-                _block_scores(qflat, (b * hq + row) * d, kc, ks, km, blk, h, g, qf, bias, s, row * BLOCK, kbuf,
-                              fbuf, f16)
-                for r in range(g):
-                    _online(s, (row + r) * BLOCK, BLOCK, skip, sm, softcap, m[row:], den[row:], macc[row:], acc,
-                            (row + r) * d, r, d)
-                _block_values(vc, vs, vm, blk, h, g, s, row * BLOCK, acc, row * d, macc[row:], kbuf)
-        else:
-            n_rows = n - base
-            for h in range(heads):
-                row = h * g
-                _open_scores(qflat, (b * hq + row) * d, ko, b, h, n_rows, g, s, row * BLOCK, f16)
-                for r in range(g):
-                    _online(s, (row + r) * BLOCK, n_rows, skip, sm, softcap, m[row:], den[row:], macc[row:], acc,
-                            (row + r) * d, r, d)
-                _open_values(vo, b, h, n_rows, g, s, row * BLOCK, acc, row * d, f16)
+                vst[h * BLOCK + t] = f16[vsb[at + t * heads + h] & 0xFFFF]
+                vmt[h * BLOCK + t] = f16[vmb[at + t * heads + h] & 0xFFFF]
+        for h in range(heads):
+            _block_values(vc, vs, vm, blk, h, g, h * g, vst, vmt, s, acc, macc, kbuf)
     for h in range(hq):
         part_m[it, h] = m[h]
         part_l[it, h] = den[h]
