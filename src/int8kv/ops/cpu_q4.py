@@ -27,6 +27,7 @@ float32 table.
 from __future__ import annotations
 
 import math
+import time
 
 import numba
 import numpy as np
@@ -34,7 +35,8 @@ from numba import njit, prange
 
 from ..quant4 import BLOCK
 from . import cpu_simd
-from .cpu_q4_simd import expsum16, max16, split16, unpack16
+from .cpu import thread_choice
+from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16
 from .plan import AttentionVariant
 
 __all__ = ["F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items"]
@@ -62,20 +64,18 @@ def _block_scores(qp, kc, ks, km, blk, h, rows, row0, ksp, kmp, qf, bias, sflat,
     d = 2 * half
     vector = cpu_simd.fits(d)
     if vector:
-        split16(ks.reshape(-1), (blk * heads + h) * d, d, ksp, 0)
-        split16(km.reshape(-1), (blk * heads + h) * d, d, kmp, 0)
+        fold(qp, row0 * d, ks.reshape(-1), km.reshape(-1), (blk * heads + h) * d, qf, bias, row0, rows, d)
     else:
         for i in range(d):
             ksp[_channel(i, half)] = f16[ks[blk, h, i] & 0xFFFF]  # int16 bits -> table index
             kmp[_channel(i, half)] = f16[km[blk, h, i] & 0xFFFF]
-    for r in range(rows):  # views, indexed by the loop counter: a computed index is a gather (numba's wraparound)
-        x = qp[(row0 + r) * d : (row0 + r + 1) * d]
-        y = qf[r * d : (r + 1) * d]
-        b = np.float32(0.0)
-        for i in range(d):
-            y[i] = x[i] * ksp[i]
-            b += x[i] * kmp[i]
-        bias[row0 + r] = b
+        for r in range(rows):
+            b = np.float32(0.0)
+            for i in range(d):
+                x = qp[(row0 + r) * d + i]
+                qf[r * d + i] = x * ksp[i]
+                b += x * kmp[i]
+            bias[row0 + r] = b
     if vector:
         unpack16(kc.reshape(-1), (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
         cpu_simd.qk16(qf, 0, kbuf, 0, d, sflat, row0 * BLOCK, BLOCK, rows, d, fbuf)
@@ -96,14 +96,7 @@ def _block_values(vc, vs, vm, blk, h, rows, row0, vst, vmt, sflat, acc, macc, kb
     place); vst, vmt: the block's value scales and minimums as float32 [heads, 16]."""
     heads, half = vc.shape[2], vc.shape[3]
     d = 2 * half
-    scale, low = vst[h * BLOCK : (h + 1) * BLOCK], vmt[h * BLOCK : (h + 1) * BLOCK]
-    for r in range(rows):
-        w = sflat[(row0 + r) * BLOCK : (row0 + r + 1) * BLOCK]
-        total = np.float32(0.0)
-        for t in range(BLOCK):
-            total += w[t] * low[t]
-            w[t] *= scale[t]
-        macc[row0 + r] += total
+    weights16(sflat, row0 * BLOCK, BLOCK, vst, vmt, h * BLOCK, macc, row0, rows)
     if cpu_simd.fits(d):
         unpack16(vc.reshape(-1), (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
         cpu_simd.pv16(sflat, row0 * BLOCK, BLOCK, kbuf, 0, d, acc, row0 * d, rows, d)
@@ -204,7 +197,7 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
     m = np.full(hq, NEG, np.float32)
     den = np.zeros(hq, np.float32)
     kflat, vflat = kc.reshape(-1), vc.reshape(-1)
-    vsb, vmb = vs.reshape(-1), vm.reshape(-1)
+    ksb, kmb, vsb, vmb = ks.reshape(-1), km.reshape(-1), vs.reshape(-1), vm.reshape(-1)
     block_bytes = BLOCK * heads * half
     last = (hi - 1) // BLOCK
     for j in range(lo // BLOCK, last + 1):
@@ -217,6 +210,10 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
             nxt = tables[b, j + 1]
             cpu_simd.prefetch(kflat, nxt * block_bytes, block_bytes)
             cpu_simd.prefetch(vflat, nxt * block_bytes, block_bytes)
+            cpu_simd.prefetch(ksb, nxt * heads * d, heads * d)
+            cpu_simd.prefetch(kmb, nxt * heads * d, heads * d)
+            cpu_simd.prefetch(vsb, nxt * BLOCK * heads, BLOCK * heads)
+            cpu_simd.prefetch(vmb, nxt * BLOCK * heads, BLOCK * heads)
         for h in range(heads):
             _block_scores(qp, kc, ks, km, blk, h, g, h * g, ksp, kmp, qf, bias, s, kbuf, fbuf, f16)
         _softmax(s, BLOCK, skip, softcap, m, den, macc, bias, acc, d)
@@ -272,9 +269,9 @@ def _merge(part_m, part_l, part_acc, firsts, sinks, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _decode(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap, sinks, f16, out):
+def _decode_parallel(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap, sinks, f16, out):
     """Every work item (static split of the items over the threads: they are about equal by construction),
-    then the merge on the calling thread."""
+    then the merge on the calling thread. `_decode_serial` is the same on the calling thread alone."""
     n_items, hq, d = items.shape[0], q.shape[1], q.shape[2]
     part_m = np.empty((n_items, hq), np.float32)
     part_l = np.empty((n_items, hq), np.float32)
@@ -283,6 +280,9 @@ def _decode(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, 
         _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
                   part_acc)
     _merge(part_m, part_l, part_acc, firsts, sinks, out)
+
+
+_decode_serial = njit(fastmath=True, cache=True)(_decode_parallel.py_func)
 
 
 def decode_items(lows: np.ndarray, lens: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -328,12 +328,24 @@ def decode_attention(
     softcap = 0.0 if variant is None or variant.softcap is None else variant.softcap
     sinks = np.zeros(0, np.float32) if variant is None or variant.sinks is None else variant.sinks.numpy()
     out = np.zeros(q.shape, np.float32)
-    _decode(
+    # One thread or all, whichever has measured cheaper for calls of this size (cpu.ThreadChoice: on a loaded
+    # machine waking a second thread can cost more than the call); the items, so the numerics, are the same.
+    threads = numba.get_num_threads()
+    choice = thread_choice(("q4-decode", q.shape[1], d, variant is not None and variant.softcap is not None))
+    work = int((lens - np.minimum(lows, lens)).sum()) * q.shape[1]
+    parallel = choice.parallel(work, threads)
+    kernel = _decode_parallel if parallel else _decode_serial
+    compiled = len(kernel.overloads)
+    start = time.perf_counter()
+    kernel(
         np.ascontiguousarray(q, np.float32), k_codes, k_scale.view(np.int16), k_min.view(np.int16), v_codes,
         v_scale.view(np.int16), v_min.view(np.int16), k_open.view(np.uint16), v_open.view(np.uint16),
         block_tables, context_lens, items, firsts, np.float32(1 / math.sqrt(d) if softmax_scale is None else
         softmax_scale), np.float32(softcap), sinks.astype(np.float32), F16_TABLE, out,
     )  # fmt: skip
+    if choice.timed:  # a call that compiled a specialisation measured that, not the kernel
+        seconds = time.perf_counter() - start
+        choice.record(parallel, work, threads, seconds if len(kernel.overloads) == compiled else None)
     return out
 
 
