@@ -36,7 +36,7 @@ from numba import njit, prange
 from ..quant4 import BLOCK
 from . import cpu_simd
 from .cpu import thread_choice
-from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16
+from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16, widen16
 from .plan import AttentionVariant
 
 __all__ = ["F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items"]
@@ -217,11 +217,9 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
         for h in range(heads):
             _block_scores(qp, kc, ks, km, blk, h, g, h * g, ksp, kmp, qf, bias, s, kbuf, fbuf, f16)
         _softmax(s, BLOCK, skip, softcap, m, den, macc, bias, acc, d)
-        at = blk * BLOCK * heads
-        for t in range(BLOCK):  # the block's value scales and minimums, [heads, 16]
-            for h in range(heads):
-                vst[h * BLOCK + t] = f16[vsb[at + t * heads + h] & 0xFFFF]
-                vmt[h * BLOCK + t] = f16[vmb[at + t * heads + h] & 0xFFFF]
+        for h in range(heads):  # the block's value scales and minimums, [heads, 16]
+            widen16(vsb, blk * BLOCK * heads + h, heads, vst, h * BLOCK)
+            widen16(vmb, blk * BLOCK * heads + h, heads, vmt, h * BLOCK)
         for h in range(heads):
             _block_values(vc, vs, vm, blk, h, g, h * g, vst, vmt, s, acc, macc, kbuf)
     for h in range(hq):

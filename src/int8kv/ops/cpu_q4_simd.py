@@ -32,7 +32,7 @@ from numba.extending import intrinsic
 
 from .cpu_simd import LANES
 
-__all__ = ["expsum16", "fold", "max16", "unpack16", "weights16"]
+__all__ = ["expsum16", "fold", "max16", "unpack16", "weights16", "widen16"]
 
 _F32 = ir.FloatType()
 _VEC = ir.VectorType(_F32, LANES)
@@ -133,15 +133,16 @@ def fold(typingctx, q, qoff, scale, minimum, soff, out, bias, boff, rows, dim):
                     col = builder.mul(chunk.index, ir.Constant(i64, width))
                     at = builder.sdiv(col, ir.Constant(i64, 2))
                     acc = None
-                    for (sv, mv), shift in zip(zip(split(sp, col), split(mp, col), strict=True), (at, builder.add(at, half)),
-                                               strict=True):
+                    scales, lows = split(sp, col), split(mp, col)
+                    for sv, mv, shift in zip(scales, lows, (at, builder.add(at, half)), strict=True):
                         qv = builder.load(_at(builder, qp, builder.add(qrow, shift), part), align=4)
-                        builder.store(builder.fmul(qv, sv, flags=_FAST), _at(builder, op, builder.add(orow, shift), part),
-                                      align=4)
+                        where = _at(builder, op, builder.add(orow, shift), part)
+                        builder.store(builder.fmul(qv, sv, flags=_FAST), where, align=4)
                         term = builder.fmul(qv, mv, flags=_FAST)
                         acc = term if acc is None else builder.fadd(acc, term, flags=_FAST)
                     if lanes < LANES:  # into the low lanes of the row's 16-lane sum
-                        acc = builder.shuffle_vector(acc, ir.Constant(part, None), ir.Constant(_INTS, list(range(LANES))))
+                        acc = builder.shuffle_vector(acc, ir.Constant(part, None),
+                                                     ir.Constant(_INTS, list(range(LANES))))
                     builder.store(builder.fadd(builder.load(total), acc, flags=_FAST), total)
                 builder.store(_sum(builder, builder.load(total)), builder.gep(bp, [builder.add(bo, row.index)]))
 
@@ -232,6 +233,29 @@ def weights16(typingctx, s, soff, sstride, scale, minimum, voff, total, toff, ro
             where = builder.gep(tp, [builder.add(to, row.index)])
             low = _sum(builder, builder.fmul(p, mv, flags=_FAST))
             builder.store(builder.fadd(builder.load(where), low, flags=_FAST), where)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def widen16(typingctx, bits, off, stride, out, ooff):
+    """out[ooff + t] = f16(bits[off + t*stride]) for t < 16: one KV head's 16 value scales (or minimums) of a
+    block, a head apart in the pool, as float32. bits: int16 flat (float16 bits); out: float32 flat. Through the
+    float16 table (two dependent loads a value): 3 ns per (key, KV head) at 3 KV heads x 64."""
+    _expect(((bits, types.int16, "bits"), (out, types.float32, "out")))
+    sig = types.void(bits, off, stride, out, ooff)
+
+    def codegen(context, builder, signature, args):
+        b_arr, bo, bs, o_arr, oo = args
+        bp = _base(context, builder, signature.args[0], b_arr)
+        op = _base(context, builder, signature.args[3], o_arr)
+        vec = ir.Constant(_BITS, ir.Undefined)
+        at = bo
+        for t in range(LANES):
+            vec = builder.insert_element(vec, builder.load(builder.gep(bp, [at])), ir.Constant(ir.IntType(32), t))
+            at = builder.add(at, bs)
+        builder.store(_widen(builder, vec), _at(builder, op, oo, _VEC), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
