@@ -55,16 +55,16 @@ def _channel(i, half):
 
 
 @njit(fastmath=True, inline="always")
-def _block_scores(qp, kc, ks, km, blk, h, rows, row0, ksp, kmp, qf, bias, sflat, kbuf, fbuf, f16):
+def _block_scores(qp, kc, ks, km, flat, blk, h, rows, row0, ksp, kmp, qf, bias, sflat, kbuf, fbuf, f16):
     """Raw scores q'.c (without the bias) of query rows row0..row0+rows (qp: q in the unpacked order, rows d
     apart) against the 16 keys of sealed block `blk`, KV head h -> sflat[(row0 + r)*16 + t], and each row's
-    bias sum_i q_i m_i -> bias[row0 + r]. ksp, kmp (float32 [d]), qf (float32 [rows*d]), kbuf (int8 [16*d]),
-    fbuf (float32 [16*d]): scratch."""
+    bias sum_i q_i m_i -> bias[row0 + r]. flat: kc, ks, km as flat views (made once per item). ksp, kmp
+    (float32 [d]), qf (float32 [rows*d]), kbuf (int8 [16*d]), fbuf (float32 [16*d]): scratch."""
     heads, half = kc.shape[2], kc.shape[3]
     d = 2 * half
     vector = cpu_simd.fits(d)
     if vector:
-        fold(qp, row0 * d, ks.reshape(-1), km.reshape(-1), (blk * heads + h) * d, qf, bias, row0, rows, d)
+        fold(qp, row0 * d, flat[1], flat[2], (blk * heads + h) * d, qf, bias, row0, rows, d)
     else:
         for i in range(d):
             ksp[_channel(i, half)] = f16[ks[blk, h, i] & 0xFFFF]  # int16 bits -> table index
@@ -77,7 +77,7 @@ def _block_scores(qp, kc, ks, km, blk, h, rows, row0, ksp, kmp, qf, bias, sflat,
                 b += x * kmp[i]
             bias[row0 + r] = b
     if vector:
-        unpack16(kc.reshape(-1), (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
+        unpack16(flat[0], (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
         cpu_simd.qk16(qf, 0, kbuf, 0, d, sflat, row0 * BLOCK, BLOCK, rows, d, fbuf)
         return
     for r in range(rows):
@@ -90,15 +90,15 @@ def _block_scores(qp, kc, ks, km, blk, h, rows, row0, ksp, kmp, qf, bias, sflat,
 
 
 @njit(fastmath=True, inline="always")
-def _block_values(vc, vs, vm, blk, h, rows, row0, vst, vmt, sflat, acc, macc, kbuf):
+def _block_values(vc, vflat, blk, h, rows, row0, vst, vmt, sflat, acc, macc, kbuf):
     """acc (unpacked order, rows d apart) += sum_t p_t s_t c_t and macc[row] += sum_t p_t m_t for query rows
     row0..row0+rows over the 16 values of sealed block `blk`, KV head h; p at sflat[row*16 + t] (scaled in
-    place); vst, vmt: the block's value scales and minimums as float32 [heads, 16]."""
+    place); vst, vmt: the block's value scales and minimums as float32 [heads, 16]; vflat: vc, flat."""
     heads, half = vc.shape[2], vc.shape[3]
     d = 2 * half
     weights16(sflat, row0 * BLOCK, BLOCK, vst, vmt, h * BLOCK, macc, row0, rows)
     if cpu_simd.fits(d):
-        unpack16(vc.reshape(-1), (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
+        unpack16(vflat, (blk * BLOCK * heads + h) * half, heads * half, half, kbuf)
         cpu_simd.pv16(sflat, row0 * BLOCK, BLOCK, kbuf, 0, d, acc, row0 * d, rows, d)
         return
     for r in range(rows):
@@ -215,13 +215,13 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
             cpu_simd.prefetch(vsb, nxt * BLOCK * heads, BLOCK * heads)
             cpu_simd.prefetch(vmb, nxt * BLOCK * heads, BLOCK * heads)
         for h in range(heads):
-            _block_scores(qp, kc, ks, km, blk, h, g, h * g, ksp, kmp, qf, bias, s, kbuf, fbuf, f16)
+            _block_scores(qp, kc, ks, km, (kflat, ksb, kmb), blk, h, g, h * g, ksp, kmp, qf, bias, s, kbuf, fbuf, f16)
         _softmax(s, BLOCK, skip, softcap, m, den, macc, bias, acc, d)
         for h in range(heads):  # the block's value scales and minimums, [heads, 16]
             widen16(vsb, blk * BLOCK * heads + h, heads, vst, h * BLOCK)
             widen16(vmb, blk * BLOCK * heads + h, heads, vmt, h * BLOCK)
         for h in range(heads):
-            _block_values(vc, vs, vm, blk, h, g, h * g, vst, vmt, s, acc, macc, kbuf)
+            _block_values(vc, vflat, blk, h, g, h * g, vst, vmt, s, acc, macc, kbuf)
     for h in range(hq):
         part_m[it, h] = m[h]
         part_l[it, h] = den[h]
