@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from int8kv import quant4
@@ -47,3 +48,14 @@ def test_open_block_agreement_sees_what_single_steps_see():
             ref.append(int(model(input_ids=ids, cache=cache).logits[0, -1].argmax()))
             ids = torch.tensor([[ref[-1]]])
     assert kv4.agreement(model, scheme, prompt, ref, 8) == len(ref)
+
+
+def test_kv4_attention_refuses_threads_numba_lacks():
+    import numba
+
+    from int8kv.bench import kv4_attention
+    from int8kv.cli_common import CliError
+
+    for bad in ("0", str(numba.config.NUMBA_NUM_THREADS + 1)):
+        with pytest.raises(CliError, match="--threads"):
+            kv4_attention.main(["--threads", bad, "--repeat", "1"])

@@ -1,11 +1,12 @@
 """CPU decode attention reading 4-bit codes (int8kv.ops.cpu_q4) against the INT8 kernel, same shapes, same run.
 
-    python -m int8kv.bench kv4_attention [--preset batch8|smollm2|all] [--repeat 20] [--json PATH]
+    python -m int8kv.bench kv4_attention [--preset batch8|smollm2|all] [--repeat 20] [--threads N] [--json PATH]
 
 One decode step (one query token per sequence). Both kernels read random codes and scales of the same shape
 from a pool whose block tables are a random permutation (INT8: 16-position blocks, the 4-bit format: 16-position
 sealed blocks plus each sequence's open block of ``context % 16`` F16 rows), over the same queries; they take
-turns (bench attention's interleaved bursts) and each reports its best and median call. Shapes: batch8 = 8
+turns (bench attention's interleaved bursts) and each reports its best and median call; each picks one thread
+or all of numba's (``--threads``, default all) by what it measured (cpu.ThreadChoice). Shapes: batch8 = 8
 sequences, 32 query / 8 KV heads x 128, 4,096 positions; smollm2 = 1 sequence, 9 / 3 x 64, 7,000 positions.
 """
 
@@ -20,7 +21,7 @@ import numba
 import numpy as np
 import torch
 
-from ..cli_common import bench_parser, check_minimums
+from ..cli_common import CliError, bench_parser, check_minimums
 from ..formats import KvStorageFormat
 from ..ops import attention, plan_attention
 from ..ops.cpu_q4 import decode_attention
@@ -106,8 +107,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = bench_parser("kv4_attention", __doc__.split("\n")[0])
     parser.add_argument("--preset", choices=(*SHAPES, "all"), default="all", help="shape(s) to time")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per kernel")
+    parser.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
     args = parser.parse_args(argv)
     check_minimums(args, {"repeat": 1})
+    if args.threads is not None:
+        check_minimums(args, {"threads": 1})
+        if args.threads > numba.config.NUMBA_NUM_THREADS:
+            raise CliError(f"--threads {args.threads}: numba has {numba.config.NUMBA_NUM_THREADS} threads")
+        numba.set_num_threads(args.threads)
     result = run(SHAPES if args.preset == "all" else (args.preset,), args.repeat)
     return emit(result, report(result), args.json)
 
