@@ -2,22 +2,25 @@
 
 A sealed block of the 4-bit format holds 16 positions: keys with a float16 scale and minimum per channel, values
 with a float16 scale and minimum per position, codes two a byte, the even channel in the low nibble. The block's
-key codes are unpacked by `unpack16` (low nibbles, then high nibbles: the even channels first, then the odd ones)
-into int8 rows that the INT8 kernels of `cpu_simd` (`qk16`, `pv16`) read; the query is folded into that order
-once per block (`fold`), and the accumulator of p . v stays in it until the item ends. These kernels do the rest:
+codes are unpacked by `unpack16` into int8 rows, each row's even channels (low nibbles) first and its odd ones
+after, which the 16-key kernels of `cpu_simd` (`qk16` scores, `pv16` p . v) read as they read INT8 codes; the
+query is kept in that order (and folded into the block's key scales by `fold`), and so is the p . v accumulator
+until an item ends. These kernels do the rest:
 
-  `fold`      q'_r = the row's q times the block's key scales, the even channels then the odd ones, and the bias
-              sum_i q_i m_i of each row (float16 scales and minimums widened in registers);
+  `fold`      q'_r = each query row times the block's key scales, and the bias sum_i q_i m_i of each row
+              (float16 scales and minimums widened and split into even / odd channels in registers);
+  `unpack16`  the nibbles of 16 rows of codes, a KV head apart in the pool, into int8 rows;
   `max16`     the largest of 16 scores;
   `expsum16`  the 16 weights e^(x - shift) of one row in place, and their sum (a polynomial in registers:
               numba's `math.exp` in a loop stays a libm call per score);
-  `weights16` p_t s_t in place of p_t for g rows of one block, and sum_t p_t m_t into each row's running sum
-              (the 16 value scales and minimums, a KV head apart, gathered once for every row).
+  `widen16`   one KV head's 16 value scales (or minimums), a head apart, as float32;
+  `weights16` p_t s_t in place of p_t for the rows of one block, and sum_t p_t m_t into each row's running sum.
 
-Vectors are <16 x float>: one AVX-512 register, two AVX2 ones; nothing here names an instruction of one CPU, so
-the same IR compiles for either (tests/test_ops_cpu_q4.py emits it for an AVX2-only CPU too). Offsets, strides,
-rows and dim are int64 element counts; `fold` takes head_dim a multiple of 16 (callers check
-`cpu_simd.fits`), the others any head_dim.
+Vectors are <16 x float> (and <32 x i8> for the codes): one AVX-512 register, or two AVX2 ones; nothing here
+names an instruction of one CPU, so the same IR compiles for either (tests/test_ops_cpu_q4_simd.py emits each
+kernel for an AVX2-only core and an AVX-512 one, and runs the whole kernel compiled for AVX2 when asked).
+Offsets, strides, rows and dim are int64 element counts; `fold` and `unpack16` take head_dim a multiple of 16
+(callers check `cpu_simd.fits`, as for `qk16` / `pv16`).
 """
 
 from __future__ import annotations
