@@ -180,8 +180,9 @@ def test_micro_kernels_compile_for_avx2_and_avx512(name, cpu):
 _AVX2_RUN = """
 import numpy as np, torch
 from int8kv import quant4
-from int8kv.ops import cpu_q4
+from int8kv.ops import cpu_q4, cpu_simd
 from int8kv.ops.plan import AttentionVariant
+assert cpu_simd.target_features().endswith("-avx512f") and cpu_simd.DOT == "avx2"  # the target took effect
 from int8kv.ops.reference_q4 import attend_q4
 r = np.random.default_rng(7)
 seqs = [quant4.encode_sequence(r.standard_normal((n, 2, 64)).astype(np.float32),

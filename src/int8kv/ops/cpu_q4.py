@@ -8,20 +8,23 @@ naming the sealed blocks of each sequence in position order; ``context_lens`` in
 
 A work item is (sequence, key range): the sequence's visible keys cut at block boundaries into about two ranges
 per thread (none shorter than MIN_SPLIT_KEYS), every KV head of a block read in turn, so a block's bytes are read
-in memory order by one thread; the ranges' softmax states are merged at the end (flash-decoding). Per sealed
-block and KV head (the vector kernels of `cpu_q4_simd` and `cpu_simd`):
+in memory order by one thread; the ranges' softmax states are merged at the end (flash-decoding). A call runs on
+one thread or all of numba's, whichever measured cheaper for calls of its size (`cpu.ThreadChoice`); the items,
+and so the numerics, are the same either way. Per sealed block (the vector kernels of `cpu_q4_simd` and
+`cpu_simd`; the softmax scale is folded into q once per item):
 
-    scores   the key scales folded into the query once (``q_i s_i``, the bias ``sum_i q_i m_i``), the codes'
-             nibbles unpacked into int8 rows, then `qk16` (16 keys, every query head of the GQA group);
-    softmax  online, per block: scale, softcap, the range's first key, `expsum16`;
-    values   the weights times the values' scales and ``sum_t p_t m_t`` per row (`weights16`), the nibbles
-             unpacked, then `pv16`.
+    scores   per KV head: the key scales folded into the query (``q_i s_i``, and the bias ``sum_i q_i m_i``),
+             the nibbles unpacked into int8 rows, then `qk16` (16 keys, every query head of the GQA group);
+    softmax  online, every row of the block in one pass (softcap, the range's first key, `max16`, `expsum16`;
+             the bias joins the maximum and the shift, not each score);
+    values   per KV head: the weights times the values' scales and ``sum_t p_t m_t`` per row (`widen16`,
+             `weights16`), the nibbles unpacked, then `pv16`.
 
-Unpacking puts a row's even channels first (low nibbles), then its odd ones; the folded query and the value
-accumulator use that order, which is undone once per item. The next block is prefetched while one is computed.
-A head_dim the vector kernels do not take (not a multiple of 16) runs the same steps as plain loops, and the
-open block's F16 rows (at most 15 per sequence) always do, their float16 values read through a 65,536-entry
-float32 table.
+Unpacking puts a row's even channels first (low nibbles), then its odd ones; q and the value accumulator are
+kept in that order, which is undone once per item. The next block's codes and scales are prefetched while one
+is computed. A head_dim the vector kernels do not take (not a multiple of 16) runs the same steps as plain
+loops, and the open block's F16 rows (at most 15 per sequence) always do, their float16 values read through a
+65,536-entry float32 table. Figures: docs/benchmarks.md, "4-bit KV".
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ assert BLOCK == cpu_simd.LANES  # a sealed block is one call of the 16-key kerne
 
 F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 NEG = np.float32(-1e30)
-MIN_SPLIT_KEYS = 256  # shortest key range worth its own work item
+MIN_SPLIT_KEYS = 256  # shortest key range worth its own work item: the INT8 kernel's value, not measured here
 
 
 @njit(fastmath=True, inline="always")
