@@ -157,6 +157,8 @@ REFUSED = {
     # Its own attention on whatever the cache returns: the probe forward sees no call of the attention interface.
     "xglm": (dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2), UnsupportedAttention,
              "called transformers' attention interface 0 time"),
+    # Its attention code adds the mask itself, which the interface does not give: its forward fails in the probe.
+    "falcon": ({}, UnsupportedModel, "fails when its attention goes through transformers' attention interface"),
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), UnsupportedAttention, "MLA"),
 }

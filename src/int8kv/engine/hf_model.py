@@ -57,6 +57,7 @@ from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
 from ..errors import (
     AttentionBypassed,
+    KvCacheError,
     NonFiniteError,
     ShapeMismatch,
     UnknownSequence,
@@ -109,22 +110,26 @@ class _Step:
         self.backend = ops.resolve_backend(cache.pool, backend)
         self.plan = plan
         self.layers = layers
-        self.plans: dict[tuple[float, int], AttentionPlan] = {(plan.softmax_scale, 0): plan}
+        self.plans: dict[Any, AttentionPlan] = {plan.softmax_scale: plan}  # by scale, (scale, group) past group 0
         self.written = [0] * len(layers)
         self.read = [0] * len(layers)
 
     def plan_for(self, scaling: float | None, group: int) -> AttentionPlan:
         """The plan for a layer of pool ``group`` attending with ``scaling`` (None: that pool's head_dim**-0.5)."""
-        if scaling is None and group == 0:
-            return self.plan
-        plan = self.plans.get((scaling, group))
+        if group == 0:  # every layer of a model with one K/V shape: keyed by the scale alone
+            if scaling is None:
+                return self.plan
+            plan = self.plans.get(scaling)
+        else:
+            plan = self.plans.get((scaling, group))
         if plan is None:
-            scale = self.pools[group].head_dim ** -0.5 if scaling is None else float(scaling)
+            scale = self.pools[group].head_dim**-0.5 if scaling is None else float(scaling)
             if not math.isfinite(scale) or scale <= 0:
                 raise NonFiniteError(f"the model's attention scaling must be finite and > 0, got {scaling!r}")
             # Same metadata, another scale (Gemma's query_pre_attn_scalar) or pool (another K/V shape: the CPU
             # backend's work items depend on its heads); backend data is derived afresh.
-            plan = self.plans[(scaling, group)] = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
+            plan = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
+            self.plans[scaling if group == 0 else (scaling, group)] = plan
         return plan
 
     def check_complete(self) -> None:
@@ -351,6 +356,14 @@ def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> list[tupl
         with _attention_implementation(hf_model.config, SHAPES_IMPLEMENTATION):
             hf_model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device),
                      position_ids=torch.arange(2, device=device)[None], use_cache=False)  # fmt: skip
+    except KvCacheError:
+        raise
+    except Exception as e:  # noqa: BLE001 - its own attention code met what the interface gives (falcon: mask None)
+        raise UnsupportedModel(
+            f"{type(hf_model).__name__}'s forward fails when its attention goes through transformers' attention "
+            f"interface with no mask ({type(e).__name__}: {e}): it does not run its attention through the interface "
+            "alone, which the engine cannot serve"
+        ) from e
     finally:
         _SHAPES.reset(token)
     if len(shapes) != num_kv_layers:
