@@ -19,11 +19,15 @@ after it, so the user's model object is left as it was between steps and wheneve
 
 Never silently wrong: every layer must write its K/V once and read them once through the int8kv attention in
 each forward (a model that changes K/V after ``cache.update`` or runs its own attention on the handles fails
-with `AttentionBypassed`, an `UnsupportedAttention`); a probe forward at construction refuses such models up
-front. What the engine does not implement is refused by name: KV sharing, multimodal and encoder-decoder
-models, models whose attention ignores transformers' interface, state kept where the engine cannot give each
-sequence its own (`UnsupportedModel`); MLA, ALiBi, sparse attention (`UnsupportedAttention`, from
-`int8kv.hf.layers`).
+with `AttentionBypassed`, an `UnsupportedAttention`); probe forwards at construction refuse such models up
+front, and a model whose logits for two sequences packed into one step differ from each sequence's alone (in
+place of transformers' ``_supports_attention_backend`` flag: `TransformersModel._check_packing`). What the engine
+does not implement is refused by name: KV sharing, multimodal and encoder-decoder models, a forward that fails
+under the interface, state kept where the engine cannot give each sequence its own (`UnsupportedModel`); MLA,
+ALiBi, sparse attention (`UnsupportedAttention`, from `int8kv.hf.layers`).
+
+Layers whose K/V differ in shape (Gemma 4) are held in one pool per shape, all indexed by the same block ids
+(`PagedKvCache.with_groups`); each layer writes to and attends over its group's pool.
 
 Hybrids (linear-attention, Mamba, conv or RG-LRU layers beside attention) run one sequence per forward, each
 through its own state (`SequenceStates`, `SequenceRunner`; docs/design.md, "Engine: the model").
