@@ -526,3 +526,25 @@ def test_a_model_whose_packed_steps_differ_from_each_sequence_alone_is_refused()
     assert model.config._attn_implementation in ("sdpa", "eager")
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_a_model_whose_own_mask_the_plan_does_not_follow_is_refused():
+    """A model that builds its own mask (here each token sees only itself: a 4-D mask, which masking_utils passes
+    through) attends differently from the engine's causal plan: the probe's comparison with the model's own
+    forward refuses it by name."""
+    model = build("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    inner = model.model.forward
+
+    def own_mask(*args, **kwargs):
+        n = kwargs["input_ids"].shape[1]
+        kwargs["attention_mask"] = torch.eye(n, dtype=torch.bool)[None, None]
+        return inner(*args, **kwargs)
+
+    model.model.forward = own_mask
+    with pytest.raises(UnsupportedModel, match="differ from its own forward's"):
+        LLM(model, memory="1MiB")
+    assert model.config._attn_implementation in ("sdpa", "eager")
