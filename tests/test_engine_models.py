@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from int8kv import KvStorageFormat, UnsupportedAttention, UnsupportedModel
+from int8kv import KvStorageFormat, ShapeMismatch, UnsupportedAttention, UnsupportedModel
 from int8kv.engine import LLM, SamplingParams
 from int8kv.engine.hf_model import TransformersModel
 from int8kv.engine.model import DecoderModel
@@ -504,6 +504,9 @@ def test_per_layer_shapes_refuse_what_a_block_value_cannot_hold(tmp_path):
     cache.add_sequence(0, 3)
     with pytest.raises(UnsupportedModel, match=r"export_state of a cache with per-layer K/V shapes \(2 groups"):
         cache.export_state(0)
+    for layouts in ([], [KvLayout(1, 2, 16, F16), KvLayout(1, 2, 32, INT8)], [(1, 2, 16)]):
+        with pytest.raises(ShapeMismatch, match="layouts must be a non-empty list of KvLayouts of one format"):
+            PagedKvCache.with_groups(4, 4, layouts)
 
 
 def test_a_model_whose_packed_steps_differ_from_each_sequence_alone_is_refused():
