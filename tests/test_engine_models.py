@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from int8kv import KvStorageFormat, UnsupportedAttention, UnsupportedModel
+from int8kv import KvStorageFormat, ShapeMismatch, UnsupportedAttention, UnsupportedModel
 from int8kv.engine import LLM, SamplingParams
 from int8kv.engine.hf_model import TransformersModel
 from int8kv.engine.model import DecoderModel
@@ -25,6 +25,8 @@ VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=None, pad_token_id=0,
               bos_token_id=None)  # fmt: skip
+GEMMA4 = dict(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8, global_head_dim=32,
+              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)  # fmt: skip
 # name -> (model_type, config fields). Windows of 8 tokens on prompts of 14 + 8 generated: the window matters.
 ARCHS = {
     "llama": ("llama", {}),  # plain Llama and Qwen3 go through every test of tests/test_engine.py
@@ -39,13 +41,19 @@ ARCHS = {
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
     "llama4_text": ("llama4_text", dict(attention_chunk_size=8)),  # chunked attention
+    # Without transformers' _supports_attention_backend flag: the probe's packed step shows they serve packed rows
+    # (StableLM: partial rotary, per-head QK layer norms; BioGPT: learned absolute positions, 4 KV heads).
+    "stablelm": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True)),
+    "biogpt": ("biogpt", {}),
+    # Per-layer K/V shapes: head_dim 16 on the sliding layers, 32 on the full ones (one pool each), interleaved.
+    "gemma4_text": ("gemma4_text", dict(GEMMA4, num_hidden_layers=4)),
 }
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
     model_type, fields = ARCHS[name]
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **fields)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**COMMON, **fields})).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or pname.endswith("sinks"):
@@ -146,8 +154,11 @@ def test_architecture_decides_not_model_type():
 REFUSED = {
     # K/V changed after cache.update (V reshaped): caught by the probe forward at construction.
     "diffllama": ({}, UnsupportedAttention, "changes K/V after cache.update"),
-    # Its own attention on whatever the cache returns.
-    "xglm": (dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2), UnsupportedModel, "attention interface"),
+    # Its own attention on whatever the cache returns: the probe forward sees no call of the attention interface.
+    "xglm": (dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2), UnsupportedAttention,
+             "called transformers' attention interface 0 time"),
+    # Its attention code adds the mask itself, which the interface does not give: its forward fails in the probe.
+    "falcon": ({}, UnsupportedModel, "fails when its attention goes through transformers' attention interface"),
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), UnsupportedAttention, "MLA"),
 }
@@ -433,3 +444,110 @@ def test_hybrid_failure_fails_only_its_sequence(monkeypatch):
     assert_idle(llm)
     outs = llm.generate([batch[1]], params)  # the engine goes on as a fresh one would
     assert outs[0].token_ids == want
+
+
+# Per-layer K/V shapes (Gemma 4: a larger head_dim on the full layers than on the sliding ones): one pool per group of
+# layers with the same (kv_heads, head_dim), every pool indexed by the same block ids of one allocator.
+def _gemma4_block_bytes(fmt: KvStorageFormat) -> int:
+    return 4 * (fmt.bytes_per_token(2, 2, 16) + fmt.bytes_per_token(2, 2, 32))  # blocks of 4 tokens, two groups
+
+
+def test_per_layer_shapes_get_a_pool_per_group_sized_for_its_shape():
+    llm = engine(build("gemma4_text"), INT8)
+    cache = llm.cache
+    assert [la.dims for la in cache.layouts] == [(2, 2, 16), (2, 2, 32)]  # (layers, kv_heads, head_dim)
+    assert all(pool.num_blocks == cache.num_blocks for pool in cache.pools)
+    per_block = _gemma4_block_bytes(INT8)
+    # The budget buys blocks of both shapes; no layer is padded to the larger head_dim.
+    assert cache.num_blocks == 2**20 // per_block and cache.memory_bytes() == cache.num_blocks * per_block
+    assert llm.kv_bytes_per_token() * 4 == per_block
+    # Sliding layers 0 and 2 in the first pool, full layers 1 and 3 in the second.
+    assert [(layer.group, layer.kv) for layer in llm.model.step_layers] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_per_layer_shapes_with_prefix_caching_preemption_and_forks():
+    model = build("gemma4_text", seed=5)
+    shared = prompts(22, seed=6)[0]
+    batch = [shared, shared[:17] + [3, 4, 5], shared, prompts(13, seed=7)[0]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [hf_greedy(model, p, 10) for p in batch]
+    # 9 blocks for four sequences of 6-8 blocks each: admission waits and growth preempts.
+    llm = engine(model, F16, memory=9 * _gemma4_block_bytes(F16), max_num_seqs=4, max_num_batched_tokens=8)
+    outs = llm.generate(batch, params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.stats.preemptions > 0 and llm.stats.prefix_hit_tokens > 0
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+    # Forked choices share the prompt's blocks; the partial last block is copied on write in both pools (a copy
+    # in one pool only would leave the other's rows of the prompt unwritten in the copy and change the tokens).
+    llm = engine(model, F16, memory=32 * _gemma4_block_bytes(F16))
+    ids = llm.add_forked_request(shared, params, n=3)
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        llm.step()
+        for u in llm.pop_updates():
+            tokens[u.request_id] += u.new_token_ids
+    assert list(tokens.values()) == [want[0]] * 3
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+    assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
+
+
+def test_per_layer_shapes_refuse_what_a_block_value_cannot_hold(tmp_path):
+    """The block store and KvState hold one K/V shape for every layer: refused by name, before anything is opened
+    or allocated."""
+    from int8kv.cache.paged import PagedKvCache
+    from int8kv.cache.state import KvLayout
+
+    with pytest.raises(UnsupportedModel, match="kv_store is not implemented for a model whose layers hold K/V of "):
+        LLM(build("gemma4_text"), memory="1MiB", kv_store=f"disk:{tmp_path}")
+    assert list(tmp_path.iterdir()) == []
+    cache = PagedKvCache.with_groups(4, 4, [KvLayout(1, 2, 16, F16), KvLayout(1, 2, 32, F16)])
+    cache.add_sequence(0, 3)
+    with pytest.raises(UnsupportedModel, match=r"export_state of a cache with per-layer K/V shapes \(2 groups"):
+        cache.export_state(0)
+    for layouts in ([], [KvLayout(1, 2, 16, F16), KvLayout(1, 2, 32, INT8)], [(1, 2, 16)]):
+        with pytest.raises(ShapeMismatch, match="layouts must be a non-empty list of KvLayouts of one format"):
+            PagedKvCache.with_groups(4, 4, layouts)
+
+
+def test_a_model_whose_packed_steps_differ_from_each_sequence_alone_is_refused():
+    """The probe's packed step in place of transformers' _supports_attention_backend flag: a model whose RoPE takes
+    the packed row's token index instead of position_ids gives its decode token of one sequence, packed beside
+    another's prompt, other logits than that sequence alone. Refused by name; the model is left as it was."""
+    model = build("llama")
+    with torch.no_grad():  # peaked attention, so that positions move the logits
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    rotary = model.model.rotary_emb
+    rope = rotary.forward
+    rotary.forward = lambda x, position_ids: rope(x, torch.arange(position_ids.shape[-1])[None])
+    ids = torch.tensor([prompts(10)[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(UnsupportedModel, match="packed into one step than for each alone"):
+        LLM(model, memory="1MiB")
+    assert model.config._attn_implementation in ("sdpa", "eager")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_a_model_whose_own_mask_the_plan_does_not_follow_is_refused():
+    """A model that builds its own mask (here each token sees only itself: a 4-D mask, which masking_utils passes
+    through) attends differently from the engine's causal plan: the probe's comparison with the model's own
+    forward refuses it by name."""
+    model = build("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    inner = model.model.forward
+
+    def own_mask(*args, **kwargs):
+        n = kwargs["input_ids"].shape[1]
+        kwargs["attention_mask"] = torch.eye(n, dtype=torch.bool)[None, None]
+        return inner(*args, **kwargs)
+
+    model.model.forward = own_mask
+    with pytest.raises(UnsupportedModel, match="differ from its own forward's"):
+        LLM(model, memory="1MiB")
+    assert model.config._attn_implementation in ("sdpa", "eager")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import PositionOutOfRange, ShapeMismatch
+from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedModel
 from ..formats import KvStorageFormat
 from .allocator import BlockAllocator, SeqId
 from .pool import KvPool, Rows
@@ -41,6 +41,7 @@ class PagedKvCache:
             )
         self.pool = KvPool(KvLayout(num_layers, num_kv_heads, head_dim, KvStorageFormat(format)), num_blocks,
                            block_size, device)  # fmt: skip
+        self.pools: tuple[KvPool, ...] = (self.pool,)
         self.allocator = BlockAllocator(num_blocks, block_size)
         p = self.pool
         self.layout: KvLayout = p.layout
@@ -49,6 +50,33 @@ class PagedKvCache:
         self.num_layers, self.num_kv_heads, self.head_dim = p.layout.dims
         # The pool's per-layer views, exposed as before for kernels, tests and readers of the layout.
         self.k_codes, self.v_codes, self.k_scales, self.v_scales = p.k_codes, p.v_codes, p.k_scales, p.v_scales
+
+    @classmethod
+    def with_groups(
+        cls, num_blocks: int, block_size: int, layouts: Sequence[KvLayout], device: torch.device | str = "cpu"
+    ) -> PagedKvCache:
+        """One pool per layout (a group of layers sharing a K/V shape; one format), every pool indexed by the same
+        block ids of one allocator. One layout is the plain cache."""
+        first = layouts[0] if isinstance(layouts, (tuple, list)) and layouts else None
+        if not isinstance(first, KvLayout) or any(
+            not isinstance(la, KvLayout) or la.format != first.format for la in layouts
+        ):
+            raise ShapeMismatch(f"layouts must be a non-empty list of KvLayouts of one format, got {layouts!r}")
+        cache = cls(num_blocks, block_size, *first.dims, first.format, device)
+        cache.pools = (cache.pool, *(KvPool(la, num_blocks, block_size, cache.device) for la in layouts[1:]))
+        return cache
+
+    @property
+    def layouts(self) -> tuple[KvLayout, ...]:
+        """Each pool's layout (one per group of layers with the same K/V shape)."""
+        return tuple(p.layout for p in self.pools)
+
+    def _one_group(self, what: str) -> None:
+        if len(self.pools) > 1:
+            raise UnsupportedModel(
+                f"{what} of a cache with per-layer K/V shapes ({len(self.pools)} groups: "
+                f"{[la.dims for la in self.layouts]}) is not implemented: a KvState holds one layout"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -104,8 +132,8 @@ class PagedKvCache:
         return cls(num_blocks, block_size, num_layers, num_kv_heads, head_dim, format, device)
 
     def memory_bytes(self) -> int:
-        """Bytes held by the pool (allocated up front, whatever the occupancy)."""
-        return self.pool.memory_bytes()
+        """Bytes held by the pools (allocated up front, whatever the occupancy)."""
+        return sum(p.memory_bytes() for p in self.pools)
 
     # -- sequences ----------------------------------------------------------------
     @property
@@ -134,7 +162,8 @@ class PagedKvCache:
         """Reserve `num_tokens` more positions (copying a shared partial block first); returns their slots."""
         start = self.allocator.context_len(seq_id)
         for src, dst in self.allocator.grow(seq_id, num_tokens):
-            self.pool.copy_block(src, dst)
+            for pool in self.pools:
+                pool.copy_block(src, dst)
         return self.slots(seq_id, start, start + num_tokens)
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
@@ -178,6 +207,7 @@ class PagedKvCache:
         :class:`KvState`."""
         # Gathering by slot follows the block table, so the state holds the rows in position order whatever
         # blocks (shared, copied-on-write, scattered) the sequence occupies.
+        self._one_group("export_state")
         slots = self.slots(seq_id, start, end)
         rows = [self.pool.export_rows(layer, slots) for layer in range(self.num_layers)]
         batch_of_one = [tuple(tuple(t.unsqueeze(0) for t in side) for side in r) for r in rows]
@@ -206,6 +236,7 @@ class PagedKvCache:
 
     def _state_rows(self, state: KvState) -> list[tuple[Rows, Rows]]:
         """The state's per-layer (k_parts, v_parts), batch row 0, on this device."""
+        self._one_group("import or write of a KvState")
         KvState.check_single(state, self.layout, "a paged sequence")
         return [
             tuple(tuple(t[0].to(self.device) for t in side) for side in state.layer(layer))  # type: ignore[misc]

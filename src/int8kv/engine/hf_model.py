@@ -19,11 +19,15 @@ after it, so the user's model object is left as it was between steps and wheneve
 
 Never silently wrong: every layer must write its K/V once and read them once through the int8kv attention in
 each forward (a model that changes K/V after ``cache.update`` or runs its own attention on the handles fails
-with `AttentionBypassed`, an `UnsupportedAttention`); a probe forward at construction refuses such models up
-front. What the engine does not implement is refused by name: KV sharing, multimodal and encoder-decoder
-models, models whose attention ignores transformers' interface, state kept where the engine cannot give each
-sequence its own (`UnsupportedModel`); MLA, ALiBi, sparse attention (`UnsupportedAttention`, from
-`int8kv.hf.layers`).
+with `AttentionBypassed`, an `UnsupportedAttention`); probe forwards at construction refuse such models up
+front, and a model whose logits for two sequences packed into one step differ from each sequence's alone (in
+place of transformers' ``_supports_attention_backend`` flag: `TransformersModel._check_packing`). What the engine
+does not implement is refused by name: KV sharing, multimodal and encoder-decoder models, a forward that fails
+under the interface, state kept where the engine cannot give each sequence its own (`UnsupportedModel`); MLA,
+ALiBi, sparse attention (`UnsupportedAttention`, from `int8kv.hf.layers`).
+
+Layers whose K/V differ in shape (Gemma 4) are held in one pool per shape, all indexed by the same block ids
+(`PagedKvCache.with_groups`); each layer writes to and attends over its group's pool.
 
 Hybrids (linear-attention, Mamba, conv or RG-LRU layers beside attention) run one sequence per forward, each
 through its own state (`SequenceStates`, `SequenceRunner`; docs/design.md, "Engine: the model").
@@ -57,6 +61,7 @@ from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
 from ..errors import (
     AttentionBypassed,
+    KvCacheError,
     NonFiniteError,
     ShapeMismatch,
     UnknownSequence,
@@ -98,30 +103,37 @@ def sliding_only_window(layers: list[LayerSpec]) -> int | None:
 
 
 class _Step:
-    """What every layer of one forward shares: the pool, the plan (one per softmax scale), and which layers
-    wrote and read (each exactly once, checked after the forward)."""
+    """What every layer of one forward shares: the pools (one per group of layers with the same K/V shape), the
+    plan (one per softmax scale and group), and which layers wrote and read (each exactly once, checked after the
+    forward)."""
 
     def __init__(
         self, cache: PagedKvCache, plan: AttentionPlan, layers: list[LayerSpec], backend: str | None
     ) -> None:
-        self.pool = cache.pool
+        self.pools = cache.pools
         self.backend = ops.resolve_backend(cache.pool, backend)
         self.plan = plan
         self.layers = layers
-        self.plans: dict[float, AttentionPlan] = {plan.softmax_scale: plan}
+        self.plans: dict[Any, AttentionPlan] = {plan.softmax_scale: plan}  # by scale, (scale, group) past group 0
         self.written = [0] * len(layers)
         self.read = [0] * len(layers)
 
-    def plan_for(self, scaling: float | None) -> AttentionPlan:
-        if scaling is None:
-            return self.plan
-        plan = self.plans.get(scaling)
+    def plan_for(self, scaling: float | None, group: int) -> AttentionPlan:
+        """The plan for a layer of pool ``group`` attending with ``scaling`` (None: that pool's head_dim**-0.5)."""
+        if group == 0:  # every layer of a model with one K/V shape: keyed by the scale alone
+            if scaling is None:
+                return self.plan
+            plan = self.plans.get(scaling)
+        else:
+            plan = self.plans.get((scaling, group))
         if plan is None:
-            scale = float(scaling)
+            scale = self.pools[group].head_dim**-0.5 if scaling is None else float(scaling)
             if not math.isfinite(scale) or scale <= 0:
                 raise NonFiniteError(f"the model's attention scaling must be finite and > 0, got {scaling!r}")
-            # Same metadata, another scale (Gemma's query_pre_attn_scalar); backend data is derived afresh.
-            plan = self.plans[scaling] = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
+            # Same metadata, another scale (Gemma's query_pre_attn_scalar) or pool (another K/V shape: the CPU
+            # backend's work items depend on its heads); backend data is derived afresh.
+            plan = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
+            self.plans[scaling if group == 0 else (scaling, group)] = plan
         return plan
 
     def check_complete(self) -> None:
@@ -135,18 +147,19 @@ class _Step:
 
 
 class _StepLayer(CacheLayerMixin):
-    """One layer of :class:`StepCache`: writes the step's rows into pool layer ``kv``, hands out tagged empty
-    handles."""
+    """One layer of :class:`StepCache`: writes the step's rows into layer ``kv`` of pool ``group``, hands out
+    tagged empty handles."""
 
     is_compileable = False
     is_sliding = False
     book = None  # the drop-in's per-forward state, which KvHandle aborts on misuse; the engine checks per step
 
-    def __init__(self, owner: StepCache, index: int, kv: int) -> None:
+    def __init__(self, owner: StepCache, index: int, group: int, kv: int) -> None:
         CacheLayerMixin.__init__(self)
         self.owner = owner
         self.layer_idx = index  # the model's layer
-        self.kv = kv  # its layer in the pool (which holds only the layers with K/V)
+        self.group = group  # its pool: the group of layers with its K/V shape
+        self.kv = kv  # its layer in that pool (which holds only the group's layers)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -161,7 +174,7 @@ class _StepLayer(CacheLayerMixin):
                 raise ShapeMismatch(f"layer {self.layer_idx}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
             rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
         # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
-        write.append_rows(step.pool, self.kv, rows[0], rows[1], step.plan.slots, backend=step.backend)
+        write.append_rows(step.pools[self.group], self.kv, rows[0], rows[1], step.plan.slots, backend=step.backend)
         step.written[self.layer_idx] += 1
         # Handles the drop-in's way (int8kv.hf.attention.KvHandle): any use but this attention raises.
         return make_handle(key_states, self), make_handle(value_states, self)
@@ -193,8 +206,8 @@ class _StepStateLayer(LinearAttentionLayer, _StepLayer):
     """A "hybrid" layer of one sequence: its linear-attention state (transformers' own code, as in the drop-in's
     `Int8KvHybridLayer`) beside K/V written to the paged pool."""
 
-    def __init__(self, owner: StepCache, index: int, kv: int, number_of_states: int = 1) -> None:
-        _StepLayer.__init__(self, owner, index, kv)
+    def __init__(self, owner: StepCache, index: int, group: int, kv: int, number_of_states: int = 1) -> None:
+        _StepLayer.__init__(self, owner, index, group, kv)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     is_compileable = False
@@ -286,7 +299,7 @@ def engine_attention_forward(
         raise ShapeMismatch(f"the packed query must be [1, q_heads, tokens, head_dim], got {tuple(query.shape)}")
     q = query[0].transpose(0, 1)  # [tokens, q_heads, dim]
     sinks = None if opts.sinks is None else opts.sinks.detach()
-    out = ops.attention(step.pool, layer.kv, q, step.plan_for(scaling), backend=step.backend,
+    out = ops.attention(step.pools[layer.group], layer.kv, q, step.plan_for(scaling, layer.group), backend=step.backend,
                         window=opts.window, chunk=opts.chunk, softcap=opts.softcap, sinks=sinks)  # fmt: skip
     step.read[layer.layer_idx] += 1
     return out.unsqueeze(0).to(query.dtype), None
@@ -335,11 +348,11 @@ def _attention_implementation(config: Any, name: str) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> tuple[int, int]:
-    """(kv_heads, head_dim) of the model's attention layers, from the K/V its own forward computes (a two-token
+def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of each attention layer, from the K/V the model's own forward computes (a two-token
     forward without cache through a recording attention): configs name them in many ways or not at all (GPT-2's
-    n_head, per-layer head_dim in Gemma 4), and only the tensors are certain. UnsupportedModel, by name, when the
-    layers differ from each other or values have another head_dim than keys (the pool holds one shape)."""
+    n_head, per-layer head_dim in Gemma 4), and only the tensors are certain. UnsupportedModel, by name, when
+    values have another head_dim than keys."""
     device = next(hf_model.parameters()).device
     shapes: list[tuple[int, int, int]] = []
     token = _SHAPES.set(shapes)
@@ -347,6 +360,14 @@ def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> tuple[int
         with _attention_implementation(hf_model.config, SHAPES_IMPLEMENTATION):
             hf_model(input_ids=torch.zeros(1, 2, dtype=torch.int64, device=device),
                      position_ids=torch.arange(2, device=device)[None], use_cache=False)  # fmt: skip
+    except KvCacheError:
+        raise
+    except Exception as e:  # noqa: BLE001 - its own attention code met what the interface gives (falcon: mask None)
+        raise UnsupportedModel(
+            f"{type(hf_model).__name__}'s forward fails when its attention goes through transformers' attention "
+            f"interface with no mask ({type(e).__name__}: {e}): it does not run its attention through the interface "
+            "alone, which the engine cannot serve"
+        ) from e
     finally:
         _SHAPES.reset(token)
     if len(shapes) != num_kv_layers:
@@ -355,17 +376,29 @@ def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> tuple[int
             f"attention interface {len(shapes)} time(s): it does not attend once per layer through the interface (it "
             "changes K/V after cache.update or attends itself), which the engine cannot serve"
         )
-    if len(set(shapes)) != 1:
-        raise UnsupportedModel(
-            "the engine's pool does not implement per-layer K/V shapes (it holds one for every layer), but this "
-            f"model's attention layers have {sorted(set(shapes))} (kv_heads, key head_dim, value head_dim)"
-        )
-    heads, key_dim, value_dim = shapes[0]
-    if key_dim != value_dim:
-        raise UnsupportedModel(
-            f"the engine's pool does not implement values of another head_dim than the keys' ({key_dim}, {value_dim})"
-        )
-    return heads, key_dim
+    for i, (_, key_dim, value_dim) in enumerate(shapes):
+        if key_dim != value_dim:
+            raise UnsupportedModel(
+                f"the engine's pool does not implement values of another head_dim than the keys' (attention layer {i}: "
+                f"{key_dim}, {value_dim})"
+            )
+    return [(heads, key_dim) for heads, key_dim, _ in shapes]
+
+
+def kv_groups(shapes: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The distinct (kv_heads, head_dim) of ``shapes`` in order of first use (one pool each), and for each layer
+    its (group, index within the group)."""
+    groups: list[tuple[int, int]] = []
+    counts: list[int] = []
+    where = []
+    for shape in shapes:
+        if shape not in groups:
+            groups.append(shape)
+            counts.append(0)
+        g = groups.index(shape)
+        where.append((g, counts[g]))
+        counts[g] += 1
+    return groups, where
 
 
 def check_architecture(hf_model: torch.nn.Module) -> list[LayerSpec]:
@@ -381,13 +414,6 @@ def check_architecture(hf_model: torch.nn.Module) -> list[LayerSpec]:
     if text is not config:
         raise UnsupportedModel(f"{name} has a separate text config (multimodal); the engine runs text decoders")
     specs = engine_layer_specs(config)
-    # transformers sets the flag on models whose every layer serves packed sequences; a model with state layers
-    # runs one sequence per forward, where the probe forward alone shows its attention goes through the interface.
-    if not any(spec.state for spec in specs) and not getattr(hf_model, "_supports_attention_backend", False):
-        raise UnsupportedModel(
-            f"{name} does not run its attention through transformers' attention interface "
-            "(_supports_attention_backend is not set), so the engine cannot serve it"
-        )
     if not any(spec.has_kv for spec in specs):
         raise UnsupportedModel(f"{name} has no layer with K/V of its own (no attention layer) for the paged cache")
     dropout = [n for n, m in hf_model.named_modules() if m.training and isinstance(m, torch.nn.Dropout) and m.p > 0]
@@ -465,7 +491,8 @@ class SequenceStates:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[spec.layer_type](**kwargs))
             elif spec.state:
                 shared = self.shared[i]
-                layers.append(_StepStateLayer(self.owner, i, shared.kv, kwargs.get("number_of_states", 1)))
+                states = kwargs.get("number_of_states", 1)
+                layers.append(_StepStateLayer(self.owner, i, shared.group, shared.kv, states))
             else:
                 layers.append(self.shared[i])
         state = self._states[seq_id] = _SeqState(layers, [None] * sum(len(paths) for _, (paths, _) in self.modules))
@@ -545,7 +572,8 @@ class TransformersModel:
 
     A model with state layers (linear attention, Mamba, conv: `states` is then a `SequenceStates`) runs one
     sequence per forward (`forward_sequence`, through `SequenceRunner`): a recurrent state cannot be packed with
-    other sequences' tokens. Its pool holds only the layers with K/V (`kv_layers`)."""
+    other sequences' tokens. Its pool holds only the layers with K/V (`kv_layers`); layers whose K/V differ in
+    shape are held in one pool per shape (`layouts`, one per group of layers: `PagedKvCache.with_groups`)."""
 
     def __init__(self, hf_model: torch.nn.Module, backend: str | None = None) -> None:
         self.attention = check_architecture(hf_model)
@@ -555,23 +583,27 @@ class TransformersModel:
         if len(self.attention) != self.config.num_hidden_layers:
             raise UnsupportedModel(f"{len(self.attention)} layer types for {self.config.num_hidden_layers} layers")
         self.kv_layers = [i for i, spec in enumerate(self.attention) if spec.has_kv]
-        heads, head_dim = discover_kv_dims(hf_model, len(self.kv_layers))
-        self.layout = KvLayout(len(self.kv_layers), heads, head_dim)
-        self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
+        groups, where = kv_groups(discover_kv_dims(hf_model, len(self.kv_layers)))
+        # One layout per group of K/V layers with the same (kv_heads, head_dim), in order of first use; the format
+        # is the engine's choice per cache (make_cache). num_kv_heads / head_dim: the first group's.
+        self.layouts = tuple(KvLayout(sum(g == i for g, _ in where), *shape) for i, shape in enumerate(groups))
+        self.layout = self.layouts[0]
+        self.num_layers, (self.num_kv_heads, self.head_dim) = len(self.kv_layers), groups[0]
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(self.config.max_position_embeddings)
         # Keys older than the window are never read when every K/V layer slides (the scheduler frees their blocks).
         self.window = sliding_only_window(self.attention)
         self.step_cache = StepCache([])
         kv = {layer: k for k, layer in enumerate(self.kv_layers)}
-        self.step_layers = [_StepLayer(self.step_cache, i, kv[i]) if i in kv else _NoKvLayer(i)
+        self.step_layers = [_StepLayer(self.step_cache, i, *where[kv[i]]) if i in kv else _NoKvLayer(i)
                             for i in range(len(self.attention))]  # fmt: skip
         self.states = SequenceStates(self) if any(spec.state for spec in self.attention) else None
         self._probe()
 
     def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
         device = next(self.hf.parameters()).device
-        return PagedKvCache(num_blocks, block_size, *self.layout.dims, format, device=device)
+        layouts = [layout.with_format(format) for layout in self.layouts]
+        return PagedKvCache.with_groups(num_blocks, block_size, layouts, device=device)
 
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:
         return plan_step(cache, batch, self.max_positions, validate)
@@ -626,28 +658,85 @@ class TransformersModel:
         return out.logits[0].float()
 
     def _probe(self) -> None:
-        """One two-token forward on a one-block cache: a model that does not write and read every layer through
-        the engine's hooks (or, with state layers, keeps no state in them) is refused here, before any pool is
-        allocated."""
+        """Probe forwards on a four-block cache, before any pool is allocated: a model that does not write and read
+        every layer through the engine's hooks (or, with state layers, keeps no state in them) is refused here, and
+        so is one whose packed steps would not be what each sequence gives alone (`_check_packing`)."""
         from ..formats import KvStorageFormat
 
-        cache = self.make_cache(1, 2, KvStorageFormat.F16)
-        slots = cache.add_sequence(0, 2)
-        tables, lens = cache.batch_tensors([0])
-        device = cache.device
-        batch = Batch(torch.zeros(2, dtype=torch.int64, device=device), torch.arange(2, device=device), slots,
-                      torch.tensor([0, 2], dtype=torch.int32, device=device), tables, lens, is_decode=False)
+        cache = self.make_cache(4, 4, KvStorageFormat.F16)
         try:
             if self.states is None:
-                self.forward(cache, batch)
+                self._check_packing(cache)
             else:
                 try:
-                    self.forward_sequence(cache, batch, _PROBE, 0)
+                    self.forward_sequence(cache, _probe_batch(cache, [(_PROBE, [0, 0], 0)]), _PROBE, 0)
                     self.states.check_used(self.states.get(_PROBE))
                 finally:
                     self.states.free(_PROBE)
         except NonFiniteError:
-            pass  # a property of the weights or of token 0, not of the architecture: requests will say so
+            pass  # a property of the weights or of the probe's tokens, not of the architecture: requests will say so
+
+    def _check_packing(self, cache: PagedKvCache) -> None:
+        """What transformers' ``_supports_attention_backend`` promises, checked on the model's own forward instead of
+        taken from the flag: sequence A's first two tokens, then one step packing A's third token (position 2, its
+        first two keys read from the cache) beside sequence B's two-token prompt, must give the logits A and B give
+        each alone, in one forward each (a model that mixes tokens of the row outside attention or takes positions
+        from anything but position_ids fails this), and A's must be the model's own forward's without a cache (a
+        mask or input the engine's plan does not follow fails this). UnsupportedModel, by name, otherwise."""
+        v = self.vocab_size
+        a, b = [1 % v, 2 % v, 3 % v], [4 % v, 5 % v]
+        first = self.forward(cache, _probe_batch(cache, [(0, a[:2], 0)]), all_logits=True)
+        packed = self.forward(cache, _probe_batch(cache, [(0, a[2:], 2), (1, b, 0)]), all_logits=True)
+        alone = [self.forward(cache, _probe_batch(cache, [(2 + i, seq, 0)]), all_logits=True)
+                 for i, seq in enumerate((a, b))]  # fmt: skip
+        with torch.inference_mode():  # A's three tokens show a mask the plan contradicts (B adds nothing to that)
+            own = self.hf(input_ids=torch.tensor([a], device=cache.device), use_cache=False).logits[0].float()
+        eps = torch.finfo(next(self.hf.parameters()).dtype).eps
+        name = type(self.hf).__name__
+        off = _relative_error(torch.cat([first, packed]), torch.cat([alone[0], alone[1]]))
+        if off > max(PACKED_TOLERANCE, 4 * eps):
+            raise UnsupportedModel(
+                f"{name} gives other logits for two sequences packed into one step than for each alone (off by "
+                f"{off:.3g} of their range): its forward mixes the row's tokens outside the attention or takes "
+                "positions from somewhere other than position_ids, which the engine's packed steps cannot serve"
+            )
+        off = _relative_error(alone[0], own)
+        if off > max(OWN_TOLERANCE, 4 * eps):
+            raise UnsupportedModel(
+                f"{name}'s logits through the engine's cache differ from its own forward's by {off:.3g} of their "
+                "range: its attention follows a mask or inputs the engine's plan does not implement"
+            )
+
+
+# The probe's tolerances, as a fraction of the logits' range, measured over the 100 tiny coverage models
+# (tests/models_coverage.py, float32). Packed against alone: the same kernels and F16 storage, only the matmuls'
+# rounding at another row count differs (worst 3.9e-4, HRM-Text; 2.1e-4 BitNet, below 1e-4 the rest), while a
+# Llama whose RoPE takes the row's token index instead of position_ids is off by 8.2e-3 with transformers'
+# initialisation and by 0.65 with peaked attention. The engine against the model's own forward without a cache:
+# F16 storage of K/V against none (worst 2.3e-3, HRM-Text).
+PACKED_TOLERANCE = 2e-3
+OWN_TOLERANCE = 2e-2
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+
+
+def _probe_batch(cache: PagedKvCache, items: list[tuple[Any, list[int], int]]) -> Batch:
+    """One step of (sequence, tokens, first position) items on `cache` (a sequence starting at 0 is added)."""
+    ids, positions, slots, cu = [], [], [], [0]
+    for seq, tokens, start in items:
+        if start == 0:
+            cache.add_sequence(seq, 0)
+        slots.append(cache.grow(seq, len(tokens)))
+        ids += tokens
+        positions += range(start, start + len(tokens))
+        cu.append(cu[-1] + len(tokens))
+    tables, lens = cache.batch_tensors([seq for seq, _, _ in items])
+    device = cache.device
+    return Batch(torch.tensor(ids, device=device), torch.tensor(positions, device=device), torch.cat(slots),
+                 torch.tensor(cu, dtype=torch.int32, device=device), tables, lens,
+                 is_decode=all(len(tokens) == 1 for _, tokens, _ in items))  # fmt: skip
 
 
 class SequenceRunner(ModelRunner):

@@ -38,7 +38,7 @@ import torch
 from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
 from ..cache.prefix import PrefixHasher
-from ..cache.state import KvLayout, as_format
+from ..cache.state import as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted, UnsupportedModel, UnsupportedWeights
 from ..formats import KvStorageFormat
 from ..models.weights import WEIGHTS, convert_weights
@@ -262,13 +262,18 @@ class LLM:
         self.vocab_size = self.model.vocab_size
         self.max_positions = self.model.max_positions
         m = self.model
-        layout = KvLayout(m.num_layers, m.num_kv_heads, m.head_dim, self.format)
-        num_blocks = layout.blocks_for_memory(budget, block_size)
-        if num_blocks < 1:
-            raise KvPoolExhausted(
-                f"memory budget {memory!r} holds no block ({layout.bytes_per_block(block_size)} bytes each)"
+        if len(m.layouts) > 1 and kv_store is not None and kv_store is not False:
+            raise UnsupportedModel(
+                f"kv_store is not implemented for a model whose layers hold K/V of different shapes "
+                f"({type(hf_model).__name__}: {len(m.layouts)} groups of (layers, kv_heads, head_dim) "
+                f"{[la.dims for la in m.layouts]}): a block value holds one shape for every layer"
             )
-        _check_host_memory(num_blocks * layout.bytes_per_block(block_size), memory)
+        # A block holds its tokens in every group's pool: each sized for its own shape.
+        per_block = sum(la.with_format(self.format).bytes_per_block(block_size) for la in m.layouts)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise KvPoolExhausted(f"memory budget {memory!r} holds no block ({per_block} bytes each)")
+        _check_host_memory(num_blocks * per_block, memory)
         try:
             self.cache = m.make_cache(num_blocks, block_size, self.format)
         except (RuntimeError, MemoryError) as e:  # the allocator refused (memory taken by other processes)
@@ -446,8 +451,7 @@ class LLM:
         self.close()
 
     def kv_bytes_per_token(self) -> int:
-        m = self.model
-        return self.format.bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim)
+        return sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts)
 
     # -- online: requests join, stream and leave between steps ---------------------------------------------
     # The server's engine thread: add_request() whenever a request arrives, step() while has_unfinished(),

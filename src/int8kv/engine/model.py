@@ -109,6 +109,7 @@ class DecoderModel:
         cfg = hf_model.config
         self.config = cfg
         self.layout = KvLayout.from_config(cfg)  # format: the engine picks it per cache (make_cache)
+        self.layouts = (self.layout,)  # one K/V shape for every layer
         self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
         self.num_q_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps

@@ -132,7 +132,7 @@ def model_fingerprint(model_or_config: Any, weights_id: str | None = None) -> Mo
     heads = _config_int(text, "num_attention_heads")
     kv_heads = _config_int(text, "num_key_value_heads", heads)
     hidden = _config_int(text, "hidden_size", None)
-    if getattr(text, "head_dim", None) is not None:
+    if _config_value(text, "head_dim") is not None:
         head_dim = _config_int(text, "head_dim")
     elif hidden is not None:
         head_dim = hidden // heads
@@ -161,8 +161,15 @@ def model_fingerprint(model_or_config: Any, weights_id: str | None = None) -> Mo
     )
 
 
+def _config_value(config: Any, name: str) -> Any:
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError: the field varies per layer (Gemma 4)
+        return vars(config).get(name)  # the config's global value; config_sha256 covers the per-layer ones
+
+
 def _config_int(config: Any, name: str, default: Any = ...) -> Any:
-    value = getattr(config, name, None)
+    value = _config_value(config, name)
     if value is None:
         if default is ...:
             raise FingerprintError(f"the config has no {name}")
