@@ -71,6 +71,18 @@ class Scheme:
     kivi: bool = False  # keys per channel over each sealed block (values per token); implies open_f16
     open_f16: bool = False  # the block being filled kept in F16, quantized once sealed
     block: int = 16  # tokens per sealed block (open_f16)
+    window: int = 0  # open_f16: a block stays in F16 until this many positions follow it (a recent window)
+    sinks: int = 0  # open_f16: the first positions kept in F16 for good (left out of block 0's key groups)
+    vgroup: int | None = None  # kivi: channels per value group (None: head_dim)
+    keys: bool = True  # kivi: quantize the keys (False: F16; a diagnostic)
+    values: bool = True  # kivi: quantize the values (False: F16; a diagnostic)
+
+    def quantized_from(self, positions: torch.Tensor) -> torch.Tensor:
+        """float32: for each key position, the first query position that reads its row quantized (inf: never).
+        A sealed block's rows from the query that seals it (its last position) plus ``window``."""
+        first = positions.float() if not self.open_f16 else (
+            (positions // self.block + 1) * self.block + self.window - 1).float()
+        return torch.where(positions < self.sinks, math.inf, first)
 
 
 SCHEMES = (
@@ -87,6 +99,20 @@ SCHEMES = (
     Scheme("H + asym g=d, open block F16", mode="asym", rotate=True, open_f16=True),
     Scheme("KIVI (K per channel / 16-block, V per token)", mode="asym", kivi=True, open_f16=True),
     Scheme("KIVI, 64-token blocks", mode="asym", kivi=True, open_f16=True, block=64),
+    # What the 16-block format's error is made of, and what buys it down (docs/benchmarks.md, "4-bit KV").
+    Scheme("KIVI keys only (values F16)", mode="asym", kivi=True, open_f16=True, values=False),
+    Scheme("KIVI values only (keys F16)", mode="asym", kivi=True, open_f16=True, keys=False),
+    Scheme("KIVI + 1 sink", mode="asym", kivi=True, open_f16=True, sinks=1),
+    Scheme("KIVI + 4 sinks", mode="asym", kivi=True, open_f16=True, sinks=4),
+    Scheme("KIVI + window 32", mode="asym", kivi=True, open_f16=True, window=32),
+    Scheme("KIVI + window 64", mode="asym", kivi=True, open_f16=True, window=64),
+    Scheme("KIVI + window 128", mode="asym", kivi=True, open_f16=True, window=128),
+    Scheme("KIVI, V groups of 32", mode="asym", kivi=True, open_f16=True, vgroup=32),
+    Scheme("KIVI 32-blocks", mode="asym", kivi=True, open_f16=True, block=32),
+    Scheme("KIVI 32-blocks + 4 sinks + window 64", mode="asym", kivi=True, open_f16=True, block=32, sinks=4,
+           window=64),
+    Scheme("KIVI 64-blocks + 4 sinks + window 64", mode="asym", kivi=True, open_f16=True, block=64, sinks=4,
+           window=64),
 )
 BASELINE = "fp32 (baseline)"
 # The frozen format, int8kv.quant4 (tests/test_bench_kv4.py: the same rows, bit for bit).
@@ -153,14 +179,15 @@ class FakeQuant4:
 
 
 def make_cache(scheme: Scheme | None, head_dim: int) -> Any:
-    """A DynamicCache whose stored rows went through ``scheme`` (None: F16 rounding; "fp32": no change)."""
+    """A DynamicCache whose stored rows went through ``scheme`` (None: F16 rounding; "fp32": no change).
+    Schemes with an F16 part (open block, window, sinks) return rows for :func:`mixed_attention`."""
     from transformers import DynamicCache
 
     if scheme == "fp32":
         return DynamicCache()
     fq = FakeQuant4(scheme, head_dim)
-    if scheme is not None and scheme.open_f16:
-        return OpenBlockCache(_kivi_keys if scheme.kivi else fq, fq, scheme.block)
+    if scheme is not None and mixed(scheme):
+        return MixedCache(scheme, fq)
 
     class Fake(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[override]
@@ -169,18 +196,36 @@ def make_cache(scheme: Scheme | None, head_dim: int) -> Any:
     return Fake()
 
 
+def mixed(scheme: Any) -> bool:
+    """Whether ``scheme`` reads some rows in F16 and others quantized (then it runs on :func:`mixed_attention`)."""
+    return isinstance(scheme, Scheme) and (scheme.open_f16 or scheme.sinks > 0)
+
+
 def _kivi_keys(block: torch.Tensor) -> torch.Tensor:
     """Keys ``[B, H, T, D]`` of one sealed block, asym 4-bit per channel (over the block's T tokens)."""
     return quant_groups(block.transpose(-1, -2), block.shape[-2], "asym", False, 4).transpose(-1, -2)
 
 
-def OpenBlockCache(keys: Any, values: Any, block: int) -> Any:  # noqa: N802 - built on demand (lazy transformers)
-    """A DynamicCache whose sealed ``block``-token blocks are stored as ``keys(rows)`` / ``values(rows)``
-    (decode of encode, ``[B, H, block, D]``) and whose open block stays in F16."""
+def MixedCache(scheme: Scheme, per_token: Any) -> Any:  # noqa: N802 - built on demand (lazy transformers)
+    """A DynamicCache holding each row in F16 and, once its block is sealed, as decode(encode(row)).
+
+    ``update`` returns keys ``[B, H, T, 2D + 1]`` (F16 rows, quantized rows, :meth:`Scheme.quantized_from`)
+    and values ``[B, H, T, 2D]`` (F16, quantized): :func:`mixed_attention` picks for each query and key the
+    row a decode step at that query would read, so a prefill chunk of any length scores every token as
+    decode would. Rows of the block not yet sealed stand in F16 in the quantized half (never read there)."""
     from transformers import DynamicCache
 
-    class OpenBlock(DynamicCache):
+    if scheme.kivi:
+        keys = _kivi_keys if scheme.keys else (lambda x: x)
+        group = scheme.vgroup
 
+        def values(x: torch.Tensor) -> torch.Tensor:
+            return quant_groups(x, group or x.shape[-1], "asym", False, 4) if scheme.values else x
+    else:
+        keys = values = per_token
+    b, sinks = scheme.block if scheme.open_f16 else 1, scheme.sinks
+
+    class Mixed(DynamicCache):
         def __init__(self) -> None:
             super().__init__()
             self.sealed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -188,24 +233,78 @@ def OpenBlockCache(keys: Any, values: Any, block: int) -> Any:  # noqa: N802 - b
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[override]
             k, v = super().update(key_states.half().float(), value_states.half().float(), layer_idx, *args, **kwargs)
             qk, qv = self.sealed.get(layer_idx, (k[..., :0, :], v[..., :0, :]))
-            n = k.shape[-2] // block * block
-            for s in range(qk.shape[-2], n, block):
-                qk = torch.cat([qk, keys(k[..., s : s + block, :])], -2)
-                qv = torch.cat([qv, values(v[..., s : s + block, :])], -2)
+            n = k.shape[-2] // b * b
+            for s in range(qk.shape[-2], n, b):
+                lo = min(max(s, sinks), s + b)  # sinks: F16 for good, outside the block's key groups
+                if lo < s + b:
+                    qk = torch.cat([qk, k[..., s:lo, :], keys(k[..., lo : s + b, :])], -2)
+                    qv = torch.cat([qv, v[..., s:lo, :], values(v[..., lo : s + b, :])], -2)
+                else:
+                    qk, qv = torch.cat([qk, k[..., s : s + b, :]], -2), torch.cat([qv, v[..., s : s + b, :]], -2)
             self.sealed[layer_idx] = (qk, qv)
-            return torch.cat([qk, k[..., n:, :]], -2), torch.cat([qv, v[..., n:, :]], -2)
+            when = scheme.quantized_from(torch.arange(k.shape[-2])).expand(*k.shape[:-1])[..., None]
+            kq, vq = torch.cat([qk, k[..., n:, :]], -2), torch.cat([qv, v[..., n:, :]], -2)
+            return torch.cat([k, kq, when], -1), torch.cat([v, vq], -1)
 
-    return OpenBlock()
+    return Mixed()
+
+
+MIXED_ATTENTION = "int8kv-kv4-mixed"
+
+
+def mixed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention over :class:`MixedCache` rows: query ``t`` reads key ``j`` quantized when
+    ``t >= quantized_from[j]``, in F16 otherwise. The queries are the cache's last positions (the bench feeds
+    unpadded windows, so the model's mask is the causal one and is not read)."""
+    bsz, heads, q_len, d = query.shape
+    kv_heads, t_len = key.shape[1], key.shape[2]
+    k16, kq, when = key[..., :d], key[..., d : 2 * d], key[0, 0, :, 2 * d]
+    v16, vq = value[..., :d], value[..., d:]
+    q = query.reshape(bsz, kv_heads, heads // kv_heads * q_len, d)  # q head h reads KV head h // (heads / kv)
+    scale = d**-0.5 if scaling is None else scaling
+    at = torch.arange(t_len - q_len, t_len, dtype=torch.float32)[:, None]
+    use_q = at >= when[None, :]  # [q, T]
+    future = torch.arange(t_len)[None, :] > at
+    s = torch.where(use_q, (q @ kq.transpose(-1, -2)).view(bsz, kv_heads, -1, q_len, t_len),
+                    (q @ k16.transpose(-1, -2)).view(bsz, kv_heads, -1, q_len, t_len)) * scale
+    p = torch.softmax(s.masked_fill(future, -math.inf), -1)
+    out = (p * use_q).flatten(2, 3) @ vq + (p * ~use_q).flatten(2, 3) @ v16
+    return out.view(bsz, heads, q_len, d).transpose(1, 2).contiguous(), None
+
+
+def use_attention(model: Any, scheme: Any) -> None:
+    """Route ``model``'s attention for ``scheme``: :func:`mixed_attention` or SDPA."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(MIXED_ATTENTION, mixed_attention)
+    AttentionMaskInterface.register(MIXED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.config._attn_implementation_internal = MIXED_ATTENTION if mixed(scheme) else "sdpa"
 
 
 def bytes_per_row(scheme: Scheme | None, d: int) -> float:
-    """Stored bytes of one K row plus one V row of one head (scales included; KIVI's open block not counted)."""
+    """Stored bytes of one sealed K row plus one V row of one head (scales included): the long-context bytes
+    per position, where the F16 rows (open block, window, sinks) are a vanishing share."""
     if scheme is None:
         return 4.0 * d
-    if scheme.kivi:  # keys: a float16 scale and minimum per channel per block; values: one pair per token
-        return d / 2 + d * 4 / scheme.block + d / 2 + 4
+    if scheme.kivi:  # keys: a float16 scale and minimum per channel per block; values: one pair per group
+        k = d / 2 + d * 4 / scheme.block if scheme.keys else 2.0 * d
+        return k + (d / 2 + 4 * d / (scheme.vgroup or d) if scheme.values else 2.0 * d)
     groups = d // (scheme.group or d)
     return 2 * (d / 2 + groups * (4 if scheme.mode == "asym" else scheme.scale_bytes))
+
+
+def bytes_at(scheme: Scheme | None, d: int, n: int) -> float:
+    """Bytes per position of one head at a context of ``n`` positions: the rows the next decode step reads
+    quantized at :func:`bytes_per_row`, the others (sinks, window, open block) at F16's ``4d``."""
+    if not mixed(scheme):
+        return bytes_per_row(scheme, d)
+    quantized = int((scheme.quantized_from(torch.arange(n)) <= n - 1).sum())
+    return (quantized * bytes_per_row(scheme, d) + (n - quantized) * 4.0 * d) / n
+
+
+BYTES_AT = (4096, 32768)  # the contexts at which bytes are reported besides the long-context figure
 
 
 def _windows(ids: list[int], ctx: int, count: int) -> list[list[int]]:
@@ -251,20 +350,11 @@ def reference_tokens(model: Any, prompt: list[int], n: int, head_dim: int) -> li
 
 @torch.inference_mode()
 def agreement(model: Any, scheme: Any, prompt: list[int], ref: list[int], head_dim: int) -> int:
-    """Steps (of ``len(ref)``) at which ``scheme``'s top-1 equals the F16 greedy token, teacher-forced."""
-    cache = make_cache(scheme, head_dim)
-    if isinstance(scheme, Scheme) and scheme.open_f16:
-        # Stepping one token at a time sees at each step what a forward over the tokens up to one before the
-        # next seal sees (the open block in F16), then the sealing token alone: two forwards a block, not 16.
-        seq, b = prompt + ref[:-1], scheme.block
-        picks = [int(model(input_ids=torch.tensor([prompt]), cache=cache).logits[0, -1].argmax())]
-        cuts = [n for n in range(len(prompt) + 1, len(seq) + 1) if n % b in (0, b - 1) or n == len(seq)]
-        for lo, hi in zip([len(prompt)] + cuts[:-1], cuts, strict=True):
-            picks += model(input_ids=torch.tensor([seq[lo:hi]]), cache=cache).logits[0].argmax(-1).tolist()
-    else:
-        logits = model(input_ids=torch.tensor([prompt + ref[:-1]]), cache=cache).logits[0]
-        picks = logits[len(prompt) - 1 :].argmax(-1).tolist()
-    return sum(p == r for p, r in zip(picks, ref, strict=True))
+    """Steps (of ``len(ref)``) at which ``scheme``'s top-1 equals the F16 greedy token, teacher-forced: one
+    forward over the prompt and ``ref`` (each position reads the rows its decode step would read)."""
+    use_attention(model, scheme)
+    logits = model(input_ids=torch.tensor([prompt + ref[:-1]]), cache=make_cache(scheme, head_dim)).logits[0]
+    return sum(p == r for p, r in zip(logits[len(prompt) - 1 :].argmax(-1).tolist(), ref, strict=True))
 
 
 def run(
@@ -295,6 +385,7 @@ def run(
         wins = _windows(tokenizer(read_text(None if path == EVAL_CORPUS else path))["input_ids"], ctx, windows)
         result["texts"][name] = {"tokens_fed": sum(map(len, wins)), "scored": 0}
         for kind, scheme in kinds:
+            use_attention(model, scheme)
             with Bar(f"{name}: {kind}", total=sum(map(len, wins)), unit="tok") as bar:
                 start = time.perf_counter()
                 total, count = nll(model, lambda s=scheme: make_cache(s, d), wins, batch, chunk, bar)
@@ -303,6 +394,7 @@ def run(
             row["seconds"][name] = time.perf_counter() - start
             result["texts"][name]["scored"] = count
     chosen = DEFAULT_PROMPTS[:prompts]
+    use_attention(model, None)
     refs = [reference_tokens(model, tokenizer(p)["input_ids"], gen_tokens, d) for p in chosen]
     note(f"F16 reference tokens generated for {len(chosen)} prompts")
     for kind, scheme in kinds:
@@ -315,6 +407,8 @@ def run(
         scale = 2 if scheme == "fp32" else 1
         for dim in (64, 128):
             row[f"bytes_vs_f16_d{dim}"] = scale * bytes_per_row(s, dim) / bytes_per_row(None, dim)
+            for n in BYTES_AT:
+                row[f"bytes_vs_f16_d{dim}_at{n}"] = scale * bytes_at(s, dim, n) / bytes_per_row(None, dim)
         row["bytes_per_token"] = scale * heads * model.config.num_hidden_layers * bytes_per_row(s, d)
     return with_changes(result)
 
@@ -354,17 +448,19 @@ def report(result: dict) -> str:
         + f"; agreement with F16 per step over {result['gen_tokens']} tokens; torch threads {result['threads']}"
     )
     cols = "".join(f"{'ppl ' + t[:12]:>20}{'Δ':>9}" for t in texts)
-    lines = [head, f"{'cache':<46}{cols}{'agree':>8}{'d64 vs F16':>11}{'d128':>7}"]
+    sizes = [f"bytes_vs_f16_d{dim}{at}" for dim in (64, 128) for at in ("", *(f"_at{n}" for n in BYTES_AT))]
+    ats = ("long", *(f"@{n // 1024}k" for n in BYTES_AT))
+    named = "".join(f"{f'd{dim} {at}':>10}" for dim in (64, 128) for at in ats)
+    lines = [head + "; bytes vs F16 per position, long context and at 4k / 32k positions",
+             f"{'cache':<46}{cols}{'agree':>8}{named}"]
     for kind, row in result["rows"].items():
         vals = "".join(
             f"{row['ppl'][t]:>20.4f}{100 * row['ppl_change'][t]:>+8.3f}%" if t in row.get("ppl_change", {})
             else f"{'-':>29}" for t in texts
         )
         agree = f"{100 * row['agreement']:>7.1f}%" if "agreement" in row else f"{'-':>8}"
-        lines.append(
-            f"{kind:<46}{vals}{agree}{row['bytes_vs_f16_d64']:>11.3f}"
-            f"{row['bytes_vs_f16_d128']:>7.3f}"
-        )
+        size = "".join(f"{row[k]:>10.3f}" if k in row else f"{'-':>10}" for k in sizes)
+        lines.append(f"{kind:<46}{vals}{agree}{size}")
     return "\n".join(lines)
 
 
