@@ -261,15 +261,20 @@ def mixed_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     kv_heads, t_len = key.shape[1], key.shape[2]
     k16, kq, when = key[..., :d], key[..., d : 2 * d], key[0, 0, :, 2 * d]
     v16, vq = value[..., :d], value[..., d:]
-    q = query.reshape(bsz, kv_heads, heads // kv_heads * q_len, d)  # q head h reads KV head h // (heads / kv)
-    scale = d**-0.5 if scaling is None else scaling
-    at = torch.arange(t_len - q_len, t_len, dtype=torch.float32)[:, None]
-    use_q = at >= when[None, :]  # [q, T]
-    future = torch.arange(t_len)[None, :] > at
-    s = torch.where(use_q, (q @ kq.transpose(-1, -2)).view(bsz, kv_heads, -1, q_len, t_len),
-                    (q @ k16.transpose(-1, -2)).view(bsz, kv_heads, -1, q_len, t_len)) * scale
-    p = torch.softmax(s.masked_fill(future, -math.inf), -1)
-    out = (p * use_q).flatten(2, 3) @ vq + (p * ~use_q).flatten(2, 3) @ v16
+    # q head h reads KV head h // (heads / kv_heads): [B, kv_heads, heads / kv_heads * q_len, d]
+    q = query.reshape(bsz, kv_heads, heads // kv_heads * q_len, d) * (d**-0.5 if scaling is None else scaling)
+    first = t_len - q_len
+    at = torch.arange(first, t_len, dtype=torch.float32)[:, None]
+    # All keys are read quantized but these: F16 for some query (sinks, window, open block) or in its future.
+    # Scoring only them in F16 took a 256-query chunk over 1,024 keys from 7x SDPA's time to 4x (80 ms against
+    # 21 ms, one thread, load average 5).
+    cols = torch.nonzero((when > first) | (torch.arange(t_len) >= first)).squeeze(1)
+    use_q = at >= when[cols][None, :]  # [q, cols]
+    s = (q @ kq.transpose(-1, -2)).view(bsz, kv_heads, -1, q_len, t_len)
+    f16 = (q @ k16[..., cols, :].transpose(-1, -2)).view(bsz, kv_heads, -1, q_len, len(cols))
+    part = torch.where(use_q, s[..., cols], f16).masked_fill(cols[None, :] > at, -math.inf)
+    p = torch.softmax(s.index_copy_(-1, cols, part), -1)
+    out = p.flatten(2, 3) @ vq + (p[..., cols] * ~use_q).flatten(2, 3) @ (v16 - vq)[..., cols, :]
     return out.view(bsz, heads, q_len, d).transpose(1, 2).contiguous(), None
 
 
