@@ -137,3 +137,26 @@ def test_agreement_counts_steps_that_match():
     assert kv4.agreement(model, CHOSEN, prompt, ref, 8) == len(ref)
     flipped = ref[:-1] + [(ref[-1] + 1) % 64]  # the last step's token is not the top-1
     assert kv4.agreement(model, CHOSEN, prompt, flipped, 8) == len(ref) - 1
+
+
+def test_prerope_keys_quantize_the_keys_before_rotation():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=256)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), position_ids=torch.arange(64)[None])
+    rope = (cos[0], sin[0])
+    pre = kv4.Scheme("pre", mode="asym", kivi=True, open_f16=True, prerope=True)
+    post = kv4.Scheme("post", mode="asym", kivi=True, open_f16=True)
+    gen = torch.Generator().manual_seed(5)
+    # Keys that are one vector per head before RoPE (what SmolLM2's outlier channels look like), and noise.
+    base = torch.randn(1, 2, 1, 16, generator=gen) * 4 + 0.05 * torch.randn(1, 2, 48, 16, generator=gen)
+    k = base * rope[0][:48] + kv4._rotate_half(base) * rope[1][:48]
+    v = torch.randn(1, 2, 48, 16, generator=gen)
+    err = {}
+    for scheme in (pre, post):
+        got, _ = kv4.make_cache(scheme, 16, rope).update(k, v, 0)
+        err[scheme.name] = (got[..., 16:32] - k.half().float())[..., :32, :].abs().max()
+    assert err["pre"] < 0.02 < err["post"]
+    with pytest.raises(ValueError, match="before RoPE"):
+        kv4.make_cache(pre, 16)

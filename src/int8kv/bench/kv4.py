@@ -76,6 +76,7 @@ class Scheme:
     vgroup: int | None = None  # kivi: channels per value group (None: head_dim)
     keys: bool = True  # kivi: quantize the keys (False: F16; a diagnostic)
     values: bool = True  # kivi: quantize the values (False: F16; a diagnostic)
+    prerope: bool = False  # kivi: keys quantized before RoPE (the kernel rotates each decoded key)
 
     def quantized_from(self, positions: torch.Tensor) -> torch.Tensor:
         """float32: for each key position, the first query position that reads its row quantized (inf: never).
@@ -113,6 +114,10 @@ SCHEMES = (
            window=64),
     Scheme("KIVI 64-blocks + 4 sinks + window 64", mode="asym", kivi=True, open_f16=True, block=64, sinks=4,
            window=64),
+    Scheme("KIVI pre-RoPE keys", mode="asym", kivi=True, open_f16=True, prerope=True),
+    Scheme("KIVI pre-RoPE 64-blocks", mode="asym", kivi=True, open_f16=True, prerope=True, block=64),
+    Scheme("KIVI pre-RoPE 64-blocks + 4 sinks + window 64", mode="asym", kivi=True, open_f16=True, prerope=True,
+           block=64, sinks=4, window=64),
 )
 BASELINE = "fp32 (baseline)"
 # The frozen format, int8kv.quant4 (tests/test_bench_kv4.py: the same rows, bit for bit).
@@ -178,16 +183,19 @@ class FakeQuant4:
         return y.to(x.dtype)
 
 
-def make_cache(scheme: Scheme | None, head_dim: int) -> Any:
+def make_cache(scheme: Scheme | None, head_dim: int, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
     """A DynamicCache whose stored rows went through ``scheme`` (None: F16 rounding; "fp32": no change).
-    Schemes with an F16 part (open block, window, sinks) return rows for :func:`mixed_attention`."""
+    Schemes with an F16 part (open block, window, sinks) return rows for :func:`mixed_attention`; ``rope``:
+    the model's (cos, sin) ``[positions, head_dim]`` from position 0, which ``prerope`` schemes need."""
     from transformers import DynamicCache
 
     if scheme == "fp32":
         return DynamicCache()
     fq = FakeQuant4(scheme, head_dim)
     if scheme is not None and mixed(scheme):
-        return MixedCache(scheme, fq)
+        if scheme.prerope and rope is None:
+            raise ValueError(f"{scheme.name!r} quantizes keys before RoPE: pass the model's rope table")
+        return MixedCache(scheme, fq, rope)
 
     class Fake(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[override]
@@ -206,7 +214,25 @@ def _kivi_keys(block: torch.Tensor) -> torch.Tensor:
     return quant_groups(block.transpose(-1, -2), block.shape[-2], "asym", False, 4).transpose(-1, -2)
 
 
-def MixedCache(scheme: Scheme, per_token: Any) -> Any:  # noqa: N802 - built on demand (lazy transformers)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+
+def _prerope_keys(rope: tuple[torch.Tensor, torch.Tensor]) -> Any:
+    """Keys of a sealed block (post-RoPE, from position ``start``) -> RoPE of the 4-bit per-channel codes of
+    the keys before RoPE (rotated back by the position's angle, quantized, rotated forward)."""
+    cos, sin = rope
+
+    def keys(x: torch.Tensor, start: int) -> torch.Tensor:
+        c, s = cos[start : start + x.shape[-2]], sin[start : start + x.shape[-2]]
+        q = _kivi_keys(x * c - _rotate_half(x) * s)
+        return q * c + _rotate_half(q) * s
+
+    return keys
+
+
+def MixedCache(scheme: Scheme, per_token: Any, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:  # noqa: N802 - built on demand (lazy transformers)
     """A DynamicCache holding each row in F16 and, once its block is sealed, as decode(encode(row)).
 
     ``update`` returns keys ``[B, H, T, 2D + 1]`` (F16 rows, quantized rows, :meth:`Scheme.quantized_from`)
@@ -216,13 +242,17 @@ def MixedCache(scheme: Scheme, per_token: Any) -> Any:  # noqa: N802 - built on 
     from transformers import DynamicCache
 
     if scheme.kivi:
-        keys = _kivi_keys if scheme.keys else (lambda x: x)
+        keys = _prerope_keys(rope) if scheme.prerope else (
+            (lambda x, start: _kivi_keys(x)) if scheme.keys else (lambda x, start: x))
         group = scheme.vgroup
 
         def values(x: torch.Tensor) -> torch.Tensor:
             return quant_groups(x, group or x.shape[-1], "asym", False, 4) if scheme.values else x
     else:
-        keys = values = per_token
+        values = per_token
+
+        def keys(x: torch.Tensor, start: int) -> torch.Tensor:
+            return per_token(x)
     b, sinks = scheme.block if scheme.open_f16 else 1, scheme.sinks
 
     class Mixed(DynamicCache):
@@ -237,7 +267,7 @@ def MixedCache(scheme: Scheme, per_token: Any) -> Any:  # noqa: N802 - built on 
             for s in range(qk.shape[-2], n, b):
                 lo = min(max(s, sinks), s + b)  # sinks: F16 for good, outside the block's key groups
                 if lo < s + b:
-                    qk = torch.cat([qk, k[..., s:lo, :], keys(k[..., lo : s + b, :])], -2)
+                    qk = torch.cat([qk, k[..., s:lo, :], keys(k[..., lo : s + b, :], lo)], -2)
                     qv = torch.cat([qv, v[..., s:lo, :], values(v[..., lo : s + b, :])], -2)
                 else:
                     qk, qv = torch.cat([qk, k[..., s : s + b, :]], -2), torch.cat([qv, v[..., s : s + b, :]], -2)
@@ -354,12 +384,19 @@ def reference_tokens(model: Any, prompt: list[int], n: int, head_dim: int) -> li
 
 
 @torch.inference_mode()
-def agreement(model: Any, scheme: Any, prompt: list[int], ref: list[int], head_dim: int) -> int:
+def agreement(model: Any, scheme: Any, prompt: list[int], ref: list[int], head_dim: int,
+              rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
     """Steps (of ``len(ref)``) at which ``scheme``'s top-1 equals the F16 greedy token, teacher-forced: one
     forward over the prompt and ``ref`` (each position reads the rows its decode step would read)."""
     use_attention(model, scheme)
-    logits = model(input_ids=torch.tensor([prompt + ref[:-1]]), cache=make_cache(scheme, head_dim)).logits[0]
+    logits = model(input_ids=torch.tensor([prompt + ref[:-1]]), cache=make_cache(scheme, head_dim, rope)).logits[0]
     return sum(p == r for p, r in zip(logits[len(prompt) - 1 :].argmax(-1).tolist(), ref, strict=True))
+
+
+def rope_table(model: Any, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE (cos, sin), float32 ``[positions, head_dim]`` from position 0."""
+    cos, sin = model.model.rotary_emb(torch.zeros(1), position_ids=torch.arange(positions)[None])
+    return cos[0], sin[0]
 
 
 def run(
@@ -378,6 +415,7 @@ def run(
 
     model, tokenizer = load_model(model_path, quiet=True)
     _, heads, d = kv_dims(model.config)
+    rope = rope_table(model, max(ctx, 4096) + gen_tokens)
     # F16 storage is the agreement's reference (its perplexity is in `int8kv eval`'s table).
     kinds: list[tuple[str, Any]] = [(BASELINE, "fp32")] + [(s.name, s) for s in SCHEMES]
     kinds = [k for k in kinds if not only or k[0] in only]
@@ -393,7 +431,7 @@ def run(
             use_attention(model, scheme)
             with Bar(f"{name}: {kind}", total=sum(map(len, wins)), unit="tok") as bar:
                 start = time.perf_counter()
-                total, count = nll(model, lambda s=scheme: make_cache(s, d), wins, batch, chunk, bar)
+                total, count = nll(model, lambda s=scheme: make_cache(s, d, rope), wins, batch, chunk, bar)
             row = result["rows"].setdefault(kind, {"ppl": {}, "seconds": {}})
             row["ppl"][name] = math.exp(total / count)
             row["seconds"][name] = time.perf_counter() - start
@@ -406,7 +444,7 @@ def run(
         row = result["rows"].setdefault(kind, {"ppl": {}, "seconds": {}})
         if chosen:
             pairs = zip(chosen, refs, strict=True)
-            same = sum(agreement(model, scheme, tokenizer(p)["input_ids"], r, d) for p, r in pairs)
+            same = sum(agreement(model, scheme, tokenizer(p)["input_ids"], r, d, rope) for p, r in pairs)
             row["agreement"] = same / (len(chosen) * gen_tokens)
         s = scheme if isinstance(scheme, Scheme) else None
         scale = 2 if scheme == "fp32" else 1
