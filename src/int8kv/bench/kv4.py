@@ -13,12 +13,16 @@ reads those rows, so each figure is the storage's error alone (a kernel that rea
 attention up to float rounding). For the rotated candidates rotating K/V, quantizing and rotating back is the
 same computation as rotating q and the output with the rows left rotated (the rotation is orthogonal).
 
+Candidates that keep some rows in F16 (the block being filled, a recent window, the first positions) run on
+:func:`mixed_attention`: the cache holds every row both in F16 and, once its block is sealed, quantized, and
+each query reads each key as the decode step at that query would (a block is sealed by the query at its last
+position, plus ``window``). So a prefill chunk of any length scores every token as decode would, and the
+agreement is one teacher-forced forward.
+
 Perplexity follows `int8kv eval`: windows of ``--ctx`` tokens, each fed in chunks through a fresh cache (batches
 of ``--batch`` windows), the second half of each scored. Agreement: F16 storage generates ``--gen-tokens``
 greedily from each prompt; every candidate is then fed the same tokens and its top-1 is compared at each step
-(teacher forcing, so an early difference does not count twice). Per-token candidates see the prompt and the
-generated tokens in one forward (their rows do not depend on the chunking); candidates whose open block is
-kept in F16 (KIVI) are stepped one token at a time.
+(teacher forcing, so an early difference does not count twice).
 """
 
 from __future__ import annotations
