@@ -40,6 +40,8 @@ def test_bytes_per_row_counts_scales():
     assert q == 32 + 16 + 32 + 8
     assert kv4.bytes_at(windowed, 64, 100) == pytest.approx((28 * q + 72 * 256) / 100)
     assert kv4.bytes_at(windowed, 64, 10**6) == pytest.approx(q, rel=1e-3)
+    channels = kv4.Scheme("c", mode="asym", kivi=True, open_f16=True, vchan=True, block=64)
+    assert kv4.bytes_per_row(channels, 128) == 2 * (64 + 4 * 128 / 64)
 
 
 def _tiny_model(layers: int = 2):
@@ -71,12 +73,15 @@ def _decode_reference(scheme: kv4.Scheme):
                 s = n - scheme.window - b
                 lo = min(max(s, scheme.sinks), s + b)
                 if lo < s + b:
-                    keys = torch.cat(rows[0][lo : s + b], -2)
-                    scale = (keys.amax(-2, keepdim=True) - keys.amin(-2, keepdim=True)) / 15
-                    mn = keys.amin(-2, keepdim=True).half().float()
-                    scale = torch.where(scale.half().float() > 0, scale.half().float(), 1.0)
-                    for i in range(lo, s + b):
-                        rows[0][i] = mn + torch.round((rows[0][i] - mn) / scale).clamp(0, 15) * scale
+                    channels = [0, 1] if scheme.vchan else [0]
+                    for part in channels:  # per channel over the block's rows
+                        x = torch.cat(rows[part][lo : s + b], -2)
+                        scale = ((x.amax(-2, keepdim=True) - x.amin(-2, keepdim=True)) / 15).half().float()
+                        mn = x.amin(-2, keepdim=True).half().float()
+                        scale = torch.where(scale > 0, scale, 1.0)
+                        for i in range(lo, s + b):
+                            rows[part][i] = mn + torch.round((rows[part][i] - mn) / scale).clamp(0, 15) * scale
+                    for i in range(lo, s + b) if not scheme.vchan else ():  # values per position
                         v = rows[1][i]
                         vs = ((v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True)) / 15).half().float()
                         vm = v.amin(-1, keepdim=True).half().float()
@@ -92,6 +97,7 @@ def _decode_reference(scheme: kv4.Scheme):
     CHOSEN,
     kv4.Scheme("sinks + window", mode="asym", kivi=True, open_f16=True, sinks=3, window=20),
     kv4.Scheme("sinks past a block", mode="asym", kivi=True, open_f16=True, block=8, sinks=11, window=8),
+    kv4.Scheme("V per channel", mode="asym", kivi=True, open_f16=True, vchan=True, block=32, sinks=2, window=8),
 ], ids=lambda s: s.name)
 def test_one_forward_reads_what_decode_steps_read(scheme):
     # One layer: its rows are the same bits both ways (in a second layer float noise of 1e-7 between the two

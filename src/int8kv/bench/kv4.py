@@ -81,6 +81,7 @@ class Scheme:
     keys: bool = True  # kivi: quantize the keys (False: F16; a diagnostic)
     values: bool = True  # kivi: quantize the values (False: F16; a diagnostic)
     prerope: bool = False  # kivi: keys quantized before RoPE (the kernel rotates each decoded key)
+    vchan: bool = False  # kivi: values per channel over each sealed block too (as the keys)
 
     def quantized_from(self, positions: torch.Tensor) -> torch.Tensor:
         """float32: for each key position, the first query position that reads its row quantized (inf: never).
@@ -118,6 +119,14 @@ SCHEMES = (
            window=64),
     Scheme("KIVI 64-blocks + 4 sinks + window 64", mode="asym", kivi=True, open_f16=True, block=64, sinks=4,
            window=64),
+    Scheme("KIVI 64-blocks + 4 sinks", mode="asym", kivi=True, open_f16=True, block=64, sinks=4),
+    Scheme("KIVI 64-blocks + window 64", mode="asym", kivi=True, open_f16=True, block=64, window=64),
+    Scheme("K and V per channel, 16-blocks", mode="asym", kivi=True, open_f16=True, vchan=True),
+    Scheme("K and V per channel, 64-blocks", mode="asym", kivi=True, open_f16=True, vchan=True, block=64),
+    Scheme("K and V per channel, 64-blocks + 4 sinks + window 64", mode="asym", kivi=True, open_f16=True,
+           vchan=True, block=64, sinks=4, window=64),
+    Scheme("K pre-RoPE and V per channel, 64-blocks + 4 sinks + window 64", mode="asym", kivi=True,
+           open_f16=True, prerope=True, vchan=True, block=64, sinks=4, window=64),
     Scheme("KIVI pre-RoPE keys", mode="asym", kivi=True, open_f16=True, prerope=True),
     Scheme("KIVI pre-RoPE 64-blocks", mode="asym", kivi=True, open_f16=True, prerope=True, block=64),
     Scheme("KIVI pre-RoPE 64-blocks + 4 sinks + window 64", mode="asym", kivi=True, open_f16=True, prerope=True,
@@ -251,7 +260,9 @@ def MixedCache(scheme: Scheme, per_token: Any, rope: tuple[torch.Tensor, torch.T
         group = scheme.vgroup
 
         def values(x: torch.Tensor) -> torch.Tensor:
-            return quant_groups(x, group or x.shape[-1], "asym", False, 4) if scheme.values else x
+            if not scheme.values:
+                return x
+            return _kivi_keys(x) if scheme.vchan else quant_groups(x, group or x.shape[-1], "asym", False, 4)
     else:
         values = per_token
 
@@ -329,7 +340,8 @@ def bytes_per_row(scheme: Scheme | None, d: int) -> float:
         return 4.0 * d
     if scheme.kivi:  # keys: a float16 scale and minimum per channel per block; values: one pair per group
         k = d / 2 + d * 4 / scheme.block if scheme.keys else 2.0 * d
-        return k + (d / 2 + 4 * d / (scheme.vgroup or d) if scheme.values else 2.0 * d)
+        v = d / 2 + 4 * d / (scheme.block if scheme.vchan else scheme.vgroup or d)
+        return k + (v if scheme.values else 2.0 * d)
     groups = d // (scheme.group or d)
     return 2 * (d / 2 + groups * (4 if scheme.mode == "asym" else scheme.scale_bytes))
 
