@@ -166,3 +166,21 @@ def test_prerope_keys_quantize_the_keys_before_rotation():
     assert err["pre"] < 0.02 < err["post"]
     with pytest.raises(ValueError, match="before RoPE"):
         kv4.make_cache(pre, 16)
+
+
+def test_nll_scores_a_candidate_against_the_baseline():
+    from int8kv.progress import Bar
+
+    model = _tiny_model()
+    wins = torch.randint(0, 64, (3, 64), generator=torch.Generator().manual_seed(3)).tolist()
+    keep: list = []
+    with Bar("kv4 test", total=1) as bar, torch.inference_mode():
+        kv4.use_attention(model, None)
+        base = kv4.nll(model, lambda: kv4.make_cache("fp32", 8), wins, 2, 16, bar, None, keep)
+        again = kv4.nll(model, lambda: kv4.make_cache("fp32", 8), wins, 2, 16, bar, keep)
+        kv4.use_attention(model, CHOSEN)
+        cand = kv4.nll(model, lambda: kv4.make_cache(CHOSEN, 8), wins, 2, 16, bar, keep)
+    assert base.count == again.count == cand.count == 3 * 32  # the second half of each window
+    assert again.kl == again.delta == 0.0 and again.nll == base.nll
+    assert cand.kl > 0 and cand.delta_se() > 0
+    assert cand.delta == pytest.approx(cand.nll - base.nll, rel=1e-9)  # the per-token changes sum to the NLL's
