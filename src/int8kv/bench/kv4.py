@@ -465,13 +465,14 @@ def run(
     prompts: int = 4,
     only: tuple[str, ...] = (),
     model_path: str | None = None,
+    agree_ctx: int = 0,
 ) -> dict:
     from ..eval import DEFAULT_PROMPTS, read_text
     from ..models import kv_dims, load_model
 
     model, tokenizer = load_model(model_path, quiet=True)
     _, heads, d = kv_dims(model.config)
-    rope = rope_table(model, max(ctx, 4096) + gen_tokens)
+    rope = rope_table(model, max(ctx, agree_ctx, 4096) + gen_tokens)
     # F16 storage is the agreement's reference (its perplexity is in `int8kv eval`'s table).
     kinds: list[tuple[str, Any]] = [(BASELINE, "fp32")] + [(s.name, s) for s in SCHEMES]
     kinds = [k for k in kinds if not only or k[0] in only]
@@ -498,15 +499,21 @@ def run(
                 row.setdefault("kl", {})[name] = got.kl / got.count
                 row.setdefault("ppl_change_se", {})[name] = got.delta_se() * math.exp(got.delta / got.count)
             result["texts"][name]["scored"] = got.count
-    chosen = DEFAULT_PROMPTS[:prompts]
+    if agree_ctx and prompts:  # long prompts: windows of the first text after the ones scored
+        ids = tokenizer(read_text(None if texts[0] == EVAL_CORPUS else texts[0]))["input_ids"]
+        chosen = _windows(ids[windows * ctx :], agree_ctx, prompts)
+        result["agreement_prompts"] = f"{prompts} windows of {agree_ctx} tokens of {texts[0]}"
+    else:
+        chosen = [tokenizer(p)["input_ids"] for p in DEFAULT_PROMPTS[:prompts]]
+        result["agreement_prompts"] = f"the eval's first {prompts} prompts"
     use_attention(model, None)
-    refs = [reference_tokens(model, tokenizer(p)["input_ids"], gen_tokens, d) for p in chosen]
+    refs = [reference_tokens(model, p, gen_tokens, d) for p in chosen]
     note(f"F16 reference tokens generated for {len(chosen)} prompts")
     for kind, scheme in kinds:
         row = result["rows"].setdefault(kind, {"ppl": {}, "seconds": {}})
         if chosen:
             pairs = zip(chosen, refs, strict=True)
-            same = sum(agreement(model, scheme, tokenizer(p)["input_ids"], r, d, rope) for p, r in pairs)
+            same = sum(agreement(model, scheme, p, r, d, rope) for p, r in pairs)
             row["agreement"] = same / (len(chosen) * gen_tokens)
         s = scheme if isinstance(scheme, Scheme) else None
         scale = 2 if scheme == "fp32" else 1
@@ -550,7 +557,8 @@ def report(result: dict) -> str:
         f"{result['model']} (head_dim {result['head_dim']}): windows of {result['ctx']} fed in chunks of "
         f"{result['chunk']}, second half scored; "
         + "; ".join(f"{t}: {v['tokens_fed']} tokens fed, {v['scored']} scored" for t, v in result["texts"].items())
-        + f"; agreement with F16 per step over {result['gen_tokens']} tokens; torch threads {result['threads']}"
+        + f"; agreement with F16 per step over {result['gen_tokens']} tokens after "
+        + f"{result.get('agreement_prompts', 'the eval prompts')}; torch threads {result['threads']}"
     )
     cols = "".join(f"{'ppl ' + t[:12]:>20}{'Δ':>9}{'± se':>8}{'KL mnat':>9}" for t in texts)
     sizes = [f"bytes_vs_f16_d{dim}{at}" for dim in (64, 128) for at in ("", *(f"_at{n}" for n in BYTES_AT))]
@@ -584,6 +592,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chunk", type=int, default=256, help="tokens per forward")
     parser.add_argument("--gen-tokens", type=int, default=128, help="greedy steps per prompt")
     parser.add_argument("--prompts", type=int, default=4, help="prompts for the agreement (0: none)")
+    parser.add_argument("--agree-ctx", type=int, default=0, help="agreement prompts of this many tokens: windows "
+                        "of the first --text after the scored ones (0: the eval's prompts)")
     parser.add_argument("--only", action="append", default=[], help="run only this candidate (repeatable)")
     parser.add_argument("--model", metavar="PATH", default=None)
     # One thread: on the shared 2-core machine (load 7) two threads ran a 1,024-token prefill 4.6x slower.
@@ -595,14 +605,16 @@ def main(argv: list[str] | None = None) -> dict:
         parts = [json.load(open(p)) for p in args.combine]
         result = combine(parts)
         return emit(result, report(result), args.json)
-    if min(args.windows, args.batch, args.chunk, args.gen_tokens) < 1 or min(args.prompts, args.ctx) < 0:
-        parser.error("--windows, --batch, --chunk and --gen-tokens must be >= 1, --ctx and --prompts >= 0")
+    if min(args.windows, args.batch, args.chunk, args.gen_tokens) < 1 or min(args.prompts, args.ctx,
+                                                                                 args.agree_ctx) < 0:
+        parser.error("--windows, --batch, --chunk and --gen-tokens must be >= 1, --ctx, --prompts and "
+                     "--agree-ctx >= 0")
     torch.set_num_threads(max(1, args.threads))
     names = {s.name for s in SCHEMES} | {BASELINE}
     if unknown := [n for n in args.only if n not in names]:
         parser.error(f"unknown candidate(s) {unknown}; known: {sorted(names)}")
     result = run(tuple(args.text) if args.text else DEFAULT_TEXTS, args.ctx, args.windows, args.batch, args.chunk,
-                 args.gen_tokens, args.prompts, tuple(args.only), args.model)
+                 args.gen_tokens, args.prompts, tuple(args.only), args.model, args.agree_ctx)
     return emit(result, report(result), args.json)
 
 
