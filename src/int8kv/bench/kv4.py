@@ -2,7 +2,8 @@
 storage, bytes per token.
 
     python -m int8kv.bench kv4 [--text FILE ...] [--ctx 1024] [--windows 12] [--batch 4] [--chunk 256]
-                               [--gen-tokens 128] [--prompts 4] [--only NAME ...] [--model PATH] [--json PATH]
+                               [--gen-tokens 128] [--prompts 4] [--agree-ctx 0] [--only NAME ...] [--model PATH]
+                               [--json PATH]
     python -m int8kv.bench kv4 --combine PART.json ... [--json PATH]     (merge runs made side by side)
 
 ``--ctx 0`` runs the agreement alone, ``--prompts 0`` the perplexity alone (a process per text and group of
