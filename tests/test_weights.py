@@ -234,3 +234,17 @@ def test_bench_slope_refuses_unknown_engine_options(flag, value):
         parse_args([flag, value])
     args = parse_args(["--weights", "model, bfloat16", "--implementations", "fused,transformers"])
     assert args.weights == ["model", "bfloat16"] and args.implementations == ["fused", "transformers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_engine_accepts_smollm2_with_converted_weights(smollm2, weights):
+    # The engine's start-up probe compares its logits with the model's own forward, before the conversion: in
+    # bfloat16 matmuls SmolLM2's moved by 0.025 (int8) / 0.10 (bfloat16) of their range there, and were refused.
+    model, _ = smollm2
+    llm = LLM(model, memory="16MiB", weights=weights)
+    ids = list(range(10, 42))
+    want = hf_logits(convert_weights(model, weights), ids)
+    got = llm.score(ids, chunk_size=16).double()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.1
+

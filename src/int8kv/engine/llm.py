@@ -21,6 +21,7 @@ frees its blocks and leaves the engine as a fresh one would be. Calls from sever
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import numbers
@@ -41,7 +42,7 @@ from ..cache.prefix import PrefixHasher
 from ..cache.state import as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted, UnsupportedModel, UnsupportedWeights
 from ..formats import KvStorageFormat
-from ..models.weights import WEIGHTS, convert_weights
+from ..models.weights import WEIGHTS, check_weights, convert_weights
 from ..ops import BACKENDS
 from .chat import chat_prompt_ids
 from .model import DecoderModel
@@ -247,13 +248,24 @@ class LLM:
 
             hf_model, loaded_tokenizer = load_model(model)
             tokenizer = tokenizer or loaded_tokenizer
-        try:  # a model of the caller's is copied; one loaded here is converted in place
-            hf_model = convert_weights(hf_model, weights, inplace=hf_model is not model)
+        # A model of the caller's is copied; one loaded here is converted in place. The generic path probes the
+        # architecture (does the model's own forward follow the engine's plan?) before the conversion: in
+        # bfloat16 matmuls a K/V's F16 rounding flips roundings downstream, and SmolLM2's probe logits moved by
+        # 0.025 (int8) / 0.10 (bfloat16) of their range against its own forward, beyond any tolerance that
+        # still tells a wrong mask (0.65) from noise; the conversion changes no module the probe depends on.
+        probe_first = implementation == "transformers" and weights != "model"
+        try:
+            check_weights(weights)
+            if probe_first:
+                hf_model = copy.deepcopy(hf_model) if hf_model is model else hf_model
+                self.model = engine_model(hf_model, implementation, backend)
+            hf_model = convert_weights(hf_model, weights, inplace=probe_first or hf_model is not model)
         except UnsupportedWeights as e:
             raise InvalidEngineConfig(str(e)) from None
         self.tokenizer = tokenizer
         self.eos_token_id = hf_model.config.eos_token_id
-        self.model = engine_model(hf_model, implementation, backend)
+        if not probe_first:
+            self.model = engine_model(hf_model, implementation, backend)
         # Per-sequence recurrent / conv state (engine/hf_model.py SequenceStates), None for attention-only models.
         self._states = getattr(self.model, "states", None)
         if self._states is not None:
