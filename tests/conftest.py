@@ -29,6 +29,15 @@ ONE_WORKER_MODULES = {
     "test_server_smollm2", "test_triton_compile",
 }
 
+# Tests that compile the same kernel specialisations and nothing else has compiled before them: one unit each
+# group, so they run one after the other on one worker, the second loading what the first wrote to numba's disk
+# cache, instead of both workers compiling the same code at once (each bench run needs the INT8 exact, int16-
+# and int8-query and F16 kernels; split over the two workers the two tests took 116 and 118 s in one run).
+SAME_KERNEL_TESTS = {
+    "tests/test_cli.py::test_bench_attention_plot": "bench attention",
+    "tests/test_cli.py::test_bench_options_are_the_same_from_both_entry_points": "bench attention",
+}
+
 try:
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # pytest-xdist is in the dev extra; without it the suite runs in one process
@@ -37,12 +46,14 @@ except ImportError:  # pytest-xdist is in the dev extra; without it the suite ru
 if LoadScopeScheduling is not None:
 
     class ModuleFixtureScheduling(LoadScopeScheduling):
-        """Single tests as work units, except ONE_WORKER_MODULES: one unit per module (sent first, largest
-        first, by LoadScopeScheduling's ordering)."""
+        """Single tests as work units, except ONE_WORKER_MODULES (one unit per module) and SAME_KERNEL_TESTS
+        (one unit per group), sent first, largest first, by LoadScopeScheduling's ordering."""
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return path if Path(path).stem in ONE_WORKER_MODULES else nodeid
+            if Path(path).stem in ONE_WORKER_MODULES:
+                return path
+            return SAME_KERNEL_TESTS.get(nodeid, nodeid)
 
     @pytest.hookimpl(optionalhook=True)  # `-p no:xdist` leaves xdist's hooks undeclared
     def pytest_xdist_make_scheduler(config, log):

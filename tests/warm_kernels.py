@@ -2,18 +2,18 @@
 
     python tests/warm_kernels.py [SHARD COUNT]     (PYTHONPATH=src when int8kv is not installed)
 
-`make` runs two shards in the background while pip installs the rest of the packages (pip leaves a core idle
-while it downloads and unpacks), so every kernel specialisation the suite needs is compiled once, instead of in
-whichever test first calls it, on both pytest workers at once and again in every server or child process the
-tests start. One specialisation (format x query precision x window / softcap / sinks, parallel or serial
-kernel) cost 19-35 s of CPU at load 13-22 on the 2-core VM, and an engine test on Gemma 2 spent 234 of its 237 s
-compiling 8 of them; with the cache warm the same test took 3.4 s. The 15 jobs below compile 30 of them (~720 s
-of CPU at that load); after them tests/test_engine_models.py, test_ops_cpu_quantized.py and test_plan.py
-compiled nothing.
+`make test WARM_KERNELS=1` runs two shards in the background while pip installs the rest of the packages (pip
+leaves a core idle while it downloads and unpacks), so every kernel specialisation the suite needs is compiled
+once, instead of in whichever test first calls it, on both pytest workers at once and again in every server or
+child process the tests start. One specialisation (format x query precision x window / softcap) cost ~57 s of CPU
+for the serial kernel (`_attend_item`, `_attend_row` and the item loop they share with the parallel kernel) and ~17
+s more for the parallel one (INT8 exact, cold cache, load 1-6 on the 2-core VM); an engine test on Gemma 2 once
+spent 234 of its 237 s compiling. The 9 jobs below compile 9 specialisations, both kernels each; after them
+tests/test_engine_models.py, test_ops_cpu_quantized.py and test_plan.py compiled nothing.
 
 Only public entry points are called (a paged cache, `plan_attention`, `attention`), so what compiles is what
-the tests' calls compile: the signatures depend only on the formats, the precision and which of window,
-softcap and sinks are set. Each variant gets its own number of query heads, hence its own thread-choice state,
+the tests' calls compile: the signatures depend only on the formats, the precision and which of window and
+softcap are set. Each variant gets its own number of query heads, hence its own thread-choice state,
 and runs enough calls for both the serial and the parallel kernel to be tried (and so compiled).
 """
 
@@ -35,9 +35,9 @@ KV_HEADS, HEAD_DIM, BLOCK, CONTEXT, SEQUENCES = 2, 64, 8, 40, [0, 1]
 CALLS = 8  # a kind of call tries each of the two kernels twice (after the call that compiled it) before choosing
 # (window, softcap, sinks): the combinations the engine runs on the model families of tests/test_engine_models.py
 # (sliding layers and chunked attention: a window's key bounds; Gemma 2: softcap on full and sliding layers;
-# gpt-oss: sinks on full and sliding layers) and all three at once (tests/test_ops_windows.py).
-VARIANTS = [(None, None, False), (4, None, False), (None, 30.0, False), (4, 30.0, False), (None, None, True),
-            (4, None, True), (4, 30.0, True)]  # fmt: skip
+# gpt-oss: sinks on full and sliding layers) and all three at once (tests/test_ops_windows.py). The sinks are a
+# runtime array in the kernels (no specialisation of their own), so each is warmed alongside a window or softcap.
+VARIANTS = [(None, None, False), (4, None, True), (None, 30.0, False), (4, 30.0, True)]
 JOBS = [(fmt, precision, variant) for fmt in (INT8, F16) for precision in ("exact", "int8") for variant in VARIANTS
         if precision == "exact" or fmt is INT8 and variant == VARIANTS[0]]  # fmt: skip
 

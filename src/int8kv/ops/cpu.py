@@ -38,6 +38,7 @@ TILE = 64  # key positions per online-softmax step: long enough for vector loops
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 _NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
+_NO_SINKS = np.empty(0, np.float32)  # sinks of a call without them
 # q_scale of the int16 path: q stays float32 and each (row, head) is quantized to int16 inside the kernel
 # (`_row_query`), where it costs ~0.1 us a row; the same in torch took ~10 us a call (7 small ops).
 _INT16_QUERY = np.empty((0, 0), np.int16)
@@ -634,7 +635,7 @@ def _never(head_dim):
 def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
               part_acc):
     """Work item `it`: items[it] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to
-    `out` (with the sinks, unless `sinks` is None); several: the unnormalised state (m, l, acc) of each split goes
+    `out` (with the sinks, unless `sinks` is empty); several: the unnormalised state (m, l, acc) of each split goes
     to part_* for the merge (`_merge_states`), which adds the sinks once."""
     hkv = kc.shape[2]
     d = kc.shape[3]
@@ -663,6 +664,18 @@ def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, lim
                         part_acc[split, row0 + i, head, c] = acc[h, r, c]
 
 
+@njit(fastmath=True, cache=True)
+def _run_items(first, last, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
+               part_l, part_acc):
+    """Work items first..last - 1 (`_run_item`): compiled once per specialisation and called by both kernels, so
+    their own bodies stay a loop and a merge. With the items inlined in each kernel instead, the parallel one cost
+    27 s of CPU to compile (its parfor body re-typed and re-optimised the whole item), the serial one 6 s, on top
+    of `_attend_item` and `_attend_row` (INT8 exact decode, cold cache, load ~1)."""
+    for it in range(first, last):
+        _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
+                  part_acc)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, lists, out, splits):
     """Worker w runs items lists[w]..lists[w + 1] (`_assign_items`), one worker per thread. numba's dynamic
@@ -671,9 +684,8 @@ def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items,
     the split states are merged at the end (allocated here: three numpy allocations cost ~1 us in Python)."""
     part_m, part_l, part_acc = _split_states(splits, out)
     for w in prange(lists.shape[0] - 1):
-        for it in range(lists[w], lists[w + 1]):
-            _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
-                      part_acc)
+        _run_items(lists[w], lists[w + 1], q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows,
+                   out, part_m, part_l, part_acc)
     if part_m.shape[0]:  # after the parallel loop's barrier, on the calling thread (a dispatch saved: ~1.5 us)
         _merge_states(part_m, part_l, part_acc, out, sinks)
 
@@ -682,9 +694,10 @@ def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items,
 def _attention_serial(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, lists, out, splits):
     """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
     part_m, part_l, part_acc = _split_states(splits, out)
-    for it in range(items.shape[0]):
-        _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
-                  part_acc)
+    # lists[0] and lists[-1] (0 and the item count) rather than a literal 0, which numba would type as
+    # Literal[int](0) and compile `_run_items` for again
+    _run_items(lists[0], lists[-1], q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out,
+               part_m, part_l, part_acc)
     if part_m.shape[0]:
         _merge_states(part_m, part_l, part_acc, out, sinks)
 
@@ -697,19 +710,16 @@ def _split_states(splits, out):
             np.float32), np.empty((n, out.shape[0], out.shape[1], out.shape[2]), np.float32))
 
 
+@njit(fastmath=True, inline="always")
 def _normaliser(total, mx, sinks, head):
     """1 / the softmax denominator of a row whose unnormalised state has sum `total` relative to max `mx`: with
-    a sink logit z (`sinks[head]`; sinks None: none) the denominator is total + e^(z - mx), computed relative to
-    max(mx, z) so neither exponential overflows. A row that saw no key (total 0) gets 0: zeros. Typed by the
-    overload below (None compiles the plain kernel, as for the softcap)."""
-    raise NotImplementedError
-
-
-@overload(_normaliser)
-def _normaliser_impl(total, mx, sinks, head):
-    if isinstance(sinks, types.NoneType):
-        return lambda total, mx, sinks, head: _inverse(total)
-    return lambda total, mx, sinks, head: _with_sink(total, mx, sinks[head])
+    a sink logit z (`sinks[head]`; sinks empty, `_NO_SINKS`: none) the denominator is total + e^(z - mx), computed
+    relative to max(mx, z) so neither exponential overflows. A row that saw no key (total 0) gets 0: zeros.
+    A runtime test, once per row and head (not per key), instead of a specialisation per None-or-array: one
+    specialisation fewer per window and softcap combination, each 50-80 s of CPU to compile."""
+    if sinks.shape[0] == 0:
+        return _inverse(total)
+    return _with_sink(total, mx, sinks[head])
 
 
 @njit(fastmath=True, inline="always")
@@ -731,7 +741,7 @@ def _with_sink(total, mx, z):
     return f / (total * f + np.float32(1.0))
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True, cache=True)
 def _merge_states(part_m, part_l, part_acc, out, sinks):
     """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, plus the head's sink
     (once, here, never per split) in the denominator. A few microseconds of work: never worth waking the
@@ -976,11 +986,11 @@ def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
 
 def _run(
     pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: tuple | None,
-    sinks: np.ndarray | None,
+    sinks: np.ndarray,
 ) -> torch.Tensor:  # fmt: skip
     """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice)``
     (lows: each row's lowest key, None without a window or chunk); ``cap``
-    the softcap c as float32 (c, 1 / c) (None: none), ``sinks`` float32 ``[Hq]`` (None: none)."""
+    the softcap c as float32 (c, 1 / c) (None: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
     items, row_limits, lows, splits, pairs, lists, tables, choice = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
@@ -1179,11 +1189,11 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, varia
     ``variant``: a window, chunk, softcap or sinks of this call (:class:`~.plan.AttentionVariant`)."""
     threads = numba.get_num_threads()
     key: tuple = ("cpu-work", q.shape[1], threads)
-    cap, sinks = None, None
+    cap, sinks = None, _NO_SINKS
     if variant is not None:
         if variant.softcap is not None:
             cap = (np.float32(variant.softcap), np.float32(1.0 / variant.softcap))
-        sinks = None if variant.sinks is None else variant.sinks.numpy()
+        sinks = _NO_SINKS if variant.sinks is None else variant.sinks.numpy()
         if variant.bounds_keys or cap:  # sinks alone change no key range: the plain work serves them
             key = (*key, variant.window, variant.chunk, cap is not None)
     work, long, lows = plan.derived(key, lambda: _work(plan, pool, q.shape[1], threads, variant))
