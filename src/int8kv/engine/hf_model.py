@@ -114,26 +114,21 @@ class _Step:
         self.backend = ops.resolve_backend(cache.pool, backend)
         self.plan = plan
         self.layers = layers
-        self.plans: dict[Any, AttentionPlan] = {plan.softmax_scale: plan}  # by scale, (scale, group) past group 0
+        # By (scaling as the layer passes it, pool group); None: the first pool's head_dim**-0.5, the step's plan.
+        self.plans: dict[tuple[float | None, int], AttentionPlan] = {(None, 0): plan, (plan.softmax_scale, 0): plan}
         self.written = [0] * len(layers)
         self.read = [0] * len(layers)
 
     def plan_for(self, scaling: float | None, group: int) -> AttentionPlan:
         """The plan for a layer of pool ``group`` attending with ``scaling`` (None: that pool's head_dim**-0.5)."""
-        if group == 0:  # every layer of a model with one K/V shape: keyed by the scale alone
-            if scaling is None:
-                return self.plan
-            plan = self.plans.get(scaling)
-        else:
-            plan = self.plans.get((scaling, group))
+        plan = self.plans.get((scaling, group))
         if plan is None:
             scale = self.pools[group].head_dim**-0.5 if scaling is None else float(scaling)
             if not math.isfinite(scale) or scale <= 0:
                 raise NonFiniteError(f"the model's attention scaling must be finite and > 0, got {scaling!r}")
             # Same metadata, another scale (Gemma's query_pre_attn_scalar) or pool (another K/V shape: the CPU
             # backend's work items depend on its heads); backend data is derived afresh.
-            plan = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
-            self.plans[scaling if group == 0 else (scaling, group)] = plan
+            plan = self.plans[(scaling, group)] = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
         return plan
 
     def check_complete(self) -> None:

@@ -42,7 +42,7 @@ from ..cache.prefix import PrefixHasher
 from ..cache.state import as_format
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted, UnsupportedModel, UnsupportedWeights
 from ..formats import KvStorageFormat
-from ..models.weights import WEIGHTS, check_weights, convert_weights
+from ..models.weights import check_weights, convert_weights
 from ..ops import BACKENDS
 from .chat import chat_prompt_ids
 from .model import DecoderModel
@@ -228,8 +228,10 @@ class LLM:
                 raise InvalidEngineConfig("kv_store_secret is for a store URL; an open BlockStore has its own secret")
         if implementation not in IMPLEMENTATIONS:
             raise InvalidEngineConfig(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-        if not isinstance(weights, str) or weights not in WEIGHTS:
-            raise InvalidEngineConfig(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        try:
+            check_weights(weights)
+        except UnsupportedWeights as e:
+            raise InvalidEngineConfig(str(e)) from None
         if backend is not None and backend not in BACKENDS:
             raise InvalidEngineConfig(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
@@ -255,7 +257,6 @@ class LLM:
         # still tells a wrong mask (0.65) from noise; the conversion changes no module the probe depends on.
         probe_first = implementation == "transformers" and weights != "model"
         try:
-            check_weights(weights)
             if probe_first:
                 hf_model = copy.deepcopy(hf_model) if hf_model is model else hf_model
                 self.model = engine_model(hf_model, implementation, backend)

@@ -654,7 +654,7 @@ def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, lim
                 r = i * g + j
                 head = h * g + j
                 if direct:
-                    inv = _normaliser(denom[h, r], m[h, r], sinks, head)
+                    inv = normaliser(denom[h, r], m[h, r], sinks, head)
                     for c in range(d):
                         out[row0 + i, head, c] = acc[h, r, c] * inv
                 else:
@@ -711,12 +711,13 @@ def _split_states(splits, out):
 
 
 @njit(fastmath=True, inline="always")
-def _normaliser(total, mx, sinks, head):
+def normaliser(total, mx, sinks, head):
     """1 / the softmax denominator of a row whose unnormalised state has sum `total` relative to max `mx`: with
     a sink logit z (`sinks[head]`; sinks empty, `_NO_SINKS`: none) the denominator is total + e^(z - mx), computed
     relative to max(mx, z) so neither exponential overflows. A row that saw no key (total 0) gets 0: zeros.
     A runtime test, once per row and head (not per key), instead of a specialisation per None-or-array: one
-    specialisation fewer per window and softcap combination, each 50-80 s of CPU to compile."""
+    specialisation fewer per window and softcap combination, each 50-80 s of CPU to compile. Shared with the
+    4-bit kernel's merge (ops/cpu_q4.py)."""
     if sinks.shape[0] == 0:
         return _inverse(total)
     return _with_sink(total, mx, sinks[head])
@@ -724,7 +725,7 @@ def _normaliser(total, mx, sinks, head):
 
 @njit(fastmath=True, inline="always")
 def _inverse(total):
-    """`_normaliser` without a sink: 1 / total, or 0 for a row that saw no key."""
+    """`normaliser` without a sink: 1 / total, or 0 for a row that saw no key."""
     if total <= 0:
         return np.float32(0.0)
     return np.float32(1.0) / total
@@ -732,7 +733,7 @@ def _inverse(total):
 
 @njit(fastmath=True, inline="always")
 def _with_sink(total, mx, z):
-    """`_normaliser` with the sink logit z."""
+    """`normaliser` with the sink logit z."""
     if total <= 0:
         return np.float32(0.0)
     if z <= mx:
@@ -764,7 +765,7 @@ def _merge_states(part_m, part_l, part_acc, out, sinks):
                 a = part_acc[sp, row, head]
                 for c in range(d):
                     o[c] += wgt * a[c]
-        inv = _normaliser(total, mx, sinks, head)
+        inv = normaliser(total, mx, sinks, head)
         for c in range(d):
             o[c] *= inv
 

@@ -38,7 +38,7 @@ from numba import njit, prange
 
 from ..quant4 import BLOCK
 from . import cpu_simd
-from .cpu import thread_choice
+from .cpu import normaliser, thread_choice
 from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16, widen16
 from .plan import AttentionVariant
 
@@ -254,17 +254,7 @@ def _merge(part_m, part_l, part_acc, firsts, sinks, out):
                     a = part_acc[it, h]
                     for i in range(d):
                         o[i] += w * a[i]
-            if total <= 0:
-                continue
-            if sinks.shape[0] > 0:
-                z = sinks[h]
-                if z > top:  # relative to the larger of the two, so neither exponential overflows
-                    f = np.float32(math.exp(top - z))
-                    inv = f / (total * f + np.float32(1.0))
-                else:
-                    inv = np.float32(1.0) / (total + np.float32(math.exp(z - top)))
-            else:
-                inv = np.float32(1.0) / total
+            inv = normaliser(total, top, sinks, h)  # 0 for a head that saw no key
             for i in range(d):
                 o[i] *= inv
 
