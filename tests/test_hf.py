@@ -689,3 +689,32 @@ def test_written_but_not_read_and_handle_misuse_are_refused():
     with pytest.raises(AttentionBypassed, match="'matmul'"):
         torch.matmul(k, hk)
     assert cache.layers[0].get_seq_length() == 0 and model.config._attn_implementation == impl
+
+
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_chunked_layers_generate_as_dynamic_cache_and_stay_bounded(fmt):
+    """Llama 4 text with 5-token attention chunks on three of four layers, a left-padded batch of 11 and 7
+    prompt tokens + 24 new ones: the same greedy tokens and logits as a DynamicCache holding the same rounded
+    K/V, while the chunked layers hold at most chunk - 1 + slack + 1 rows (the full layer holds them all)."""
+    from transformers import Llama4TextConfig
+
+    model = _tiny(Llama4TextConfig, num_hidden_layers=4, attention_chunk_size=5, num_local_experts=2,
+                  intermediate_size_mlp=128, no_rope_layers=[1, 1, 1, 0])  # fmt: skip
+    ids, mask = left_padded([11, 7])  # paddings 0 and 4: one row's chunks start off the 5-grid
+    cache = Int8KvCache(model.config, format=fmt)
+    held = []
+    hook = model.model.layers[1].register_forward_hook(lambda *a: held.append(cache.layers[1].held))
+    got = _generate(model, cache, ids, mask, max_new_tokens=24)
+    hook.remove()
+    ref_cache = DynamicCache(config=model.config)
+    for layer in ref_cache.layers:
+        layer.update = _fake_quant_update(layer.update, fmt)
+    ref = _generate(model, ref_cache, ids, mask, max_new_tokens=24)
+    _assert_same_greedy(ref, got, ids.shape[1])
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    chunked = cache.layers[1]
+    assert chunked.spec.kind == "chunked" and chunked.window == 5 and chunked.offset > 0
+    assert max(held[1:]) <= chunked.window - 1 + chunked.slack + 1
+    assert cache.layers[3].spec.kind == "full" and cache.layers[3].held == 11 + 23
+    assert cache.attention_calls == 4 * 24

@@ -9,12 +9,14 @@ A layer holds no reference to its cache (transformers' own split): what belongs 
 built from the attention masks, the layers written so far for a rollback) lives in the cache's
 :class:`~int8kv.hf.attention.Book`, which every layer of the cache shares.
 
-Sliding-window layers keep only what a future query can still see: a layer of window ``W`` drops the rows
+Sliding-window and chunked layers keep only what a future query can still see: a layer of window ``W`` (or
+chunk ``W``: its queries see no key at or before ``seq_len - W`` either) drops the rows
 before ``seq_len - W + 1`` once at least ``slack`` of them have piled up (between forwards, so a failed step
 can still be rolled back), and tracks the dropped prefix as :attr:`Int8KvLayer.offset`; the masks
 transformers builds start at that offset (:meth:`Int8KvLayer.get_mask_sizes`). Positions in the storage are
 all shifted by the same offset, so windows (relative) and left padding (``kv_starts`` read from the mask)
-stay right.
+stay right; so do chunks, counted from ``kv_starts``: on a chunked layer the mask's first visible key is the
+current chunk's start, at a whole number of chunks from the true origin.
 
 Hybrid models keep their other layers as transformers keeps them: linear-attention, Mamba and conv layers are
 transformers' own layer classes, "hybrid" layers (a state and full K/V) an :class:`Int8KvHybridLayer`.
@@ -98,8 +100,11 @@ class Int8KvLayer(CacheLayerMixin):
         self.spec = spec
         self.layer_idx = layer_idx
         self.book = book if book is not None else Book()
-        # The window a future query looks back over (sliding), or None: what bounds the storage.
-        self.window = spec.window
+        # The span a future query looks back over, or None: what bounds the storage. A chunked layer's query
+        # sees at most the chunk's earlier keys, all later than seq_len - chunk: the bound of a window of the
+        # chunk's size (transformers keeps a chunked layer as a sliding one of that size too). The chunk origin
+        # needs nothing stored: the mask's first visible key, a chunk start, is the kernels' kv_start.
+        self.window = spec.window if spec.window is not None else spec.chunk
         self.is_sliding = spec.kind in ("sliding", "chunked")  # transformers sizes their masks on sliding layers
         # Rows dropped at once: a window's 1/16 (~6 % over the window at most; measured bound in test_hf), so a
         # decode step moves W / slack ~ 16 rows on average instead of W.
