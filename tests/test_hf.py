@@ -554,23 +554,31 @@ def test_sliding_window_generation_matches_and_storage_stays_bounded(fmt):
     from transformers import MistralConfig
 
     model = _tiny(MistralConfig, num_hidden_layers=2, sliding_window=6)
-    ids, mask = left_padded([10, 7])
-    cache = Int8KvCache(model.config, format=fmt)
-    held = []
-    hook = model.model.layers[1].register_forward_hook(lambda *a: held.append(cache.layers[1].held))
-    got = _generate(model, cache, ids, mask, max_new_tokens=30)
-    hook.remove()
-    ref_cache = DynamicCache(config=model.config)  # holding the values int8kv stores
-    for layer in ref_cache.layers:
-        layer.update = _fake_quant_update(layer.update, fmt)
-    ref = _generate(model, ref_cache, ids, mask, max_new_tokens=30)
-    _assert_same_greedy(ref, got, ids.shape[1])
-    for a, b in zip(ref.logits, got.logits, strict=True):
-        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    cache, held = _bounded_generation(model, left_padded([10, 7]), fmt, 30)
     layer = cache.layers[1]
     assert layer.is_sliding and layer.window == 6 and layer.offset > 0
     assert max(held[1:]) <= layer.window - 1 + layer.slack + 1  # after the prefill: trimmed between forwards
     assert cache.get_seq_length() == 10 + 29 and layer.seq_len == layer.offset + layer.held
+
+
+def _bounded_generation(model, inputs, fmt, new_tokens):
+    """Greedy generation through an Int8KvCache, checked against a DynamicCache holding the values int8kv stores
+    (same tokens, logits within 1e-4 of their range); returns the cache and layer 1's rows held after each
+    forward."""
+    ids, mask = inputs
+    cache = Int8KvCache(model.config, format=fmt)
+    held = []
+    hook = model.model.layers[1].register_forward_hook(lambda *a: held.append(cache.layers[1].held))
+    got = _generate(model, cache, ids, mask, max_new_tokens=new_tokens)
+    hook.remove()
+    ref_cache = DynamicCache(config=model.config)
+    for layer in ref_cache.layers:
+        layer.update = _fake_quant_update(layer.update, fmt)
+    ref = _generate(model, ref_cache, ids, mask, max_new_tokens=new_tokens)
+    _assert_same_greedy(ref, got, ids.shape[1])
+    for a, b in zip(ref.logits, got.logits, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    return cache, held
 
 
 def _fake_quant_update(update, fmt):
@@ -700,19 +708,8 @@ def test_chunked_layers_generate_as_dynamic_cache_and_stay_bounded(fmt):
 
     model = _tiny(Llama4TextConfig, num_hidden_layers=4, attention_chunk_size=5, num_local_experts=2,
                   intermediate_size_mlp=128, no_rope_layers=[1, 1, 1, 0])  # fmt: skip
-    ids, mask = left_padded([11, 7])  # paddings 0 and 4: one row's chunks start off the 5-grid
-    cache = Int8KvCache(model.config, format=fmt)
-    held = []
-    hook = model.model.layers[1].register_forward_hook(lambda *a: held.append(cache.layers[1].held))
-    got = _generate(model, cache, ids, mask, max_new_tokens=24)
-    hook.remove()
-    ref_cache = DynamicCache(config=model.config)
-    for layer in ref_cache.layers:
-        layer.update = _fake_quant_update(layer.update, fmt)
-    ref = _generate(model, ref_cache, ids, mask, max_new_tokens=24)
-    _assert_same_greedy(ref, got, ids.shape[1])
-    for a, b in zip(ref.logits, got.logits, strict=True):
-        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    # Paddings 0 and 4: one row's chunks start off the 5-grid of the storage.
+    cache, held = _bounded_generation(model, left_padded([11, 7]), fmt, 24)
     chunked = cache.layers[1]
     assert chunked.spec.kind == "chunked" and chunked.window == 5 and chunked.offset > 0
     assert max(held[1:]) <= chunked.window - 1 + chunked.slack + 1
