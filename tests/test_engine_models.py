@@ -375,6 +375,25 @@ def test_model_state_outside_the_cache_is_refused(monkeypatch):
         LLM(build_hybrid("recurrent_gemma"), memory="1MiB")
 
 
+@pytest.mark.parametrize("model_type", ["jamba", "recurrent_gemma"])
+def test_chunks_that_restart_the_state_are_found_by_the_probe(monkeypatch, model_type):
+    """With STATE_MODULES claiming their multi-token forwards continue a state, the probe still finds that a
+    later 3-token chunk differs from its tokens fed one per forward, and later chunks run one token per forward:
+    greedy tokens with chunked prefill equal to transformers'. Models whose chunks do continue keep them whole."""
+    import int8kv.engine.hf_model as hf_model
+
+    for name, (paths, _) in list(hf_model.STATE_MODULES.items()):
+        monkeypatch.setitem(hf_model.STATE_MODULES, name, (paths, True))
+    model = build_hybrid(model_type)
+    llm = engine(model, F16)  # prefill in chunks of 7 tokens
+    assert llm.model.states.continues_chunks is False
+    batch = prompts(12, 5)
+    outs = llm.generate(batch, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 5) for p in batch]
+    assert_idle(llm)
+    assert engine(build_hybrid("lfm3"), F16).model.states.continues_chunks is True
+
+
 def test_kv_sharing_is_refused():
     from int8kv.engine.hf_model import engine_layer_specs
 

@@ -425,7 +425,8 @@ def check_architecture(hf_model: torch.nn.Module) -> list[LayerSpec]:
 # the single-token path continues exactly. Measured on tiny models, last-token logits of a 12-token prompt run as
 # 7 + 5 tokens against all 12 at once (relative to their range): Jamba 0.32 (its selective scan is called without
 # the previous state), RecurrentGemma 0.004 (its multi-token forward restarts the convolution state), Qwen3-Next,
-# Bamba, LFM3, Zamba2 and Nemotron-H 0; one token at a time: 0 for all.
+# Bamba, LFM3, Zamba2 and Nemotron-H 0; one token at a time: 0 for all. The bool is a floor, not the judge: the
+# construction probe (TransformersModel._check_continuation) turns chunks off for any model it catches restarting.
 STATE_MODULES: dict[str, tuple[tuple[str, ...], bool]] = {
     "RecurrentGemmaRecurrentBlock": (("conv1d_state", "rg_lru.recurrent_states"), False),
     "JambaMambaMixer": ((), False),
@@ -468,6 +469,8 @@ class SequenceStates:
         self.shared = model.step_layers  # K/V layers and layers without attention: the same for every sequence
         self.modules = [(module, STATE_MODULES[type(module).__name__]) for module in model.hf.modules()
                         if type(module).__name__ in STATE_MODULES]  # fmt: skip
+        # Whether a later chunk of several tokens may run in one forward: what the modules' classes say, and what
+        # the model shows at construction (TransformersModel._check_continuation).
         self.continues_chunks = all(cont for _, (_, cont) in self.modules)
         self._states: dict[Any, _SeqState] = {}
 
@@ -668,8 +671,45 @@ class TransformersModel:
                     self.states.check_used(self.states.get(_PROBE))
                 finally:
                     self.states.free(_PROBE)
+                    cache.free(_PROBE)
+                self._check_continuation(cache)
         except NonFiniteError:
             pass  # a property of the weights or of the probe's tokens, not of the architecture: requests will say so
+
+    def _check_continuation(self, cache: PagedKvCache) -> None:
+        """A model with state layers: a sequence's later tokens, run one per forward after a two-token first
+        chunk, must give the model's own forward without a cache (UnsupportedModel, by name, otherwise); and when
+        its later chunk of three tokens in one forward does not give the same (a multi-token forward that
+        restarts the state instead of continuing it), later chunks run one token per forward
+        (`SequenceStates.continues_chunks`), whatever `STATE_MODULES` says of its modules."""
+        v = self.vocab_size
+        tokens = [t % v for t in (1, 2, 3, 4, 5)]
+        states = self.states
+        rows = {}
+        try:
+            for seq, chunks in ((0, [tokens[:2], tokens[2:]]), (1, [tokens[:2], *([t] for t in tokens[2:])])):
+                state, start, out = states.begin(seq), 0, []
+                for chunk in chunks:
+                    batch = _probe_batch(cache, [(seq, chunk, start)])
+                    out.append(self._run(cache, batch, True, None, state.layers, state))
+                    start += len(chunk)
+                rows[seq] = torch.cat(out[1:])
+        finally:
+            for seq in (0, 1):
+                states.free(seq)
+                if seq in cache.allocator:
+                    cache.free(seq)
+        with torch.inference_mode():
+            own = self.hf(input_ids=torch.tensor([tokens], device=cache.device), use_cache=False).logits[0, 2:]
+        eps = torch.finfo(next(self.hf.parameters()).dtype).eps
+        off = _relative_error(rows[1], own.float())
+        if off > max(OWN_TOLERANCE, 4 * eps):
+            raise UnsupportedModel(
+                f"{type(self.hf).__name__}'s logits for tokens fed one per forward after a first chunk differ from "
+                f"its own forward's by {off:.3g} of their range: its state does not continue across forwards"
+            )
+        if _relative_error(rows[0], rows[1]) > max(PACKED_TOLERANCE, 4 * eps):
+            states.continues_chunks = False
 
     def _check_packing(self, cache: PagedKvCache) -> None:
         """What transformers' ``_supports_attention_backend`` promises, checked on the model's own forward instead of
