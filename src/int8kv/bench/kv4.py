@@ -141,6 +141,9 @@ SCHEMES = (
 BASELINE = "fp32 (baseline)"
 # The frozen format, int8kv.quant4 (tests/test_bench_kv4.py: the same rows, bit for bit).
 CHOSEN = "KIVI (K per channel / 16-block, V per token)"
+# The frozen format with F16 sinks and window, int8kv.quant4w (tests/test_quant4w.py: every query reads that
+# format's stored form of its prefix, bit for bit, and the mixed attention equals its float64 reference).
+SINK_WINDOW = "KIVI 64-blocks + 4 sinks + window 64"
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(17))  # 1.0 down to 0.6
 
 
