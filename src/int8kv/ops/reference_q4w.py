@@ -21,11 +21,11 @@ import torch
 
 from ..errors import ShapeMismatch
 from ..quant4 import unpack_nibbles
-from ..quant4w import BLOCK, Q4WRows, f16_positions
+from ..quant4w import BLOCK, Q4WRows, f16_positions, sealed_blocks
 from .plan import AttentionVariant
 from .reference import probabilities, visible_keys
 
-__all__ = ["attend_q4w"]
+__all__ = ["attend_pool", "attend_q4w", "query_runs"]
 
 
 def _f64(a) -> torch.Tensor:
@@ -78,3 +78,34 @@ def attend_q4w(
     for where, v16 in ((sinks, rows.v_sink), (window, rows.v_window)):
         out += torch.einsum("nht,thi->nhi", p[..., where], per_query_head(_f64(v16), 1))
     return out
+
+
+def query_runs(length: int, queries: int) -> list[tuple[int, int]]:
+    """The last ``queries`` positions of a sequence of ``length``, as runs ``[lo, hi)`` of queries (indices from
+    0) that read the same sealed pages: the stored form of the run's last prefix holds, below each query's own
+    position, exactly the rows that query's decode step reads (the same blocks sealed, the same F16 rows)."""
+    first = length - queries
+    runs, lo = [], 0
+    for i in range(1, queries + 1):
+        if i == queries or sealed_blocks(first + i + 1) != sealed_blocks(first + lo + 1):
+            runs.append((lo, i))
+            lo = i
+    return runs
+
+
+def attend_pool(pool, layer: int, q: torch.Tensor, plan, variant: AttentionVariant | None = None) -> torch.Tensor:
+    """The reference backend over an :class:`~int8kv.cache.pool_q4w.Int4SinkWindowPool`: query ``i`` of the
+    ``n_b`` queries of sequence ``b`` (position ``p = context_len - n_b + i``) attends over the pool's stored
+    form of ``p + 1`` positions, as its decode step would (one form per :func:`query_runs` run).
+    ``q [num_queries, Hq, d]`` -> float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    tables, lens, cu = plan.block_tables.tolist(), plan.context_lens.tolist(), plan.cu_seqlens_q.tolist()
+    starts = [0] * plan.batch if plan.kv_starts is None else plan.kv_starts.tolist()
+    qc = q.detach().cpu()
+    for b in range(plan.batch):
+        m = cu[b + 1] - cu[b]
+        for lo, hi in query_runs(lens[b], m):
+            form = pool.stored_form(layer, tables[b], lens[b] - m + hi)
+            rows = slice(cu[b] + lo, cu[b] + hi)
+            out[rows] = attend_q4w(qc[rows], form, plan.softmax_scale, starts[b], variant)
+    return out.to(q.device)
