@@ -54,18 +54,19 @@ def _pool(num_blocks=16, window_pages=12, sink_slots=4) -> Int4SinkWindowPool:
     return Int4SinkWindowPool(LAYERS, HEADS, DIM, num_blocks, window_pages, sink_slots)
 
 
-def _plan(pool, tables, lens, new):
+def _plan(pool, tables, lens, new, starts=None):
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
-    return plan_attention(pool, bt, torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu)
+    kv_starts = None if starts is None else torch.tensor(starts, dtype=torch.int32)
+    return plan_attention(pool, bt, torch.tensor(lens, dtype=torch.int32), cu_seqlens_q=cu, kv_starts=kv_starts)
 
 
 class Sequences:
     """Sequences written step by step into a pool, with their inputs kept to check what the pool stores."""
 
-    def __init__(self, pool, tables, seed):
-        self.pool, self.tables = pool, tables
+    def __init__(self, pool, tables, seed, starts=None, **variant):
+        self.pool, self.tables, self.starts, self.variant = pool, tables, starts, variant
         self.gen = torch.Generator().manual_seed(seed)
         self.k = [[torch.zeros(0, HEADS, DIM) for _ in tables] for _ in range(LAYERS)]
         self.v = [[torch.zeros(0, HEADS, DIM) for _ in tables] for _ in range(LAYERS)]
@@ -76,7 +77,7 @@ class Sequences:
 
     def step(self, new, check_reads=True):
         lens = [n + m for n, m in zip(self.lengths(), new, strict=True)]
-        plan = _plan(self.pool, self.tables, lens, new)
+        plan = _plan(self.pool, self.tables, lens, new, self.starts)
         for layer in range(LAYERS):
             k = torch.randn(sum(new), HEADS, DIM, generator=self.gen) + self.offsets
             v = torch.randn(sum(new), HEADS, DIM, generator=self.gen)
@@ -87,7 +88,7 @@ class Sequences:
                 self.v[layer][b] = torch.cat([self.v[layer][b], v[lo:hi]])
             q = torch.randn(sum(new), HEADS * GROUP, DIM, generator=self.gen)
             if check_reads:
-                got = ops.attention(self.pool, layer, q, plan, backend="reference")
+                got = ops.attention(self.pool, layer, q, plan, backend="reference", **self.variant)
                 self.check_attention(layer, q, got, plan)
         return plan
 
@@ -117,7 +118,9 @@ class Sequences:
                 for p in (pos.start, pos.stop - 1):  # the run's rows are each query's decode rows
                     ek, ev = quant4w.decode_sequence(self.encoded(layer, b, p + 1))
                     assert np.array_equal(dk[: p + 1], ek) and np.array_equal(dv[: p + 1], ev)
-                want = dense(q[cu[b] + lo : cu[b] + hi].double().numpy(), dk, dv, 0, DIM**-0.5)
+                opts = {k: v.double().numpy() if k == "sinks" else v for k, v in self.variant.items()}
+                start = 0 if self.starts is None else self.starts[b]
+                want = dense(q[cu[b] + lo : cu[b] + hi].double().numpy(), dk, dv, start, DIM**-0.5, **opts)
                 np.testing.assert_allclose(got[cu[b] + lo : cu[b] + hi].numpy(), want, rtol=2e-6, atol=2e-6)
 
 
@@ -131,11 +134,20 @@ def test_steps_of_any_chunking_store_the_codecs_form_and_attend_as_decode_would(
     for new in [(70, 3, 130), (60, 125, 1), (1, 1, 1), (1, 1, 1), (62, 64, 60), (1, 1, 1)]:
         seqs.step(list(new))
         seqs.check_stored()
-        # At most two window pages per sequence, one more while a chunk's early queries read a sealed page.
-        assert pool.windows_held() <= 3 * 3
+        # A step of m positions of a sequence holds at most ceil(m / 64) + 2 window pages for it.
+        assert pool.windows_held() <= sum(-(-m // 64) + 2 for m in new)
     assert pool.windows_held() == 6  # after decode steps: each sequence's last two pages
     assert pool.memory_bytes() == 16 * LAYERS * HEADS * FMT.bytes_per_page(DIM) + (12 + 4 * 4 / 64) * (
         LAYERS * 64 * HEADS * DIM * 2 * 2)
+
+
+@pytest.mark.parametrize("variant", [{"window": 50}, {"chunk": 70}, {"softcap": 2.0},
+                                     {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}], ids=str)
+def test_variants_and_kv_starts_through_the_pool(variant):
+    pool = _pool(num_blocks=8, window_pages=7, sink_slots=2)
+    seqs = Sequences(pool, [[5, 2, 7, 0], [1, 3, 4, 6]], seed=8, starts=[3, 0], **variant)
+    for new in [(100, 140), (40, 1), (1, 60)]:
+        seqs.step(list(new))
 
 
 def test_a_block_reused_from_offset_zero_starts_afresh():

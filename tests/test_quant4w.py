@@ -240,3 +240,23 @@ def test_bench_mixed_attention_equals_the_reference_over_each_querys_stored_form
                                            v[0, :, : p + 1].transpose(0, 1).numpy())
             want = attend_q4w(q[0, :, i][None], rows)[0]
             torch.testing.assert_close(out[0, i].double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_bench_pool_path_gives_the_mixed_caches_logits():
+    from test_bench_kv4 import _tiny_model
+
+    # One layer (the rows are then the same bits both ways; see tests/test_bench_kv4.py), 200 positions in
+    # chunks across the seals at 128 and 192.
+    model = _tiny_model(layers=1)
+    ids = torch.randint(0, 64, (2, 200), generator=torch.Generator().manual_seed(13))
+    out = {}
+    with torch.inference_mode():
+        for kind in (WINNER, kv4.POOL):
+            kv4.use_attention(model, kind)
+            cache = kv4.make_cache(kind, 8)
+            out[kind] = torch.cat([model(input_ids=ids[:, lo:hi], cache=cache).logits
+                                   for lo, hi in [(0, 100), (100, 127), (127, 128), (128, 190), (190, 200)]], 1)
+        kv4.use_attention(model, None)
+        plain = model(input_ids=ids, cache=kv4.make_cache(None, 8)).logits
+    torch.testing.assert_close(out[kv4.POOL], out[WINNER], rtol=1e-5, atol=1e-5)
+    assert (out[WINNER] - plain).abs().max() > 1e-4  # the quantized rows were read

@@ -11,14 +11,15 @@ What the pool holds, per layer (``H`` KV heads, ``d`` head_dim; the format objec
 
 A block id names a sealed page (``num_blocks`` of them, the allocator's ids, slot = block * 64 + offset); a
 block in its F16 phase also holds one of ``window_pages`` window pages, and a sequence's first block one of
-``sink_slots`` sink slots (both taken and given back here, by block id). A sequence holds at most two window
-pages, one more for a step after a prefill chunk that sealed a page (at most ``2 x sequences + chunks``).
+``sink_slots`` sink slots (both taken and given back here, by block id). A step that writes ``m`` positions of
+a sequence holds at most ``ceil(m / 64) + 2`` window pages for it (its last two pages after a decode step).
 
 Writes go by step (:meth:`write_step`, with the step's plan): the rows of each sequence are the positions
 ``[context_len - queries, context_len)``; a write at offset 0 of a page starts that page afresh (a block id
 reused by the allocator). After the rows, every page ``b`` of a sequence with ``context_len >= 64 b + 128`` is
 sealed (its F16 rows encoded, bit for bit :func:`int8kv.quant4w.seal_block`), and a page's F16 rows are given
-back once every query of a step reads it sealed (queries at ``p >= 64 b + 127``), so each query reads what its
+back once every query of a step reads it sealed (queries at ``p >= 64 b + 127``: in the step that sealed it, or
+at the start of the sequence's next step, before any window page is taken), so each query reads what its
 own decode step would: :meth:`stored_form` of its prefix. The stored form of ``n`` positions is therefore
 ``quant4w.encode_sequence`` of them, whatever chunks wrote them (tests/test_pool_q4w.py).
 
@@ -136,8 +137,11 @@ class Int4SinkWindowPool:
             lens = plan.context_lens.tolist()
             cu = plan.cu_seqlens_q.tolist()
             seqs = [(tables[b], lens[b] - (cu[b + 1] - cu[b]), lens[b], cu[b]) for b in range(plan.batch)]
-            fresh, need_w, need_s = set(), [], []
+            fresh, need_w, need_s, done = set(), [], [], set()
             for table, first, n, _ in seqs:
+                # Pages every layer sealed before this step: all of its queries (p >= first) read them sealed.
+                done.update(b for b in table[: max(0, (first - WINDOW) // PAGE)]
+                            if self._window_of[b] >= 0 and self._sealed[:, b].all())
                 for t in range(first // PAGE, (n - 1) // PAGE + 1 if n > first else 0):
                     blk = table[t]
                     if t * PAGE >= first:  # written from offset 0: the page starts afresh
@@ -150,10 +154,15 @@ class Int4SinkWindowPool:
             back_w = sum(1 for b in need_w if self._window_of[b] >= 0)  # a fresh page's old window comes back
             stale_s = [b for b in fresh if b not in need_s and self._sink_of[b] >= 0]  # no longer a first page
             back_s = sum(1 for b in need_s if self._sink_of[b] >= 0) + len(stale_s)
-            if len(need_w) > len(self._free_windows) + back_w or len(need_s) > len(self._free_sinks) + back_s:
+            free_w = len(self._free_windows) + len(done)
+            if len(need_w) > free_w + back_w or len(need_s) > len(self._free_sinks) + back_s:
                 raise KvPoolExhausted(
                     f"the step needs {len(need_w)} window pages and {len(need_s)} sink slots; "
-                    f"{len(self._free_windows)} and {len(self._free_sinks)} are free")
+                    f"{free_w} and {len(self._free_sinks)} are free")
+            for blk in done:
+                self._f16_held[:, blk] = False
+                self._free_windows.append(int(self._window_of[blk]))
+                self._window_of[blk] = -1
             for blk in fresh:
                 self._sealed[:, blk] = False
                 self._f16_held[:, blk] = False
