@@ -55,6 +55,26 @@ def dense(q, k, v, start, scale, window=None, chunk=None, softcap=None, sinks=No
     return np.einsum("nht,thd->nhd", p, vv)
 
 
+def variant_options(r: np.random.Generator, ctx: int, query_heads: int, variant: str):
+    """Random options of one kind (``dense``'s keywords, the sinks float32-rounded as the backends keep them)
+    and the AttentionVariant naming them (None for plain causal attention)."""
+    opts: dict = {}
+    if variant == "window":
+        opts["window"] = int(r.integers(1, ctx + 1))
+    elif variant == "chunk":
+        opts["chunk"] = int(r.integers(1, ctx + 1))
+    elif variant == "softcap":
+        opts["softcap"] = 3.0
+    elif variant == "sinks":
+        opts["sinks"] = r.normal(0, 2, query_heads)
+    var = None if variant == "causal" else AttentionVariant(
+        **{key: torch.from_numpy(val).float() if key == "sinks" else val for key, val in opts.items()}
+    )
+    if "sinks" in opts:
+        opts["sinks"] = opts["sinks"].astype(np.float32).astype(np.float64)
+    return opts, var
+
+
 CASES = [  # ctx, queries, kv heads, group, head_dim, start
     (1, 1, 1, 1, 8, 0), (63, 5, 3, 3, 64, 0), (64, 1, 2, 2, 16, 3), (65, 65, 1, 4, 8, 0),
     (200, 7, 3, 3, 64, 10), (130, 1, 4, 1, 128, 0),
@@ -64,29 +84,21 @@ CASES = [  # ctx, queries, kv heads, group, head_dim, start
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("variant", ["causal", "window", "chunk", "softcap", "sinks"])
 def test_attention_from_codes_equals_attention_over_decoded_rows(case, variant):
+    check_attention_from_codes(seeded(case, variant), case, variant, quant4, attend_q4)
+
+
+def check_attention_from_codes(r, case, variant, codec, attend) -> None:
+    """``attend`` over ``codec``'s stored form of random keys and values equals ``dense`` over the rows the
+    codec decodes (one case of CASES, one kind of variant)."""
     ctx, n, heads, group, d, start = case
-    r = seeded(case, variant)
     k, v = kv(r, ctx, heads, d)
-    rows = quant4.encode_sequence(k, v)
+    rows = codec.encode_sequence(k, v)
     q = torch.from_numpy(r.standard_normal((n, heads * group, d)))
-    opts: dict = {}
-    if variant == "window":
-        opts["window"] = int(r.integers(1, ctx + 1))
-    elif variant == "chunk":
-        opts["chunk"] = int(r.integers(1, ctx + 1))
-    elif variant == "softcap":
-        opts["softcap"] = 3.0
-    elif variant == "sinks":
-        opts["sinks"] = r.normal(0, 2, heads * group)
-    var = None if variant == "causal" else AttentionVariant(
-        **{key: torch.from_numpy(val).float() if key == "sinks" else val for key, val in opts.items()}
-    )
-    if "sinks" in opts:
-        opts["sinks"] = opts["sinks"].astype(np.float32).astype(np.float64)
+    opts, var = variant_options(r, ctx, heads * group, variant)
     scale = 1 / math.sqrt(d)
-    got = attend_q4(q, rows, kv_start=start, variant=var)
+    got = attend(q, rows, kv_start=start, variant=var)
     assert got.dtype == torch.float64 and got.shape == q.shape
-    dk, dv = quant4.decode_sequence(rows)
+    dk, dv = codec.decode_sequence(rows)
     want = dense(q.numpy(), dk, dv, start, scale, **opts)
     assert np.allclose(got.numpy(), want, rtol=1e-9, atol=1e-9)
 

@@ -36,6 +36,9 @@ class Part:
     dtype: torch.dtype
     row_shape: Callable[[int], tuple[int, ...]]
     fill: float = 0.0
+    # One per block and KV head instead of one per row (a per-channel key scale over a sealed block): the
+    # tensor is [num_blocks, num_kv_heads, *shape] in a pool.
+    per_block: bool = False
 
     def shape(self, head_dim: int) -> tuple[int, ...]:
         return tuple(self.row_shape(head_dim))
@@ -190,8 +193,103 @@ class Int8V1Format(KvFormat):
         return None
 
 
+def _half(head_dim: int) -> tuple[int, ...]:
+    return (head_dim // 2,)
+
+
+class Int4SinkWindowFormat(KvFormat):
+    """``int4_kchan64_vtok_asym_sink4_win64_v1`` (int8kv.quant4w; docs/kv_file_format.md): rows enter as F16
+    rows (:meth:`encode`, the sinks and the window) and pages of 64 positions are sealed into 4-bit codes with
+    per-channel key scales (:meth:`seal`) once 64 positions follow them. A stateful format: its pool is
+    :class:`int8kv.cache.pool_q4w.Int4SinkWindowPool`, whose writes take the step's plan.
+
+    Not in the registry: a registered name is a ``KvStorageFormat`` member, hence a choice every cache, file and
+    block value accepts, and only that pool holds this format so far."""
+
+    name = "int4_kchan64_vtok_asym_sink4_win64_v1"
+    version = 1
+    kernel = "int4_sink_window"
+    page = 64  # positions per block: a key group's span (docs/kv_file_format.md, "In the paged cache")
+    sinks = 4
+    window = 64
+    # What encode returns and what the F16 side of the pool holds: the rows rounded to float16.
+    parts = (Part("rows", torch.float16, _per_value),)
+    wire_order = ("rows",)
+    # A sealed page, per side, in seal's order.
+    k_page_parts = (
+        Part("codes", torch.uint8, _half),
+        Part("scale", torch.float16, _per_value, per_block=True),
+        Part("min", torch.float16, _per_value, per_block=True),
+    )
+    v_page_parts = (
+        Part("codes", torch.uint8, _half),
+        Part("scale", torch.float16, _per_row),
+        Part("min", torch.float16, _per_row),
+    )
+
+    @property
+    def spec(self) -> KvFormat:  # a pool's ``format.spec`` / ``format.value``, as for the enum's members
+        return self
+
+    @property
+    def value(self) -> str:
+        return self.name
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (round_to_f16(x),)
+
+    def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
+        return parts[0].to(torch.float32)
+
+    def seal(self, k16: torch.Tensor, v16: torch.Tensor, first: bool) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """One page's F16 rows ``[64, H, d]`` of keys and values -> ``(k_parts, v_parts)`` of the sealed page
+        (:data:`k_page_parts` / :data:`v_page_parts`, on the rows' device); ``first``: the sequence's first page,
+        whose rows 0-3 are the sinks. Bit for bit :func:`int8kv.quant4w.seal_block`, which it runs."""
+        from .quant4w import seal_block
+
+        out = seal_block(k16.cpu().numpy().astype("float32"), v16.cpu().numpy().astype("float32"), first)
+        parts = tuple(torch.from_numpy(a).to(k16.device) for a in out)
+        return parts[:3], parts[3:]
+
+    def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
+        from .quant4 import value_problem as scale_problem
+
+        side, _, part = tensor.partition("_")
+        if part in ("scale", "min"):
+            scale = values if part == "scale" else np.zeros(0, np.float16)
+            mn = values if part == "min" else np.zeros(0, np.float16)
+            problem = scale_problem(np.ascontiguousarray(scale), np.ascontiguousarray(mn))
+            return None if problem is None else f"{tensor}: {problem}"
+        if part == "rows":
+            return F16.value_problem(tensor, values)
+        if part == "codes":
+            return None if values.dtype == np.uint8 else f"{tensor} must be uint8, got {values.dtype}"
+        return f"{self.name} stores no tensor {tensor!r}"
+
+    def bytes_per_page(self, head_dim: int) -> int:
+        """Bytes of one sealed page of one KV head, keys and values: codes, the keys' channel scales and
+        minimums, the values' per-position scales and minimums (``68 d + 256``)."""
+        return sum(
+            math.prod(p.shape(head_dim)) * p.dtype.itemsize * (1 if p.per_block else self.page)
+            for p in (*self.k_page_parts, *self.v_page_parts)
+        )
+
+    def bytes_per_row(self, head_dim: int) -> float:  # type: ignore[override]
+        """A sealed K row and V row's mean (``(17 d / 16 + 4) / 2``; not an integer when ``d`` is not a multiple
+        of 16), so that :meth:`bytes_per_token` is the long-context cost, the F16 rows left out."""
+        return self.bytes_per_page(head_dim) / (2 * self.page)
+
+    def stored_bytes(self, length: int, head_dim: int) -> int:
+        """Bytes the stored form of a sequence of ``length`` positions takes per layer and KV head, the F16 sinks
+        and window included (:func:`int8kv.quant4w.stored_bytes`)."""
+        from .quant4w import stored_bytes
+
+        return stored_bytes(length, head_dim)
+
+
 F16 = F16Format()
 INT8_V1 = Int8V1Format()
+INT4_SINK_WINDOW_V1 = Int4SinkWindowFormat()
 _REGISTRY: dict[str, KvFormat] = {}
 
 

@@ -141,6 +141,13 @@ SCHEMES = (
 BASELINE = "fp32 (baseline)"
 # The frozen format, int8kv.quant4 (tests/test_bench_kv4.py: the same rows, bit for bit).
 CHOSEN = "KIVI (K per channel / 16-block, V per token)"
+# The frozen format with F16 sinks and window, int8kv.quant4w (tests/test_quant4w.py: every query reads that
+# format's stored form of its prefix, bit for bit, and the mixed attention equals its float64 reference).
+SINK_WINDOW = "KIVI 64-blocks + 4 sinks + window 64"
+# The same format stored in its pool (int8kv.cache.pool_q4w) and read by the reference backend: the frozen
+# format's own code path, which must give the bench's figures (float64 attention instead of float32).
+POOL = "int4_kchan64_vtok_asym_sink4_win64_v1 (pool, reference backend)"
+_WINNER = next(s for s in SCHEMES if s.name == SINK_WINDOW)
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(17))  # 1.0 down to 0.6
 
 
@@ -210,6 +217,8 @@ def make_cache(scheme: Scheme | None, head_dim: int, rope: tuple[torch.Tensor, t
 
     if scheme == "fp32":
         return DynamicCache()
+    if scheme == POOL:
+        return PoolCache(head_dim, capacity=4096 if rope is None else rope[0].shape[0])
     fq = FakeQuant4(scheme, head_dim)
     if scheme is not None and mixed(scheme):
         if scheme.prerope and rope is None:
@@ -300,6 +309,60 @@ def MixedCache(scheme: Scheme, per_token: Any, rope: tuple[torch.Tensor, torch.T
     return Mixed()
 
 
+def PoolCache(head_dim: int, capacity: int) -> Any:  # noqa: N802 - built on demand (lazy transformers)
+    """A DynamicCache that also writes every row, through the write path, into one
+    :class:`~int8kv.cache.pool_q4w.Int4SinkWindowPool` per layer (one sequence per batch row, ``capacity``
+    positions each), with one plan per forward; :func:`pool_attention` reads the pools. The DynamicCache's own
+    rows only keep transformers' lengths (they are not read); the keys it returns carry the cache."""
+    from transformers import DynamicCache
+
+    from ..cache.pool_q4w import PAGE, Int4SinkWindowPool
+    from ..ops import append_paged_kv, plan_attention
+
+    pages = -(-capacity // PAGE)
+
+    class Pooled(DynamicCache):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pools: dict[int, Int4SinkWindowPool] = {}
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[override]
+            bsz, heads, n, d = key_states.shape
+            if layer_idx not in self.pools:
+                # Window pages: a step of n positions holds ceil(n / 64) + 2 per sequence (the bench's chunks are
+                # never longer than its first).
+                windows = bsz * (-(-n // PAGE) + 2)
+                self.pools[layer_idx] = Int4SinkWindowPool(1, heads, d, bsz * pages, windows, bsz)
+            pool = self.pools[layer_idx]
+            if layer_idx == 0:  # one plan per forward, for every layer's pool (they share the dimensions)
+                self.lens = getattr(self, "lens", torch.zeros(bsz, dtype=torch.int32)) + n
+                tables = torch.arange(bsz * pages, dtype=torch.int32).reshape(bsz, pages)
+                self.plan = plan_attention(pool, tables, self.lens,
+                                           cu_seqlens_q=torch.arange(bsz + 1, dtype=torch.int32) * n)
+            rows = [x.transpose(1, 2).reshape(bsz * n, heads, d) for x in (key_states, value_states)]
+            append_paged_kv(pool, 0, *rows, plan=self.plan, backend="reference")
+            k, v = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            k.int8kv_pool = (pool, self.plan)
+            return k, v
+
+    return Pooled()
+
+
+def pool_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                   scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of the queries ``[B, Hq, T, d]`` through the reference backend over the layer's pool of
+    :func:`PoolCache` (carried by ``key``; ``value`` is not read)."""
+    from .. import ops
+
+    pool, plan = key.int8kv_pool
+    if scaling is not None and not math.isclose(scaling, plan.softmax_scale, rel_tol=1e-12):
+        raise ValueError(f"the pool path plans with head_dim ** -0.5, the model scales by {scaling}")
+    bsz, heads, n, d = query.shape
+    out = ops.attention(pool, 0, query.transpose(1, 2).reshape(bsz * n, heads, d), plan, backend="reference")
+    return out.reshape(bsz, n, heads, d).to(query.dtype), None
+
+
+POOL_ATTENTION = "int8kv-kv4-pool"
 MIXED_ATTENTION = "int8kv-kv4-mixed"
 
 
@@ -336,7 +399,10 @@ def use_attention(model: Any, scheme: Any) -> None:
 
     AttentionInterface.register(MIXED_ATTENTION, mixed_attention)
     AttentionMaskInterface.register(MIXED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    model.config._attn_implementation_internal = MIXED_ATTENTION if mixed(scheme) else "sdpa"
+    AttentionInterface.register(POOL_ATTENTION, pool_attention)
+    AttentionMaskInterface.register(POOL_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.config._attn_implementation_internal = (
+        POOL_ATTENTION if scheme == POOL else MIXED_ATTENTION if mixed(scheme) else "sdpa")
 
 
 def bytes_per_row(scheme: Scheme | None, d: int) -> float:
@@ -480,7 +546,7 @@ def run(
     _, heads, d = kv_dims(model.config)
     rope = rope_table(model, max(ctx, agree_ctx, 4096) + gen_tokens)
     # F16 storage is the agreement's reference (its perplexity is in `int8kv eval`'s table).
-    kinds: list[tuple[str, Any]] = [(BASELINE, "fp32")] + [(s.name, s) for s in SCHEMES]
+    kinds: list[tuple[str, Any]] = [(BASELINE, "fp32")] + [(s.name, s) for s in SCHEMES] + [(POOL, POOL)]
     kinds = [k for k in kinds if not only or k[0] in only]
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct", "head_dim": d, "kv_heads": heads, "ctx": ctx, "windows": windows,
@@ -521,7 +587,7 @@ def run(
             pairs = zip(chosen, refs, strict=True)
             same = sum(agreement(model, scheme, p, r, d, rope) for p, r in pairs)
             row["agreement"] = same / (len(chosen) * gen_tokens)
-        s = scheme if isinstance(scheme, Scheme) else None
+        s = scheme if isinstance(scheme, Scheme) else _WINNER if scheme == POOL else None
         scale = 2 if scheme == "fp32" else 1
         for dim in (64, 128):
             row[f"bytes_vs_f16_d{dim}"] = scale * bytes_per_row(s, dim) / bytes_per_row(None, dim)
@@ -616,7 +682,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--windows, --batch, --chunk and --gen-tokens must be >= 1, --ctx, --prompts and "
                      "--agree-ctx >= 0")
     torch.set_num_threads(max(1, args.threads))
-    names = {s.name for s in SCHEMES} | {BASELINE}
+    names = {s.name for s in SCHEMES} | {BASELINE, POOL}
     if unknown := [n for n in args.only if n not in names]:
         parser.error(f"unknown candidate(s) {unknown}; known: {sorted(names)}")
     result = run(tuple(args.text) if args.text else DEFAULT_TEXTS, args.ctx, args.windows, args.batch, args.chunk,

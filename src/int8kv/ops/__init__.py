@@ -59,6 +59,8 @@ def as_pool(cache: PagedKvCache | KvPool) -> KvPool:
         return cache.pool
     if isinstance(cache, KvPool):
         return cache
+    if getattr(cache, "writes_by_step", False):  # cache.pool_q4w's pool (the reference backend reads it)
+        return cache
     raise ShapeMismatch(f"expected a PagedKvCache or a KvPool, got {type(cache).__name__}")
 
 

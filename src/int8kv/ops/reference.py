@@ -82,6 +82,10 @@ def attend(
     """Causal: query i of the n_b queries of sequence b sits at position context_len - n_b + i, and sees keys
     in [kv_start, its position], narrowed by ``variant``; decode is the case n_b = 1.
     ``q [num_queries, Hq, D]`` -> float64."""
+    if getattr(pool, "writes_by_step", False):  # int8kv.cache.pool_q4w: each query reads its prefix's form
+        from .reference_q4w import attend_pool
+
+        return attend_pool(pool, layer, q, plan, variant)
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     cu = plan.cu_seqlens_q.tolist()
     lens = plan.context_lens.tolist()

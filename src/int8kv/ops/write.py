@@ -216,8 +216,17 @@ def append_paged_kv(
     plan: AttentionPlan | None = None,
     backend: str = "cpu",
 ) -> None:
-    """Check, encode and store ``k, v [tokens, num_kv_heads, head_dim]`` at ``slots`` (or ``plan.slots``)."""
+    """Check, encode and store ``k, v [tokens, num_kv_heads, head_dim]`` at ``slots`` (or ``plan.slots``).
+
+    A pool that ``writes_by_step`` (int8kv.cache.pool_q4w: its pages are sealed as sequences grow) takes the
+    step's rows with the plan, which says where each sequence's rows go; slots are not used there."""
     k, v = _check_kv(pool, layer, k, v)
+    if getattr(pool, "writes_by_step", False):
+        if plan is None or slots is not None or k.shape[0] != plan.num_queries:
+            raise ShapeMismatch(f"the {pool.format.name} pool is written by step: pass the step's plan (rows "
+                                f"[num_queries, ...]) and no slots")
+        pool.write_step(layer, plan, *kv_to_f16(k, v))
+        return
     if plan is not None and slots is None:
         if plan.slots is None:
             raise ShapeMismatch("the plan holds no slots: build it with slots= or pass them here")

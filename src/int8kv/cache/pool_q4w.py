@@ -1,0 +1,253 @@
+"""KV storage in ``int4_kchan64_vtok_asym_sink4_win64_v1`` (int8kv.quant4w): pages of 64 positions, sealed into
+4-bit codes once 64 positions follow them, the sinks and the window held as F16 rows beside them.
+
+What the pool holds, per layer (``H`` KV heads, ``d`` head_dim; the format object's parts):
+
+  sealed pages   k codes [num_blocks, 64, H, d / 2] uint8, k scale / min [num_blocks, H, d] float16,
+                 v codes [num_blocks, 64, H, d / 2] uint8, v scale / min [num_blocks, 64, H] float16
+  window pages   k / v [window_pages, 64, H, d] float16: the F16 rows of pages not yet sealed (and of pages
+                 sealed by this step while a query of it still reads them in F16)
+  sink rows      k / v [sink_slots, 4, H, d] float16: positions 0-3 of a sequence, for good
+
+A block id names a sealed page (``num_blocks`` of them, the allocator's ids, slot = block * 64 + offset); a
+block in its F16 phase also holds one of ``window_pages`` window pages, and a sequence's first block one of
+``sink_slots`` sink slots (both taken and given back here, by block id). A step that writes ``m`` positions of
+a sequence holds at most ``ceil(m / 64) + 2`` window pages for it (its last two pages after a decode step).
+
+Writes go by step (:meth:`write_step`, with the step's plan): the rows of each sequence are the positions
+``[context_len - queries, context_len)``; a write at offset 0 of a page starts that page afresh (a block id
+reused by the allocator). After the rows, every page ``b`` of a sequence with ``context_len >= 64 b + 128`` is
+sealed (its F16 rows encoded, bit for bit :func:`int8kv.quant4w.seal_block`), and a page's F16 rows are given
+back once every query of a step reads it sealed (queries at ``p >= 64 b + 127``: in the step that sealed it, or
+at the start of the sequence's next step, before any window page is taken), so each query reads what its
+own decode step would: :meth:`stored_form` of its prefix. The stored form of ``n`` positions is therefore
+``quant4w.encode_sequence`` of them, whatever chunks wrote them (tests/test_pool_q4w.py).
+
+Not implemented (refused by name, UnsupportedFormat): writes by slot without a plan, copy-on-write copies,
+export / import of rows, resizing; the CPU and Triton backends (no kernels for this format: only the reference
+backend reads it, through :meth:`stored_form`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import KvPoolExhausted, LayerOutOfRange, ShapeMismatch, UnsupportedFormat
+from ..formats import INT4_SINK_WINDOW_V1
+from ..quant4w import Q4WRows, f16_positions
+
+PAGE, SINKS, WINDOW = INT4_SINK_WINDOW_V1.page, INT4_SINK_WINDOW_V1.sinks, INT4_SINK_WINDOW_V1.window
+
+
+def _positive(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ShapeMismatch(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+class Int4SinkWindowPool:
+    """``num_blocks`` pages of 64 positions for ``num_layers`` layers of ``num_kv_heads`` x ``head_dim``, with
+    ``window_pages`` F16 window pages and ``sink_slots`` sink slots (module docs)."""
+
+    #: The write path hands this pool whole steps (ops.write.append_paged_kv with a plan), not rows by slot.
+    writes_by_step = True
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, window_pages: int,
+                 sink_slots: int, device: torch.device | str = "cpu") -> None:
+        dims = [_positive(v, w) for v, w in ((num_layers, "num_layers"), (num_kv_heads, "num_kv_heads"),
+                                             (head_dim, "head_dim"), (num_blocks, "num_blocks"),
+                                             (window_pages, "window_pages"), (sink_slots, "sink_slots"))]
+        if head_dim % 2:
+            raise ShapeMismatch(f"4-bit rows need an even head_dim, got {head_dim}")
+        self.num_layers, self.num_kv_heads, self.head_dim, self.num_blocks = dims[:4]
+        self.format = INT4_SINK_WINDOW_V1
+        self.block_size = PAGE
+        fmt, lead, heads = self.format, (num_layers, num_blocks), num_kv_heads
+
+        def page(parts) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.zeros((*lead, *(() if p.per_block else (PAGE,)), heads, *p.shape(head_dim)),
+                                     dtype=p.dtype, device=device) for p in parts)
+
+        self._k, self._v = page(fmt.k_page_parts), page(fmt.v_page_parts)
+        self.device = self._k[0].device
+        rows = (num_layers, window_pages, PAGE, heads, head_dim)
+        self._k_win = torch.zeros(rows, dtype=torch.float16, device=device)
+        self._v_win = torch.zeros_like(self._k_win)
+        sinks = (num_layers, sink_slots, SINKS, heads, head_dim)
+        self._k_sink = torch.zeros(sinks, dtype=torch.float16, device=device)
+        self._v_sink = torch.zeros_like(self._k_sink)
+        # Books, by block id: the window page and sink slot held (-1: none), which layers have sealed the page
+        # and which still hold its F16 rows.
+        self._window_of = np.full(num_blocks, -1, np.int64)
+        self._sink_of = np.full(num_blocks, -1, np.int64)
+        self._free_windows = list(range(window_pages - 1, -1, -1))
+        self._free_sinks = list(range(sink_slots - 1, -1, -1))
+        self._sealed = np.zeros((num_layers, num_blocks), bool)
+        self._f16_held = np.zeros((num_layers, num_blocks), bool)
+
+    def __repr__(self) -> str:
+        return (f"Int4SinkWindowPool({self.num_layers} layers, {self.num_kv_heads} x {self.head_dim}, "
+                f"num_blocks={self.num_blocks}, window_pages={self._k_win.shape[1]}, "
+                f"sink_slots={self._k_sink.shape[1]}, device={self.device})")
+
+    # -- sizes ------------------------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * PAGE
+
+    def memory_bytes(self) -> int:
+        """Bytes held (allocated up front): sealed pages, window pages and sink slots."""
+        return sum(t.numel() * t.element_size() for t in self.storage())
+
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        return (*self._k, *self._v, self._k_win, self._v_win, self._k_sink, self._v_sink)
+
+    def windows_held(self) -> int:
+        return int((self._window_of >= 0).sum())
+
+    def check_layer(self, layer: int) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise LayerOutOfRange(f"layer {layer!r} outside [0, {self.num_layers})")
+        return layer
+
+    # -- what a plain pool does, refused by name ----------------------------------------------------------------
+    def _refuse(self, what: str):
+        raise UnsupportedFormat(f"{what} is not implemented for the {self.format.name} pool")
+
+    def write_rows(self, layer, slots, k, v) -> None:
+        self._refuse("writing rows by slot without the step's plan (use append_paged_kv(..., plan=))")
+
+    def export_rows(self, layer, slots):
+        self._refuse("exporting rows")
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self._refuse("copying a block (copy-on-write)")
+
+    def layer_parts(self, layer: int):
+        self._refuse("reading parts by slot (a kernel for this format)")
+
+    # -- writes -----------------------------------------------------------------------------------------------
+    def _step(self, plan) -> list[tuple[list[int], int, int, int]]:
+        """Per sequence of ``plan``: (block table, first position written, length, first row in the step's
+        rows); the step's window pages and sink slots taken, once per plan, before any layer writes (refused as
+        a whole, KvPoolExhausted, with nothing taken)."""
+        def build():
+            tables = plan.block_tables.tolist()
+            lens = plan.context_lens.tolist()
+            cu = plan.cu_seqlens_q.tolist()
+            seqs = [(tables[b], lens[b] - (cu[b + 1] - cu[b]), lens[b], cu[b]) for b in range(plan.batch)]
+            fresh, need_w, need_s, done = set(), [], [], set()
+            for table, first, n, _ in seqs:
+                # Pages every layer sealed before this step: all of its queries (p >= first) read them sealed.
+                done.update(b for b in table[: max(0, (first - WINDOW) // PAGE)]
+                            if self._window_of[b] >= 0 and self._sealed[:, b].all())
+                for t in range(first // PAGE, (n - 1) // PAGE + 1 if n > first else 0):
+                    blk = table[t]
+                    if t * PAGE >= first:  # written from offset 0: the page starts afresh
+                        fresh.add(blk)
+                    if blk in fresh or self._window_of[blk] < 0:
+                        need_w.append(blk)
+                if first < SINKS and (table[0] in fresh or self._sink_of[table[0]] < 0):
+                    need_s.append(table[0])
+            need_w, need_s = sorted(set(need_w)), sorted(set(need_s))
+            back_w = sum(1 for b in need_w if self._window_of[b] >= 0)  # a fresh page's old window comes back
+            stale_s = [b for b in fresh if b not in need_s and self._sink_of[b] >= 0]  # no longer a first page
+            back_s = sum(1 for b in need_s if self._sink_of[b] >= 0) + len(stale_s)
+            free_w = len(self._free_windows) + len(done)
+            if len(need_w) > free_w + back_w or len(need_s) > len(self._free_sinks) + back_s:
+                raise KvPoolExhausted(
+                    f"the step needs {len(need_w)} window pages and {len(need_s)} sink slots; "
+                    f"{free_w} and {len(self._free_sinks)} are free")
+            for blk in done:
+                self._f16_held[:, blk] = False
+                self._free_windows.append(int(self._window_of[blk]))
+                self._window_of[blk] = -1
+            for blk in fresh:
+                self._sealed[:, blk] = False
+                self._f16_held[:, blk] = False
+            self.release(stale_s, sinks_only=True)
+            for books, free, need in ((self._window_of, self._free_windows, need_w),
+                                      (self._sink_of, self._free_sinks, need_s)):
+                for blk in need:
+                    if books[blk] < 0:
+                        books[blk] = free.pop()
+            for blk in need_w:
+                self._f16_held[:, blk] = True
+            return seqs
+
+        return plan.derived(("int4-sink-window pages", id(self)), build)
+
+    def write_step(self, layer: int, plan, k16: torch.Tensor, v16: torch.Tensor) -> None:
+        """Store the step's F16 rows ``[num_queries, H, d]`` of ``layer`` (checked and rounded by the write
+        path), then seal the pages that 64 positions now follow and give back the F16 rows no query reads."""
+        for table, first, n, row in self._step(plan):
+            pos = torch.arange(first, n)
+            rows = slice(row, row + n - first)
+            win = torch.as_tensor(self._window_of[[table[t] for t in (pos // PAGE).tolist()]], device=self.device)
+            off = (pos % PAGE).to(self.device)
+            self._k_win[layer, win, off] = k16[rows]
+            self._v_win[layer, win, off] = v16[rows]
+            if first < SINKS:
+                sink, upto = int(self._sink_of[table[0]]), min(n, SINKS)
+                self._k_sink[layer, sink, first:upto] = k16[row : row + upto - first]
+                self._v_sink[layer, sink, first:upto] = v16[row : row + upto - first]
+            for t in range(max(0, (n - WINDOW) // PAGE)):  # pages sealed at this length
+                blk = table[t]
+                if not self._sealed[layer, blk]:
+                    w = int(self._window_of[blk])
+                    k_parts, v_parts = self.format.seal(self._k_win[layer, w], self._v_win[layer, w], t == 0)
+                    for dst, src in ((self._k, k_parts), (self._v, v_parts)):
+                        for tensor, part in zip(dst, src, strict=True):
+                            tensor[layer, blk] = part
+                    self._sealed[layer, blk] = True
+                if self._f16_held[layer, blk] and first >= PAGE * t + PAGE + WINDOW - 1:
+                    self._f16_held[layer, blk] = False  # every query of this step reads it sealed
+                    if not self._f16_held[:, blk].any():
+                        self._free_windows.append(int(self._window_of[blk]))
+                        self._window_of[blk] = -1
+
+    def release(self, blocks, sinks_only: bool = False) -> None:
+        """Give back the window pages and sink slots of ``blocks`` (block ids the owner freed: a sequence that
+        ends before its pages are sealed leaves them held until then, or until the block is written afresh)."""
+        for blk in blocks:
+            books = ((self._sink_of, self._free_sinks),) if sinks_only else (
+                (self._window_of, self._free_windows), (self._sink_of, self._free_sinks))
+            for where, free in books:
+                if where[blk] >= 0:
+                    free.append(int(where[blk]))
+                    where[blk] = -1
+            if not sinks_only:
+                self._f16_held[:, blk] = False
+
+    # -- reads ------------------------------------------------------------------------------------------------
+    def stored_form(self, layer: int, block_table: list[int], length: int) -> Q4WRows:
+        """The stored form of a sequence's first ``length`` positions (numpy), as the decode step at position
+        ``length - 1`` reads it: sealed pages for ``length >= 64 b + 128``, the sinks and the window from the
+        F16 rows. Refused (UnsupportedFormat) when the F16 rows it needs were given back (a query below the
+        step's first) or a page it needs is not sealed in this layer."""
+        c = max(0, (length - WINDOW) // PAGE)
+        blocks = [block_table[t] for t in range(c)]
+        if any(not self._sealed[layer, b] for b in blocks):
+            raise UnsupportedFormat(f"layer {layer} has not sealed the pages a length of {length} reads")
+        k = [t[layer, blocks].cpu().numpy() for t in self._k]
+        v = [t[layer, blocks].cpu().numpy() for t in self._v]
+        sinks, window = f16_positions(length)
+
+        def f16(win: torch.Tensor, sink: torch.Tensor, positions: range, sink_rows: bool) -> np.ndarray:
+            if not positions:
+                return np.zeros((0, self.num_kv_heads, self.head_dim), np.float16)
+            if sink_rows:
+                s = int(self._sink_of[block_table[0]])
+                return sink[layer, s, : len(positions)].cpu().numpy()
+            pos = np.arange(positions.start, positions.stop)
+            pages = self._window_of[[block_table[t] for t in pos // PAGE]]
+            if (pages < 0).any():
+                raise UnsupportedFormat(f"the F16 rows a length of {length} reads were given back")
+            return win[layer, torch.as_tensor(pages), torch.as_tensor(pos % PAGE)].cpu().numpy()
+
+        return Q4WRows(
+            k_codes=k[0], k_scale=k[1], k_min=k[2], k_sink=f16(self._k_win, self._k_sink, sinks, True),
+            k_window=f16(self._k_win, self._k_sink, window, False), v_codes=v[0], v_scale=v[1], v_min=v[2],
+            v_sink=f16(self._v_win, self._v_sink, sinks, True), v_window=f16(self._v_win, self._v_sink, window, False),
+        )
