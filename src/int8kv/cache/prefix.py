@@ -7,8 +7,8 @@ The key of full block ``i`` of a sequence is
 
 where the extra keys are everything besides the tokens that changes the stored bytes: the storage format's
 name and version, the model fingerprint (a string the caller chooses: two models with equal fingerprints must
-produce equal K/V), the layout (layers, KV heads, head_dim; with several K/V shapes, each further group's after the first's), the
-block size and the KV head range a rank holds.
+produce equal K/V), the layout (layers, KV heads, head_dim; with several K/V shapes, each further group's after
+the first's), the block size and the KV head range a rank holds.
 Because a key covers its parent, equal keys mean equal *prefixes*, not just equal blocks, so a lookup may walk a
 chain from its start and trust every block it finds. Only full blocks have keys (a partial block is still being
 written). Keys are plain digests, never Python's ``hash()``: they are equal across processes and machines, and
