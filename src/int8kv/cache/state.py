@@ -227,6 +227,21 @@ def group_layers(shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], ..
     return tuple(tuple(layers) for layers in order.values())
 
 
+def layer_map_problem(counts: Sequence[int], layers: Sequence[Sequence[object]]) -> str | None:
+    """Why ``layers`` is not the model layers of groups of ``counts`` layers (ascending within a group, the groups
+    in order of their first layer, together exactly ``0 .. sum(counts) - 1``), or None."""
+    if [len(g) if isinstance(g, (list, tuple)) else -1 for g in layers] != list(counts):
+        return f"groups of {list(counts)} layers"
+    flat = [i for g in layers for i in g]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in flat):
+        return "layer numbers are ints"
+    if sorted(flat) != list(range(len(flat))):  # type: ignore[type-var]
+        return f"every layer 0..{len(flat) - 1} once"
+    if any(list(g) != sorted(g) for g in layers) or [g[0] for g in layers] != sorted(g[0] for g in layers):
+        return "ascending within a group, the groups in order of their first layer"
+    return None
+
+
 @dataclass(frozen=True, eq=False)
 class GroupedKvState:
     """Stored K/V of a cache whose layers hold several K/V shapes: one batch-1-or-more :class:`KvState` per group.
@@ -261,20 +276,10 @@ class GroupedKvState:
         if layers is not None:
             kept = tuple(tuple(group) for group in layers) if isinstance(layers, (list, tuple)) else None
             counts = [s.layout.num_layers for s in sections]
-            total = sum(counts)
-            flat = [i for group in kept or () for i in group]
-            ok = (
-                kept is not None
-                and [len(g) for g in kept] == counts
-                and all(isinstance(i, int) and not isinstance(i, bool) for i in flat)
-                and sorted(flat) == list(range(total))
-                and all(list(g) == sorted(g) for g in kept)
-                and [g[0] for g in kept] == sorted(g[0] for g in kept)
-            )
-            if not ok:
+            if kept is None or layer_map_problem(counts, kept) is not None:
                 raise ShapeMismatch(
                     f"layers must give each section's model layers (ascending; the sections in order of their first "
-                    f"layer; together 0..{total - 1}) for sections of {counts} layers, got {layers!r}"
+                    f"layer; together 0..{sum(counts) - 1}) for sections of {counts} layers, got {layers!r}"
                 )
         return cls(tuple(sections), kept)
 
