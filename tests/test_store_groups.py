@@ -366,3 +366,48 @@ def test_block_values_no_writer_produces_are_refused_in_any_group(fmt):
 
     with pytest.raises(InvalidBlockValues):
         verify_block(spec, reframe(values[0], payload_patch=poison), keys[0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gemma 4 (tiny): the drop-in and the engine save and load one prefix
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [INT8, F16], ids=str)
+def test_gemma4_prefix_saved_by_the_drop_in_loads_into_it_and_into_the_engine(tmp_path, fmt):
+    hf = pytest.importorskip("int8kv.hf")
+    from test_engine_models import build, engine, prompts
+
+    from int8kv.store import model_fingerprint
+
+    model = build("gemma4_text", seed=2)
+    fp = model_fingerprint(model)
+    prefix = torch.tensor([prompts(7, seed=3)[0]])  # within the sliding window (8): nothing trimmed
+    ids = torch.cat([prefix, torch.tensor([prompts(3, seed=4)[0]])], dim=1)
+    original = hf.Int8KvCache(model.config, fmt)
+    with torch.no_grad():
+        model(prefix, cache=original, use_cache=True)
+    state = original.export_state()
+    assert isinstance(state, GroupedKvState) and state.layers == ((0, 2), (1, 3))  # sliding, full
+    assert [la.dims for la in state.layouts] == [(2, 2, 16), (2, 2, 32)]
+    save_kv(tmp_path / "g.kv", original, model=fp, token_ids=prefix)
+    assert inspect_kv(tmp_path / "g.kv")["groups"][1]["layers"] == [1, 3]
+
+    restored = hf.Int8KvCache(model.config, fmt)
+    load_kv(tmp_path / "g.kv", restored, model=fp)
+    assert restored.export_state().equal(state)
+
+    def greedy(cache):
+        with torch.no_grad():
+            return model.generate(ids, cache=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+
+    assert torch.equal(greedy(restored), greedy(original))
+    # The engine's pools take the same file (a section per pool, in the same group order).
+    llm = engine(model, fmt)
+    load_kv(tmp_path / "g.kv", llm.cache, seq_id="saved", model=fp)
+    paged = llm.cache.export_state("saved")
+    assert all(a.equal(b) for a, b in zip(paged.sections, state.sections, strict=True))
+    # A paged cache's state has no layer map: the drop-in, which places layers by model layer, refuses it by name.
+    save_kv(tmp_path / "paged.kv", llm.cache, seq_id="saved", model=fp)
+    fresh = hf.Int8KvCache(model.config, fmt)
+    with pytest.raises(IncompatibleCache, match="does not record which model layers"):
+        load_kv(tmp_path / "paged.kv", fresh, model=fp)
+    assert fresh.get_seq_length() == 0
