@@ -1,7 +1,7 @@
 """The block value format: one store value per KV block, every layer's K and V for ``block_size`` tokens.
 
 The byte layout, the order of the checks and the versioning rules are specified once, in docs/block_store.md
-("Block value format, version 2"). In short: a 56-byte little-endian header (magic, versions, header length,
+("Block value format, version 2", and "version 3" for several K/V shapes). In short: a 56-byte little-endian header (magic, versions, header length,
 layer count, KV head range, head_dim, block size, token count, payload length, key length, authentication
 kind), the storage format name, the model fingerprint and the block key the value is stored under, zero
 padding to a multiple of 8, the payload (the storage format's tensors in its wire order, ``[L, T, Hk, ...]``
