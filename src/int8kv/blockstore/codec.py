@@ -1,18 +1,16 @@
 """The block value format: one store value per KV block, every layer's K and V for ``block_size`` tokens.
 
-The byte layout, the order of the checks and the versioning rules are specified once, in docs/block_store.md
-("Block value format, version 2", and "version 3" for several K/V shapes). In short: a 56-byte little-endian header (magic, versions, header length,
-layer count, KV head range, head_dim, block size, token count, payload length, key length, authentication
-kind), the storage format name, the model fingerprint and the block key the value is stored under, zero
-padding to a multiple of 8, the payload (the storage format's tensors in its wire order, ``[L, T, Hk, ...]``
-each: for INT8 V1 ``[L, T, Hk]`` float32 K then V scales, then ``[L, T, Hk, D]`` K then V codes), an XXH3-128
-digest of everything before it and, with a shared secret, an HMAC-SHA256 of everything before that. The key
-inside the digested header binds a value to its key (a value copied under another key is refused); the HMAC
-binds it to the secret (a value forged without it is refused).
-
-Version 3 is the same value for a model whose layers hold K/V of several shapes (Gemma 4): a table of groups
-(layers, KV head range, head_dim) after the fixed fields and each tensor of the payload once per group. A
-one-shape spec writes version 2, byte for byte as before.
+The byte layout, the order of the checks and the versioning rules are specified once, in docs/block_store.md ("Block
+value format, version 2", and "version 3" for several K/V shapes). In short: a 56-byte little-endian header (magic,
+versions, header length, layer count, KV head range, head_dim, block size, token count, payload length, key length,
+authentication kind), the storage format name, the model fingerprint and the block key the value is stored under,
+zero padding to a multiple of 8, the payload (the storage format's tensors in its wire order, ``[L, T, Hk, ...]``
+each: for INT8 V1 ``[L, T, Hk]`` float32 K then V scales, then ``[L, T, Hk, D]`` K then V codes), an XXH3-128 digest
+of everything before it and, with a shared secret, an HMAC-SHA256 of everything before that. The key inside the
+digested header binds a value to its key (a value copied under another key is refused); the HMAC binds it to the
+secret (a value forged without it is refused). Version 3 is the same value for a model whose layers hold K/V of
+several shapes (Gemma 4): a table of groups (layers, KV head range, head_dim) after the fixed fields and each tensor
+of the payload once per group. A one-shape spec writes version 2, byte for byte as before.
 
 XXH3-128 rather than CRC-32 or SHA-256 (measured over 128 SmolLM2 blocks on this shared 2-core machine):
 zlib's CRC-32 ran at 1.1-4.9 GB/s and SHA-256 at 1.7 GB/s against a loopback Valkey GET at 0.2-0.6 GB/s, so
