@@ -211,7 +211,9 @@ def check_secret(secret: str | bytes | None) -> bytes | None:
     return bytes(secret)
 
 
-def encode_block(spec: BlockSpec, state: KvState, key: bytes, secret: bytes | None = None) -> bytes:
+def encode_block(
+    spec: BlockSpec, state: KvState | GroupedKvState, key: bytes, secret: bytes | None = None
+) -> bytes:
     """One block value for ``state`` stored under ``key``: batch 1, ``1 <= length <= block_size`` tokens of
     the spec's layout (a GroupedKvState of the spec's layouts for a grouped spec); with ``secret`` (see
     :func:`check_secret`) the value ends with an HMAC-SHA256 tag.
