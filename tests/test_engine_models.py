@@ -525,6 +525,18 @@ def test_per_layer_shapes_share_prefix_blocks_through_the_block_store(tmp_path, 
     cold.cache.free("probe")
 
 
+def test_per_layer_shapes_share_prefix_blocks_through_the_embedded_valkey():
+    model = build("gemma4_text", seed=8)
+    prompt = prompts(26, seed=9)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with engine(model, F16, kv_store="embedded") as a:
+        cold = a.generate([prompt], params)[0].token_ids
+        assert a.flush_kv_store(30.0)
+        with engine(model, F16, kv_store=a.kv_store) as b:  # an open store: shared, not owned
+            assert b.generate([prompt], params)[0].token_ids == cold == hf_greedy(model, prompt, 6)
+            assert b.stats.store_hit_tokens == 24 and b.stats.store_faults == 0
+
+
 def test_per_layer_shapes_state_round_trips_bit_exact_per_group():
     from int8kv.cache.paged import PagedKvCache
     from int8kv.cache.state import GroupedKvState, KvLayout
