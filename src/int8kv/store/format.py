@@ -36,8 +36,8 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_GROUPS",
     "MAX_HEADER_BYTES",
-    "ONE_SHAPE_VERSION",
     "MAX_METADATA_DEPTH",
+    "ONE_SHAPE_VERSION",
     "Header",
     "TensorEntry",
     "encode",
@@ -337,7 +337,8 @@ def parse_header(body: bytes) -> Header:
     if model is not None:
         problem = fingerprint_problem(model, layouts)
         if problem is not None:
-            raise HeaderShapeMismatch(f"{problem} the header declares")
+            declared = layouts[0].dims if len(layouts) == 1 else [la.dims for la in layouts]
+            raise HeaderShapeMismatch(f"{problem} the header declares {declared}")
     tensors = _check_tensors(raw, fmt, layouts, dims["batch"], dims["seq_len"], grouped)
     return Header(
         fmt,
