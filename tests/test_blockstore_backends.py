@@ -119,7 +119,7 @@ def test_a_newer_version_is_left_alone_and_every_other_refused_value_deleted(sto
     spec = small_spec()
     _, values = blocks(spec, 2, seed=6)
     keys = key_chain(2, seed=6)
-    newer = reframe(values[0], version=3)
+    newer = reframe(values[0], version=4)
     store.put(keys[0], newer)
     assert store.get_prefix(keys, spec) is None
     assert store.get([keys[0]]) == [newer]  # a newer reader sharing the store may understand it

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from int8kv import KvStorageFormat, ShapeMismatch, UnsupportedAttention, UnsupportedModel
+from int8kv import KvCacheError, KvStorageFormat, ShapeMismatch, UnsupportedAttention, UnsupportedModel
 from int8kv.engine import LLM, SamplingParams
 from int8kv.engine.hf_model import TransformersModel
 from int8kv.engine.model import DecoderModel
@@ -510,19 +510,102 @@ def test_per_layer_shapes_with_prefix_caching_preemption_and_forks():
     assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
 
 
-def test_per_layer_shapes_refuse_what_a_block_value_cannot_hold(tmp_path):
-    """The block store and KvState hold one K/V shape for every layer: refused by name, before anything is opened
-    or allocated."""
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_per_layer_shapes_share_prefix_blocks_through_the_block_store(tmp_path, fmt):
+    """Two engines on one disk store: the second loads the first's prefix blocks (version-3 values, one section per
+    K/V shape) and generates the cold run's greedy tokens."""
+    from int8kv.blockstore import BlockSpec, decode_block
+    from int8kv.blockstore.codec import read_header
+
+    model = build("gemma4_text", seed=8)
+    prompt = prompts(26, seed=9)[0]
+    want = hf_greedy(model, prompt, 6, None if fmt is F16 else fake_quant_cache(model, fmt))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs, hits = [], []
+    for _ in range(2):  # two engines, one store directory
+        with engine(model, fmt, kv_store=f"disk:{tmp_path}") as llm:
+            outs.append(llm.generate([prompt], params)[0].token_ids)
+            assert llm.flush_kv_store(5.0)
+            hits.append(llm.stats.store_hit_tokens)
+            key = llm.scheduler.hasher.block_keys(prompt)[0]
+            value = llm.kv_store.get([key])[0]
+    assert outs == [want, want]
+    assert hits == [0, 24]  # 6 full blocks of the 26-token prompt, 2 tokens left to compute
+    # What the store holds for the prompt's first block is the first engine's rows of both pools, bit for bit.
+    assert read_header(value).version == 3 and read_header(value).groups == ((2, 0, 2, 16), (2, 0, 2, 32))
+    cold = engine(model, fmt)  # a cold engine's pool holds the same block under the same key
+    cold.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert cold.scheduler.hasher.block_keys(prompt)[0] == key
+    hit, _ = cold.cache.add_sequence_with_prefix("probe", 5, [key])  # a hit leaves a token to compute
+    assert hit == 4
+    assert decode_block(BlockSpec(cold.cache.layouts, 4, cold.fingerprint), value, key).equal(
+        cold.cache.export_state("probe", 0, 4)
+    )
+    cold.cache.free("probe")
+
+
+def test_per_layer_shapes_share_prefix_blocks_through_the_embedded_valkey():
+    model = build("gemma4_text", seed=8)
+    prompt = prompts(26, seed=9)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with engine(model, F16, kv_store="embedded") as a:
+        cold = a.generate([prompt], params)[0].token_ids
+        assert a.flush_kv_store(30.0)
+        with engine(model, F16, kv_store=a.kv_store) as b:  # an open store: shared, not owned
+            assert b.generate([prompt], params)[0].token_ids == cold == hf_greedy(model, prompt, 6)
+            assert b.stats.store_hit_tokens == 24 and b.stats.store_faults == 0
+
+
+def test_per_layer_shapes_state_round_trips_bit_exact_per_group():
+    from int8kv.cache.paged import PagedKvCache
+    from int8kv.cache.state import GroupedKvState, KvLayout
+
+    layouts = [KvLayout(2, 2, 16, INT8), KvLayout(1, 1, 32, INT8), KvLayout(3, 2, 8, INT8)]
+    cache = PagedKvCache.with_groups(8, 4, layouts)
+    cache.add_sequence(0, 7)
+    slots = cache.slots(0)
+    gen = torch.Generator().manual_seed(3)
+    for pool in cache.pools:
+        for layer in range(pool.layout.num_layers):
+            k, v = (torch.randn(7, pool.num_kv_heads, pool.head_dim, generator=gen) for _ in range(2))
+            pool.write_rows(layer, slots, *(INT8.spec.encode(x) for x in (k, v)))
+    state = cache.export_state(0)
+    assert isinstance(state, GroupedKvState) and state.layouts == cache.layouts and state.layers is None
+    for section, pool in zip(state.sections, cache.pools, strict=True):
+        for layer in range(pool.layout.num_layers):
+            k, v = pool.export_rows(layer, slots)
+            assert all(torch.equal(a[0], b) for a, b in zip(section.layer(layer)[0], k, strict=True))
+            assert all(torch.equal(a[0], b) for a, b in zip(section.layer(layer)[1], v, strict=True))
+    cache.import_state(1, state)
+    assert cache.export_state(1).equal(state)
+    cache.add_sequence(2, 9)
+    cache.write_state(2, 2, state)  # positions 2..8 of a sequence that holds them
+    assert cache.export_state(2, 2, 9).equal(state)
+    # Refused before anything changes: a one-shape state, another group order, a batch of two, a taken id.
+    free = cache.num_free_blocks
+    one = state.sections[0]
+    swapped = GroupedKvState.of([state.sections[1], state.sections[0], state.sections[2]])
+    for bad, match in ((one, "holds 3 groups"), (swapped, "differ from the cache's"), (state, "already")):
+        with pytest.raises(KvCacheError, match=match):
+            cache.import_state(1 if bad is state else 3, bad)
+    assert cache.num_free_blocks == free and 3 not in cache.allocator
+    plain = PagedKvCache(8, 4, 2, 2, 16, INT8)
+    with pytest.raises(ShapeMismatch, match="expected a KvState"):
+        plain.import_state(0, state)
+    with pytest.raises(ShapeMismatch, match="two or more"):
+        GroupedKvState.of([one])
+    with pytest.raises(ShapeMismatch, match="distinct"):
+        GroupedKvState.of([one, one])
+    with pytest.raises(ShapeMismatch, match="layers must give"):
+        GroupedKvState.of(state.sections, [[0, 1], [2], [3, 4]])  # 3 layers in the last section
+    with pytest.raises(ShapeMismatch, match="layers must give"):
+        GroupedKvState.of(state.sections, [[2, 3], [0], [1, 4, 5]])  # not in order of first use
+
+
+def test_per_layer_shapes_refuse_what_is_not_implemented():
     from int8kv.cache.paged import PagedKvCache
     from int8kv.cache.state import KvLayout
 
-    with pytest.raises(UnsupportedModel, match="kv_store is not implemented for a model whose layers hold K/V of "):
-        LLM(build("gemma4_text"), memory="1MiB", kv_store=f"disk:{tmp_path}")
-    assert list(tmp_path.iterdir()) == []
-    cache = PagedKvCache.with_groups(4, 4, [KvLayout(1, 2, 16, F16), KvLayout(1, 2, 32, F16)])
-    cache.add_sequence(0, 3)
-    with pytest.raises(UnsupportedModel, match=r"export_state of a cache with per-layer K/V shapes \(2 groups"):
-        cache.export_state(0)
     for layouts in ([], [KvLayout(1, 2, 16, F16), KvLayout(1, 2, 32, INT8)], [(1, 2, 16)]):
         with pytest.raises(ShapeMismatch, match="layouts must be a non-empty list of KvLayouts of one format"):
             PagedKvCache.with_groups(4, 4, layouts)

@@ -125,7 +125,7 @@ def _other_fingerprint(value: bytes) -> bytes:
 
 MUTATIONS = {
     "flipped-byte": _flip,
-    "newer-version": lambda v: reframe(v, version=3),
+    "newer-version": lambda v: reframe(v, version=4),
     "older-version": lambda v: reframe(v, version=1),
     "wrong-storage-version": lambda v: reframe(v, storage_version=9),
     "wrong-fingerprint": _other_fingerprint,

@@ -190,7 +190,7 @@ def test_inspect(int8_file: Path) -> None:
     ("key", "value", "message"),
     [
         ("format", "llama.cpp.session", "not an int8kv"),
-        ("format_version", "2", "version '2' is not supported"),
+        ("format_version", "3", "version '3' is not supported"),
         ("storage_format", "int4_v9", "unknown KV storage format"),
     ],
 )

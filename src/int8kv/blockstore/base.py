@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..cache.state import KvState
+from ..cache.state import GroupedKvState, KvState
 from .codec import MAX_KEY_BYTES, BlockSpec, assemble_blocks, check_secret, encode_block, verify_block
 from .errors import BlockValueError, CorruptBlock, InvalidBlockKey, InvalidStoreUrl, NewerBlock, UnauthenticatedBlock
 
@@ -224,7 +224,7 @@ class BlockStore(ABC):
             return key.hex()
         return hmac.new(self._secret, b"int8kv block name\0" + key, hashlib.sha256).hexdigest()
 
-    def encode(self, spec: BlockSpec, key: bytes, state: KvState) -> bytes:
+    def encode(self, spec: BlockSpec, key: bytes, state: KvState | GroupedKvState) -> bytes:
         """The value of ``state`` (one block of ``spec``) to store under ``key``, with this store's HMAC tag."""
         return encode_block(spec, state, key, self._secret)
 
@@ -274,7 +274,7 @@ class BlockStore(ABC):
         self._count(puts=int(written), existing=int(not written))
         return written
 
-    def get_prefix(self, keys: Sequence[bytes], spec: BlockSpec) -> KvState | None:
+    def get_prefix(self, keys: Sequence[bytes], spec: BlockSpec) -> KvState | GroupedKvState | None:
         """The batch-1 state of the longest run of ``keys`` whose values are present and pass every check
         (``n * spec.block_size`` tokens for n blocks), or None if the first block is already a miss.
 
@@ -375,7 +375,7 @@ class BlockStore(ABC):
             self._fault(operation, exc)
             return None
 
-    def _fetch_prefix(self, keys: list[bytes], spec: BlockSpec, limit: int) -> KvState | None:
+    def _fetch_prefix(self, keys: list[bytes], spec: BlockSpec, limit: int) -> KvState | GroupedKvState | None:
         """get_prefix's work, on the reader thread."""
         values = self._get(keys, limit)
         hits = sum(v is not None for v in values)

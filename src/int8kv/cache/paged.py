@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedModel
+from ..errors import PositionOutOfRange, ShapeMismatch
 from ..formats import KvStorageFormat
 from .allocator import BlockAllocator, SeqId
 from .pool import KvPool, Rows
-from .state import KvLayout, KvState
+from .state import GroupedKvState, KvLayout, KvState, state_sections
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 
@@ -70,13 +70,6 @@ class PagedKvCache:
     def layouts(self) -> tuple[KvLayout, ...]:
         """Each pool's layout (one per group of layers with the same K/V shape)."""
         return tuple(p.layout for p in self.pools)
-
-    def _one_group(self, what: str) -> None:
-        if len(self.pools) > 1:
-            raise UnsupportedModel(
-                f"{what} of a cache with per-layer K/V shapes ({len(self.pools)} groups: "
-                f"{[la.dims for la in self.layouts]}) is not implemented: a KvState holds one layout"
-            )
 
     def __repr__(self) -> str:
         return (
@@ -202,20 +195,24 @@ class PagedKvCache:
         return block_tables, torch.tensor(lens, dtype=torch.int32, device=self.device)
 
     # -- state (see cache/state.py) ---------------------------------------------------
-    def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> KvState:
-        """The stored tokens ``[start, end)`` of one sequence (all by default), in position order, as a batch-1
-        :class:`KvState`."""
+    def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> KvState | GroupedKvState:
+        """The stored tokens ``[start, end)`` of one sequence (all by default), in position order: a batch-1
+        :class:`KvState`, or with several pools a :class:`GroupedKvState` of one section per pool (in pool order;
+        no model layer map: the cache knows its pools, not the model's layer numbers)."""
         # Gathering by slot follows the block table, so the state holds the rows in position order whatever
         # blocks (shared, copied-on-write, scattered) the sequence occupies.
-        self._one_group("export_state")
         slots = self.slots(seq_id, start, end)
-        rows = [self.pool.export_rows(layer, slots) for layer in range(self.num_layers)]
-        batch_of_one = [tuple(tuple(t.unsqueeze(0) for t in side) for side in r) for r in rows]
-        return KvState.from_layers(self.layout, batch_of_one)
+        sections = []
+        for pool in self.pools:
+            rows = [pool.export_rows(layer, slots) for layer in range(pool.layout.num_layers)]
+            batch_of_one = [tuple(tuple(t.unsqueeze(0) for t in side) for side in r) for r in rows]
+            sections.append(KvState.from_layers(pool.layout, batch_of_one))
+        return sections[0] if len(sections) == 1 else GroupedKvState.of(sections)
 
-    def import_state(self, seq_id: SeqId, state: KvState) -> torch.Tensor:
-        """Create sequence ``seq_id`` holding a batch-1 ``state``; returns its slots. Atomic: on any error
-        (layout, existing id, too few free blocks) nothing is allocated or written."""
+    def import_state(self, seq_id: SeqId, state: KvState | GroupedKvState) -> torch.Tensor:
+        """Create sequence ``seq_id`` holding a batch-1 ``state`` (a GroupedKvState of the cache's layouts when it
+        has several pools); returns its slots. Atomic: on any error (layout, existing id, too few free blocks)
+        nothing is allocated or written."""
         moved = self._state_rows(state)
         slots = self.add_sequence(seq_id, state.length)  # raises before allocating if it cannot
         try:
@@ -225,27 +222,30 @@ class PagedKvCache:
             raise
         return slots
 
-    def write_state(self, seq_id: SeqId, start: int, state: KvState) -> torch.Tensor:
+    def write_state(self, seq_id: SeqId, start: int, state: KvState | GroupedKvState) -> torch.Tensor:
         """Write a batch-1 ``state`` at positions ``[start, start + state.length)`` of a sequence, which must
         already hold them (e.g. blocks reserved by `add_sequence_with_prefix` for a prefix loaded from a block
-        store); returns their slots. Checks layout, batch and range before writing anything."""
+        store); returns their slots. Checks layouts, batch and range before writing anything."""
         moved = self._state_rows(state)
         slots = self.slots(seq_id, start, start + state.length)
         self._write_state_rows(slots, moved)
         return slots
 
-    def _state_rows(self, state: KvState) -> list[tuple[Rows, Rows]]:
-        """The state's per-layer (k_parts, v_parts), batch row 0, on this device."""
-        self._one_group("import or write of a KvState")
-        KvState.check_single(state, self.layout, "a paged sequence")
+    def _state_rows(self, state: KvState | GroupedKvState) -> list[list[tuple[Rows, Rows]]]:
+        """For each pool, the state's per-layer (k_parts, v_parts) of its section, batch row 0, on this device."""
+        sections = state_sections(state, self.layouts, "a paged sequence")
         return [
-            tuple(tuple(t[0].to(self.device) for t in side) for side in state.layer(layer))  # type: ignore[misc]
-            for layer in range(self.num_layers)
+            [
+                tuple(tuple(t[0].to(self.device) for t in side) for side in section.layer(layer))  # type: ignore[misc]
+                for layer in range(section.layout.num_layers)
+            ]
+            for section in sections
         ]
 
-    def _write_state_rows(self, slots: torch.Tensor, moved: list[tuple[Rows, Rows]]) -> None:
-        for layer, (k, v) in enumerate(moved):
-            self.pool.write_rows(layer, slots, k, v)
+    def _write_state_rows(self, slots: torch.Tensor, moved: list[list[tuple[Rows, Rows]]]) -> None:
+        for pool, layers in zip(self.pools, moved, strict=True):
+            for layer, (k, v) in enumerate(layers):
+                pool.write_rows(layer, slots, k, v)
 
     # -- rows -------------------------------------------------------------------------------------------
     def check_layer(self, layer: int) -> int:

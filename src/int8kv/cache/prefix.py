@@ -7,7 +7,8 @@ The key of full block ``i`` of a sequence is
 
 where the extra keys are everything besides the tokens that changes the stored bytes: the storage format's
 name and version, the model fingerprint (a string the caller chooses: two models with equal fingerprints must
-produce equal K/V), the layout (layers, KV heads, head_dim), the block size and the KV head range a rank holds.
+produce equal K/V), the layout (layers, KV heads, head_dim; with several K/V shapes, each further group's after
+the first's), the block size and the KV head range a rank holds.
 Because a key covers its parent, equal keys mean equal *prefixes*, not just equal blocks, so a lookup may walk a
 chain from its start and trust every block it finds. Only full blocks have keys (a partial block is still being
 written). Keys are plain digests, never Python's ``hash()``: they are equal across processes and machines, and
@@ -45,13 +46,20 @@ class PrefixHasher:
 
     def __init__(
         self,
-        layout: KvLayout,
+        layout: KvLayout | Sequence[KvLayout],
         model_id: str,
         block_size: int,
         head_range: tuple[int, int] | None = None,
     ) -> None:
-        if not isinstance(layout, KvLayout):
-            raise ShapeMismatch(f"layout must be a KvLayout, got {type(layout).__name__}")
+        # Several layouts: a cache with one pool per K/V shape (PagedKvCache.layouts); the first is `layout`.
+        more: tuple[KvLayout, ...] = ()
+        if isinstance(layout, (list, tuple)) and layout:
+            layout, *rest = layout
+            more = tuple(rest)
+        if not isinstance(layout, KvLayout) or not all(isinstance(la, KvLayout) for la in more):
+            raise ShapeMismatch(f"layout must be a KvLayout or a non-empty sequence of them, got {layout!r}")
+        if more and head_range is not None:
+            raise ShapeMismatch("a head range of a cache with several K/V shapes is not implemented")
         if not isinstance(model_id, str) or not model_id:
             raise PrefixKeyError(f"model_id must be a non-empty string, got {model_id!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
@@ -73,6 +81,7 @@ class PrefixHasher:
             block_size,
             start,
             end,
+            *(n for la in more for n in la.dims),
         )
         self.root = hashlib.sha256(_DOMAIN + b"".join(_field(f) for f in fields)).digest()
         self._pack = struct.Struct(f"<{block_size}Q").pack

@@ -11,6 +11,11 @@ Tensor layout of a state (per layer ``l``, ``B = batch``, ``T = length``, ``H = 
 one entry per part of the format (int8kv.formats), CPU, contiguous:
   groups["k_<part>"][l], groups["v_<part>"][l]   [B, T, H, *part.shape(D)]
 e.g. V1: k_codes/v_codes [B, T, H, D] int8 and k_scales/v_scales [B, T, H] float32; F16: k_codes/v_codes only.
+
+``GroupedKvState``: the same for a model whose layers hold K/V of different shapes (Gemma 4: a larger head_dim on
+its full-attention layers): one ``KvState`` section per group of layers sharing a ``(num_kv_heads, head_dim)``, in
+order of first use, with the model layer each section's layers are (when the exporter knows it). A state of one
+shape is always a plain ``KvState`` (``sections == (state,)``), so one-shape files and block values never change.
 """
 
 from __future__ import annotations
@@ -201,3 +206,130 @@ class KvState:
             return False
         pairs = ((a, b) for name, group in self.groups.items() for a, b in zip(group, other.groups[name], strict=True))
         return all(torch.equal(a, b) for a, b in pairs)
+
+    # One section: what code iterating a GroupedKvState's sections sees for a one-shape state.
+    @property
+    def sections(self) -> tuple[KvState, ...]:
+        return (self,)
+
+    @property
+    def layouts(self) -> tuple[KvLayout, ...]:
+        return (self.layout,)
+
+
+def group_layers(shapes: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+    """The layers of each group of equal ``(num_kv_heads, head_dim)`` in ``shapes`` (one per layer), groups in order
+    of first use: the grouping every multi-shape cache uses (one pool per group, a layer's index within its group
+    its rank among the group's layers)."""
+    order: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        order.setdefault(tuple(shape), []).append(i)  # type: ignore[arg-type]
+    return tuple(tuple(layers) for layers in order.values())
+
+
+def layer_map_problem(counts: Sequence[int], layers: Sequence[Sequence[object]]) -> str | None:
+    """Why ``layers`` is not the model layers of groups of ``counts`` layers (ascending within a group, the groups
+    in order of their first layer, together exactly ``0 .. sum(counts) - 1``), or None."""
+    if [len(g) if isinstance(g, (list, tuple)) else -1 for g in layers] != list(counts):
+        return f"groups of {list(counts)} layers"
+    flat = [i for g in layers for i in g]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in flat):
+        return "layer numbers are ints"
+    if sorted(flat) != list(range(len(flat))):  # type: ignore[type-var]
+        return f"every layer 0..{len(flat) - 1} once"
+    if any(list(g) != sorted(g) for g in layers) or [g[0] for g in layers] != sorted(g[0] for g in layers):
+        return "ascending within a group, the groups in order of their first layer"
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class GroupedKvState:
+    """Stored K/V of a cache whose layers hold several K/V shapes: one batch-1-or-more :class:`KvState` per group.
+
+    ``sections``: at least two, one format, equal batch and length, distinct ``(num_kv_heads, head_dim)``, in the
+    cache's group order. ``layers``: for each section, the model layers its layers are (ascending, the sections
+    ordered by their first layer, together exactly ``0 .. num_layers - 1``), or None when the exporter does not
+    know them (a paged cache knows its pools, not the model's layer numbers). Construct through :meth:`of`.
+    """
+
+    sections: tuple[KvState, ...]
+    layers: tuple[tuple[int, ...], ...] | None = None
+
+    @classmethod
+    def of(cls, sections: Sequence[KvState], layers: Sequence[Sequence[int]] | None = None) -> GroupedKvState:
+        """Check the sections (and the layer map) against each other."""
+        if not isinstance(sections, (list, tuple)) or len(sections) < 2 or not all(
+            isinstance(s, KvState) for s in sections
+        ):
+            raise ShapeMismatch("a grouped state holds two or more KvState sections (one shape is a plain KvState)")
+        first = sections[0]
+        for s in sections[1:]:
+            if (s.format, s.batch, s.length) != (first.format, first.batch, first.length):
+                raise ShapeMismatch(
+                    f"the sections of a grouped state share format, batch and length: {first.format.value} "
+                    f"{first.batch} x {first.length} and {s.format.value} {s.batch} x {s.length}"
+                )
+        shapes = [(s.layout.num_kv_heads, s.layout.head_dim) for s in sections]
+        if len(set(shapes)) != len(shapes):
+            raise ShapeMismatch(f"the sections of a grouped state have distinct (kv_heads, head_dim), got {shapes}")
+        kept = None
+        if layers is not None:
+            kept = tuple(tuple(group) for group in layers) if isinstance(layers, (list, tuple)) else None
+            counts = [s.layout.num_layers for s in sections]
+            if kept is None or layer_map_problem(counts, kept) is not None:
+                raise ShapeMismatch(
+                    f"layers must give each section's model layers (ascending; the sections in order of their first "
+                    f"layer; together 0..{sum(counts) - 1}) for sections of {counts} layers, got {layers!r}"
+                )
+        return cls(tuple(sections), kept)
+
+    @property
+    def layouts(self) -> tuple[KvLayout, ...]:
+        return tuple(s.layout for s in self.sections)
+
+    @property
+    def format(self) -> KvStorageFormat:
+        return self.sections[0].format
+
+    @property
+    def batch(self) -> int:
+        return self.sections[0].batch
+
+    @property
+    def length(self) -> int:
+        return self.sections[0].length
+
+    @property
+    def num_layers(self) -> int:
+        return sum(la.num_layers for la in self.layouts)
+
+    def slice(self, start: int, end: int) -> GroupedKvState:
+        """Positions ``[start, end)`` of every sequence in every section (views, no copy)."""
+        return GroupedKvState(tuple(s.slice(start, end) for s in self.sections), self.layers)
+
+    def equal(self, other: object) -> bool:
+        """Bit-exact equality of the layer map and of every section."""
+        return (
+            isinstance(other, GroupedKvState)
+            and self.layers == other.layers
+            and len(self.sections) == len(other.sections)
+            and all(a.equal(b) for a, b in zip(self.sections, other.sections, strict=True))
+        )
+
+
+AnyKvState = KvState | GroupedKvState
+
+
+def state_sections(state: object, layouts: Sequence[KvLayout], owner: str) -> tuple[KvState, ...]:
+    """The sections of a batch-1 ``state`` for a cache of ``layouts`` (one per group), or ShapeMismatch naming
+    ``owner``: a plain KvState for one layout, a GroupedKvState of exactly these layouts for several."""
+    if len(layouts) == 1:
+        return (KvState.check_single(state, layouts[0], owner),)
+    if not isinstance(state, GroupedKvState):
+        got = f"a KvState of {state.layout}" if isinstance(state, KvState) else type(state).__name__
+        raise ShapeMismatch(f"{owner} holds {len(layouts)} groups of K/V shapes {list(layouts)}; got {got}")
+    if state.layouts != tuple(layouts):
+        raise ShapeMismatch(f"the state's groups {list(state.layouts)} differ from the cache's {list(layouts)}")
+    if state.batch != 1:
+        raise ShapeMismatch(f"{owner} holds one sequence; the state holds {state.batch}")
+    return state.sections

@@ -275,12 +275,6 @@ class LLM:
         self.vocab_size = self.model.vocab_size
         self.max_positions = self.model.max_positions
         m = self.model
-        if len(m.layouts) > 1 and kv_store is not None and kv_store is not False:
-            raise UnsupportedModel(
-                f"kv_store is not implemented for a model whose layers hold K/V of different shapes "
-                f"({type(hf_model).__name__}: {len(m.layouts)} groups of (layers, kv_heads, head_dim) "
-                f"{[la.dims for la in m.layouts]}): a block value holds one shape for every layer"
-            )
         # A block holds its tokens in every group's pool: each sized for its own shape.
         per_block = sum(la.with_format(self.format).bytes_per_block(block_size) for la in m.layouts)
         num_blocks = budget // per_block
@@ -296,9 +290,10 @@ class LLM:
             from ..store import model_fingerprint
 
             self.fingerprint = model_fingerprint(hf_model, model_id).digest
-            hasher = PrefixHasher(self.cache.layout, self.fingerprint, block_size)
+            # Several K/V shapes (one pool each): the keys cover every group's shape, the values are version 3.
+            hasher = PrefixHasher(self.cache.layouts, self.fingerprint, block_size)
             if kv_store:
-                spec = BlockSpec(self.cache.layout, block_size, self.fingerprint)
+                spec = BlockSpec(self.cache.layouts, block_size, self.fingerprint)
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None

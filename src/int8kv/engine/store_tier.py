@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from ..blockstore import BackgroundWriter, BlockSpec, BlockStore, open_block_store
 from ..cache.paged import PagedKvCache
-from ..cache.state import KvState
+from ..cache.state import GroupedKvState, KvState
 
 logger = logging.getLogger("int8kv.engine")
 
@@ -63,7 +63,7 @@ class StoreTier:
             opened.close()
             raise
 
-    def fetch(self, keys: Sequence[bytes]) -> KvState | None:
+    def fetch(self, keys: Sequence[bytes]) -> KvState | GroupedKvState | None:
         """The batch-1 state of the longest run of ``keys`` (a chain continuing the local hit) that the store
         holds and that passes every check, ``n * block_size`` tokens, or None. Never raises."""
         if not keys:

@@ -38,7 +38,7 @@ from transformers.cache_utils import (
 )
 
 from ..cache.pool import KvPool
-from ..cache.state import KvLayout, KvState, as_format
+from ..cache.state import GroupedKvState, KvLayout, KvState, as_format, group_layers
 from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention
 from ..formats import KvStorageFormat
 from ..ops import resolve_backend, write
@@ -526,8 +526,10 @@ class Int8KvCache(Cache):
         return [la for la in self.layers if isinstance(la, Int8KvLayer)]
 
     # -- state (see int8kv/cache/state.py) ----------------------------------------------------------------
-    def export_state(self) -> KvState:
-        """Every layer's stored tokens (all batch rows) as a :class:`KvState` (CPU copies)."""
+    def export_state(self) -> KvState | GroupedKvState:
+        """Every layer's stored tokens (all batch rows) as a :class:`KvState` (CPU copies); for a model whose layers
+        hold K/V of several shapes (Gemma 4) a :class:`GroupedKvState`, one section per shape in order of first
+        use, with each section's model layers."""
         layers = list(self.layers)
         if not layers or not all(isinstance(la, Int8KvLayer) and la.is_initialized for la in layers):
             raise ShapeMismatch(
@@ -537,44 +539,58 @@ class Int8KvCache(Cache):
         if any(la.offset or type(la) is not Int8KvLayer for la in layers):
             raise ShapeMismatch("a sliding-window layer has dropped its oldest tokens: the state is not exportable")
         lengths = {la.seq_len for la in layers}
-        shapes = {(la.pool.num_blocks, la.pool.num_kv_heads, la.pool.head_dim) for la in layers}
-        if len(lengths) != 1 or len(shapes) != 1:
-            raise ShapeMismatch(f"the layers disagree (lengths {sorted(lengths)}, batch/heads/dim {sorted(shapes)})")
-        ((_, heads, dim),) = shapes
-        layout = KvLayout(len(layers), heads, dim, self.format)
-        return KvState.from_layers(layout, [la.stored() for la in layers])
+        batches = {la.pool.num_blocks for la in layers}
+        if len(lengths) != 1 or len(batches) != 1:
+            raise ShapeMismatch(f"the layers disagree (lengths {sorted(lengths)}, batch sizes {sorted(batches)})")
+        shapes = [(la.pool.num_kv_heads, la.pool.head_dim) for la in layers]
+        groups = group_layers(shapes)
+        sections = [
+            KvState.from_layers(KvLayout(len(g), *shapes[g[0]], self.format), [layers[i].stored() for i in g])
+            for g in groups
+        ]
+        return sections[0] if len(sections) == 1 else GroupedKvState.of(sections, groups)
 
-    def import_state(self, state: KvState, device: torch.device | str | None = None) -> None:
-        """Replace every layer's contents with ``state`` (creating the layers if the cache has none yet).
-        Atomic: every new storage is allocated and filled before the first layer changes, so an error
+    def import_state(self, state: KvState | GroupedKvState, device: torch.device | str | None = None) -> None:
+        """Replace every layer's contents with ``state`` (creating the layers if the cache has none yet); a
+        GroupedKvState must record each section's model layers (:meth:`export_state` does; a paged cache's does
+        not). Atomic: every new storage is allocated and filled before the first layer changes, so an error
         (a bad state, or running out of memory part-way) leaves every layer as it was."""
-        if not isinstance(state, KvState):
+        if isinstance(state, GroupedKvState):
+            if state.layers is None:
+                raise ShapeMismatch(
+                    "the state of several K/V shapes does not record which model layers each group holds (a paged "
+                    "cache's export); an Int8KvCache places layers by model layer"
+                )
+            pairs = zip(state.sections, state.layers, strict=True)
+            where = {i: (section, j) for section, group in pairs for j, i in enumerate(group)}
+        elif isinstance(state, KvState):
+            where = {i: (state, i) for i in range(state.layout.num_layers)}
+        else:
             raise ShapeMismatch(f"expected a KvState, got {type(state).__name__}")
+        num_layers = len(where)
         if state.format != self.format:
             raise ShapeMismatch(f"the state stores {state.format.value} but the cache holds {self.format.value}")
         created = not self.layers
         if created and getattr(self, "layer_class_to_replicate", None) is None:
             raise ShapeMismatch("the Int8KvCache has no layers and cannot create any")
-        layers = [self._next_layer(i) for i in range(state.layout.num_layers)] if created else list(
-            self.layers
-        )
-        if len(layers) != state.layout.num_layers:
-            raise ShapeMismatch(f"the state holds {state.layout.num_layers} layers but the cache has {len(layers)}")
+        layers = [self._next_layer(i) for i in range(num_layers)] if created else list(self.layers)
+        if len(layers) != num_layers:
+            raise ShapeMismatch(f"the state holds {num_layers} layers but the cache has {len(layers)}")
         for i, la in enumerate(layers):
             if not isinstance(la, Int8KvLayer) or la.format != state.format:
                 raise ShapeMismatch(f"layer {i} is not an Int8KvLayer of format {state.format.value}")
-            if la.is_initialized and (la.pool.num_kv_heads, la.pool.head_dim) != (
-                state.layout.num_kv_heads, state.layout.head_dim
-            ):
+            held = where[i][0].layout
+            if la.is_initialized and (la.pool.num_kv_heads, la.pool.head_dim) != (held.num_kv_heads, held.head_dim):
                 raise ShapeMismatch(
-                    f"the state holds {state.layout.num_kv_heads} kv heads of {state.layout.head_dim} but layer {i} "
-                    f"holds {la.pool.num_kv_heads} of {la.pool.head_dim}"
+                    f"the state holds {held.num_kv_heads} kv heads of {held.head_dim} for layer {i}, which holds "
+                    f"{la.pool.num_kv_heads} of {la.pool.head_dim}"
                 )
         pools = []
         for i, la in enumerate(layers):
             dev = torch.device(device) if device is not None else (la.device if la.is_initialized else "cpu")
-            k, v = (tuple(t.to(dev) for t in side) for side in state.layer(i))
-            pools.append(la.storage_from(k, v, state.layout.head_dim))
+            section, j = where[i]
+            k, v = (tuple(t.to(dev) for t in side) for side in section.layer(j))
+            pools.append(la.storage_from(k, v, section.layout.head_dim))
         # Every pool exists: adopting them allocates nothing and cannot fail part-way.
         for la, pool in zip(layers, pools, strict=True):
             la.adopt(pool, state.length)

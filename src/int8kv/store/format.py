@@ -1,4 +1,5 @@
-"""The KV file format, version 1: encoding a state into header + data, and reading them back with every check.
+"""The KV file format, versions 1 (one K/V shape) and 2 (several: one group of tensors per shape): encoding a
+state into header + data, and reading them back with every check.
 
 The specification is docs/kv_file_format.md; this module is its only implementation. Nothing here knows a
 cache: the writer takes a :class:`~int8kv.cache.state.KvState`, the reader gives back plain tensors.
@@ -17,7 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ..cache.state import KvLayout, KvState
+from ..cache.state import GroupedKvState, KvLayout, KvState, layer_map_problem
 from ..formats import KvStorageFormat
 from ._util import HEX64, MAX_DIM, canonical, is_int, raw_bytes, short
 from .errors import (
@@ -33,11 +34,14 @@ from .fingerprint import ModelFingerprint
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_GROUPS",
     "MAX_HEADER_BYTES",
     "MAX_METADATA_DEPTH",
+    "ONE_SHAPE_VERSION",
     "Header",
     "TensorEntry",
     "encode",
+    "fingerprint_problem",
     "metadata_problem",
     "parse_header",
     "read_data",
@@ -45,7 +49,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "int8kv.kv_state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this module reads and writes: 1 for a state of one K/V shape, 2 for several
+ONE_SHAPE_VERSION = 1
+MAX_GROUPS = 64  # K/V shapes in one file (Gemma 4 has two), as in a block value
 # The header holds dimensions, a fingerprint and the caller's metadata, never tensor data. json.loads can turn
 # a forged header into ~20x its size in Python objects (millions of empty lists), so the cap is what bounds
 # the reader's memory before the size checks: 1 MiB leaves ample room for metadata such as the prompt text.
@@ -84,6 +90,9 @@ _META_KEYS = frozenset(
         *DIM_KEYS,
     }
 )
+# Version 2: the per-shape dimensions move into ``groups`` (canonical JSON, one object per group).
+_META_KEYS_V2 = (_META_KEYS - {"num_layers", "num_kv_heads", "head_dim"}) | {"groups"}
+_GROUP_KEYS = frozenset({"num_layers", "num_kv_heads", "head_dim", "layers"})
 _UINT = re.compile(r"0|[1-9][0-9]{0,15}")
 
 
@@ -104,7 +113,8 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Header:
-    """A parsed, fully checked header."""
+    """A parsed, fully checked header. ``num_layers`` counts every group's layers; ``num_kv_heads`` and
+    ``head_dim`` are the first group's (the only one in a version-1 file)."""
 
     fmt: KvStorageFormat
     num_layers: int
@@ -119,6 +129,9 @@ class Header:
     data_sha256: str
     tensors: tuple[TensorEntry, ...]
     header_bytes: int  # N, padding included
+    version: int = ONE_SHAPE_VERSION
+    layouts: tuple[KvLayout, ...] = ()  # one per group (version 2: two or more)
+    layers: tuple[tuple[int, ...], ...] | None = None  # version 2: each group's model layers, if recorded
 
     @property
     def data_bytes(self) -> int:
@@ -129,8 +142,8 @@ class Header:
         return self.tensors[0].name == "token_ids"
 
     @property
-    def layout(self) -> KvLayout:
-        return KvLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.fmt)
+    def grouped(self) -> bool:
+        return self.version != ONE_SHAPE_VERSION
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -175,15 +188,20 @@ def encode(
 ) -> tuple[bytes, list[torch.Tensor], int]:
     """The padded header and the tensors of the data section, in file order, and the data's byte count.
 
-    ``token_ids`` is ``[batch, length]`` int64 (checked by the caller); ``metadata`` passed metadata_problem.
-    Raises SaveError when the header would exceed MAX_HEADER_BYTES.
+    ``state`` is a KvState (a version-1 file) or a GroupedKvState (version 2); ``token_ids`` is ``[batch, length]``
+    int64 (checked by the caller); ``metadata`` passed metadata_problem. Raises SaveError when the header would
+    exceed MAX_HEADER_BYTES.
     """
-    (L, H, D), B, T = state.layout.dims, state.batch, state.length
+    B, T = state.batch, state.length
     fmt = state.format
+    grouped = isinstance(state, GroupedKvState)
     parts: list[tuple[str, torch.dtype, list[int], tuple[torch.Tensor, ...]]] = []
     if token_ids is not None:
         parts.append(("token_ids", torch.int64, [B, T], (token_ids,)))
-    parts += [(name, dtype, list(shape), state.groups[name]) for name, dtype, shape in _tensors(fmt, L, B, T, H, D)]
+    parts += [
+        (name, dtype, list(shape), state.sections[g].groups[_part_name(name)])
+        for name, dtype, shape, g in _tensors(fmt, state.layouts, B, T, grouped)
+    ]
 
     chunks = [chunk for _, _, _, group in parts for chunk in group]
     data_digest = hashlib.sha256()
@@ -197,15 +215,21 @@ def encode(
             data_digest.update(raw_bytes(chunk))
     meta = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(FORMAT_VERSION if grouped else ONE_SHAPE_VERSION),
         "storage_format": fmt.value,
         "source": source,
         "created_by": created_by,
         "model": canonical(None if model is None else model.to_dict()).decode(),
         "metadata": canonical(dict(metadata)).decode(),
         "data_sha256": data_digest.hexdigest(),
-        **{key: str(value) for key, value in zip(DIM_KEYS, (L, B, T, H, D), strict=True)},
+        "batch": str(B),
+        "seq_len": str(T),
     }
+    if grouped:
+        meta["groups"] = _groups_text(state.layouts, state.layers)
+    else:
+        L, H, D = state.layout.dims
+        meta.update(num_layers=str(L), num_kv_heads=str(H), head_dim=str(D))
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name, dtype, shape, _ in parts:
@@ -259,19 +283,22 @@ def parse_header(body: bytes) -> Header:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise UnsupportedKvFile(f"not an int8kv KV-state file (format {short(found)}, expected {FORMAT_NAME!r})")
     # The version is checked before anything else so a newer file is reported as such, not as damaged.
-    if meta.get("format_version") != str(FORMAT_VERSION):
+    version = meta.get("format_version")
+    if version not in (str(ONE_SHAPE_VERSION), str(FORMAT_VERSION)):
         raise UnsupportedKvFile(
-            f"{FORMAT_NAME} version {short(meta.get('format_version'))} is not supported (this reader knows "
-            f"version {FORMAT_VERSION}); upgrade int8kv to read it"
+            f"{FORMAT_NAME} version {short(version)} is not supported (this reader knows versions "
+            f"{ONE_SHAPE_VERSION} and {FORMAT_VERSION}); upgrade int8kv to read it"
         )
+    grouped = version == str(FORMAT_VERSION)
     try:
         text = canonical(raw)
     except (ValueError, RecursionError):  # NaN/Infinity literals, which json.loads accepts
         text = b""
     if text != body:
         raise CorruptKvFile("the header is not in the canonical form int8kv writes (edited or damaged)")
-    if set(meta) != _META_KEYS or not all(isinstance(v, str) for v in meta.values()):
-        raise CorruptKvFile(f"the header metadata must hold exactly the string fields {sorted(_META_KEYS)}")
+    keys = _META_KEYS_V2 if grouped else _META_KEYS
+    if set(meta) != keys or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptKvFile(f"the header metadata must hold exactly the string fields {sorted(keys)}")
     if not HEX64.fullmatch(meta["header_sha256"]) or not HEX64.fullmatch(meta["data_sha256"]):
         raise CorruptKvFile("the header's digests are not 64 hex digits")
     if _header_digest(raw) != meta["header_sha256"]:
@@ -281,12 +308,21 @@ def parse_header(body: bytes) -> Header:
     except ValueError as exc:
         raise UnsupportedKvFile(str(exc)) from None
     dims = {}
-    for key in DIM_KEYS:
+    for key in ("batch", "seq_len") if grouped else DIM_KEYS:
         if not _UINT.fullmatch(meta[key]) or int(meta[key]) >= MAX_DIM:
             raise CorruptKvFile(f"header field {key}={short(meta[key])} is not a valid size")
         dims[key] = int(meta[key])
-    if min(dims["num_layers"], dims["batch"], dims["num_kv_heads"], dims["head_dim"]) == 0:
-        raise CorruptKvFile(f"num_layers, batch, num_kv_heads and head_dim must be > 0, got {dims}")
+    if grouped:
+        layouts, layer_map = _parse_groups(meta["groups"], fmt)
+        if dims["batch"] == 0:
+            raise CorruptKvFile(f"batch must be > 0, got {dims}")
+        dims.update(num_layers=sum(la.num_layers for la in layouts), num_kv_heads=layouts[0].num_kv_heads,
+                    head_dim=layouts[0].head_dim)  # fmt: skip
+    else:
+        if min(dims["num_layers"], dims["batch"], dims["num_kv_heads"], dims["head_dim"]) == 0:
+            raise CorruptKvFile(f"num_layers, batch, num_kv_heads and head_dim must be > 0, got {dims}")
+        layouts = (KvLayout(dims["num_layers"], dims["num_kv_heads"], dims["head_dim"], fmt),)
+        layer_map = None
     try:
         model_raw = json.loads(meta["model"])
         user = json.loads(meta["metadata"])
@@ -299,13 +335,11 @@ def parse_header(body: bytes) -> Header:
         raise CorruptKvFile(f"the header's metadata is not what int8kv writes: {problem}")
     model = None if model_raw is None else ModelFingerprint.from_dict(model_raw, CorruptKvFile)
     if model is not None:
-        declared = (dims["num_layers"], dims["num_kv_heads"], dims["head_dim"])
-        if (model.num_layers, model.num_kv_heads, model.head_dim) != declared:
-            raise HeaderShapeMismatch(
-                f"the model fingerprint has (layers, kv heads, head_dim) "
-                f"{(model.num_layers, model.num_kv_heads, model.head_dim)} but the header declares {declared}"
-            )
-    tensors = _check_tensors(raw, fmt, dims)
+        problem = fingerprint_problem(model, layouts)
+        if problem is not None:
+            declared = layouts[0].dims if len(layouts) == 1 else [la.dims for la in layouts]
+            raise HeaderShapeMismatch(f"{problem} the header declares {declared}")
+    tensors = _check_tensors(raw, fmt, layouts, dims["batch"], dims["seq_len"], grouped)
     return Header(
         fmt,
         dims["num_layers"],
@@ -320,15 +354,76 @@ def parse_header(body: bytes) -> Header:
         meta["data_sha256"],
         tensors,
         len(body) + (-(8 + len(body)) % ALIGN),
+        int(version),
+        layouts,
+        layer_map,
     )
 
 
-def _check_tensors(raw: dict[str, Any], fmt: KvStorageFormat, dims: dict[str, int]) -> tuple[TensorEntry, ...]:
-    L, B, T, H, D = (dims[k] for k in DIM_KEYS)
+def fingerprint_problem(model: ModelFingerprint, layouts: tuple[KvLayout, ...]) -> str | None:
+    """Why a state of ``layouts`` (one per group) was not computed by a model of this fingerprint, or None; the
+    message ends where the caller names the other side ("... but the cache holds"). One group: the fingerprint's
+    (layers, kv heads, head_dim) are the layout's. Several: its layers are every group's together and its
+    (kv heads, head_dim) one group's (the config's global values: Gemma 4's sliding layers)."""
+    got = (model.num_layers, model.num_kv_heads, model.head_dim)
+    if len(layouts) == 1:
+        return None if got == layouts[0].dims else f"the model has (layers, kv heads, head_dim) {got} but"
+    shapes = [la.dims[1:] for la in layouts]
+    if model.num_layers == sum(la.num_layers for la in layouts) and got[1:] in shapes:
+        return None
+    groups = [la.dims for la in layouts]
+    return f"the model has (layers, kv heads, head_dim) {got}, not the layers and one shape of {groups} that"
+
+
+def _groups_text(layouts: tuple[KvLayout, ...], layers: tuple[tuple[int, ...], ...] | None) -> str:
+    groups = [
+        {"num_layers": la.num_layers, "num_kv_heads": la.num_kv_heads, "head_dim": la.head_dim,
+         "layers": None if layers is None else list(layers[g])}
+        for g, la in enumerate(layouts)
+    ]  # fmt: skip
+    return canonical(groups).decode()
+
+
+def _parse_groups(text: str, fmt: KvStorageFormat) -> tuple[tuple[KvLayout, ...], tuple[tuple[int, ...], ...] | None]:
+    """A version-2 header's ``groups`` field, every size checked: 2..MAX_GROUPS groups of distinct shape, each
+    ``{"head_dim", "layers", "num_kv_heads", "num_layers"}``, the layer maps all given or all null."""
+    try:
+        groups = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptKvFile(f"the header's groups field is not valid JSON: {exc}") from None
+    if not isinstance(groups, list) or not 2 <= len(groups) <= MAX_GROUPS:
+        raise CorruptKvFile(f"a version-{FORMAT_VERSION} file holds 2..{MAX_GROUPS} groups, got {short(groups)}")
+    for g in groups:
+        if not isinstance(g, dict) or set(g) != _GROUP_KEYS:
+            raise CorruptKvFile(f"a group holds exactly the fields {sorted(_GROUP_KEYS)}, got {short(g)}")
+        sizes = (g["num_layers"], g["num_kv_heads"], g["head_dim"])
+        if not all(is_int(d) and 0 < d < MAX_DIM for d in sizes):
+            raise CorruptKvFile(f"a group's num_layers, num_kv_heads and head_dim are sizes > 0, got {short(g)}")
+    layouts = tuple(KvLayout(g["num_layers"], g["num_kv_heads"], g["head_dim"], fmt) for g in groups)
+    if len({la.dims[1:] for la in layouts}) != len(layouts):
+        raise CorruptKvFile(f"the groups' (num_kv_heads, head_dim) must differ, got {[la.dims for la in layouts]}")
+    maps = [g["layers"] for g in groups]
+    if all(m is None for m in maps):
+        layer_map = None
+    elif not all(isinstance(m, list) and all(is_int(i) for i in m) for m in maps):
+        raise CorruptKvFile(f"the groups' layers are all lists of ints or all null, got {short(maps)}")
+    else:
+        problem = layer_map_problem([la.num_layers for la in layouts], maps)
+        if problem is not None:
+            raise CorruptKvFile(f"the groups' layers are not a layer map ({problem}): {short(maps)}")
+        layer_map = tuple(tuple(m) for m in maps)
+    if _groups_text(layouts, layer_map) != text:
+        raise CorruptKvFile("the header's groups field is not in the canonical form int8kv writes")
+    return layouts, layer_map
+
+
+def _check_tensors(
+    raw: dict[str, Any], fmt: KvStorageFormat, layouts: tuple[KvLayout, ...], B: int, T: int, grouped: bool
+) -> tuple[TensorEntry, ...]:
     expected: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     if "token_ids" in raw:
         expected.append(("token_ids", torch.int64, (B, T)))
-    expected += _tensors(fmt, L, B, T, H, D)
+    expected += [(name, dtype, shape) for name, dtype, shape, _ in _tensors(fmt, layouts, B, T, grouped)]
     names = set(raw) - {"__metadata__"}
     if names != {name for name, _, _ in expected}:
         raise HeaderShapeMismatch(
@@ -421,14 +516,27 @@ def _value_problem(fmt: KvStorageFormat, model: ModelFingerprint | None, name: s
         if values.min() < 0 or (vocab is not None and values.max() >= vocab):
             return f"token ids outside [0, {vocab if vocab is not None else 'vocab'})"
         return None
-    return fmt.spec.value_problem(name, values)
+    return fmt.spec.value_problem(_part_name(name), values)
 
 
-def _tensors(fmt: KvStorageFormat, *dims: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """(name, dtype, shape) of the format's tensors in file order: ``[L, B, T, H, *part.shape(D)]`` each."""
-    L, B, T, H, D = dims
-    parts = [(name, fmt.spec.part(name[2:])) for name in fmt.spec.tensor_names()]
-    return [(name, part.dtype, (L, B, T, H, *part.shape(D))) for name, part in parts]
+def _part_name(name: str) -> str:
+    """The format's tensor name of a file tensor (version 2 suffixes the group: ``k_codes.1``)."""
+    return name.partition(".")[0]
+
+
+def _tensors(
+    fmt: KvStorageFormat, layouts: tuple[KvLayout, ...], B: int, T: int, grouped: bool
+) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+    """(file name, dtype, shape, group) of the format's tensors in file order: ``[L, B, T, H, *part.shape(D)]``
+    each; version 2 (``grouped``) has each tensor once per group, ``<name>.<group>``, tensor-major (so every
+    tensor stays aligned to its element size)."""
+    out = []
+    for name in fmt.spec.tensor_names():
+        part = fmt.spec.part(name[2:])
+        for g, la in enumerate(layouts):
+            file_name = f"{name}.{g}" if grouped else name
+            out.append((file_name, part.dtype, (la.num_layers, B, T, la.num_kv_heads, *part.shape(la.head_dim)), g))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

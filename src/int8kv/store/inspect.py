@@ -12,7 +12,7 @@ import torch
 
 from ..formats import KvStorageFormat
 from .files import check_path, open_for_reading
-from .format import FORMAT_NAME, FORMAT_VERSION, Header, read_data, read_header
+from .format import FORMAT_NAME, Header, read_data, read_header
 
 __all__ = ["describe", "format_inspect", "inspect_kv"]
 
@@ -32,23 +32,30 @@ def inspect_kv(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def describe(header: Header, path: Path, file_bytes: int, token_ids: torch.Tensor | None) -> dict[str, Any]:
-    """The report of a checked header (token_ids: ``[batch, seq_len]`` int64 or None), as plain JSON types."""
-    rows = 2 * header.num_layers * header.batch * header.seq_len * header.num_kv_heads
+    """The report of a checked header (token_ids: ``[batch, seq_len]`` int64 or None), as plain JSON types.
+    ``num_kv_heads`` / ``head_dim`` are None for a file of several K/V shapes (``groups`` lists them)."""
+    tokens = header.batch * header.seq_len
+    groups = [
+        {"num_layers": la.num_layers, "num_kv_heads": la.num_kv_heads, "head_dim": la.head_dim,
+         "layers": None if header.layers is None else list(header.layers[g])}
+        for g, la in enumerate(header.layouts)
+    ]  # fmt: skip
     return {
         "path": str(path),
         "file_bytes": file_bytes,
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": header.version,
         "storage_format": header.fmt.value,
         "source": header.source,
         "created_by": header.created_by,
         "num_layers": header.num_layers,
         "batch": header.batch,
         "seq_len": header.seq_len,
-        "num_kv_heads": header.num_kv_heads,
-        "head_dim": header.head_dim,
-        "kv_bytes": rows * header.fmt.bytes_per_row(header.head_dim),
-        "f16_kv_bytes": rows * KvStorageFormat.F16.bytes_per_row(header.head_dim),
+        "num_kv_heads": None if header.grouped else header.num_kv_heads,
+        "head_dim": None if header.grouped else header.head_dim,
+        "groups": groups,
+        "kv_bytes": tokens * sum(la.bytes_per_token for la in header.layouts),
+        "f16_kv_bytes": tokens * sum(la.with_format(KvStorageFormat.F16).bytes_per_token for la in header.layouts),
         "model": None if header.model is None else header.model.to_dict(),
         "model_digest": None if header.model is None else header.model.digest,
         "token_ids": None if token_ids is None else token_ids.tolist(),
@@ -63,8 +70,12 @@ def format_inspect(info: Mapping[str, Any], max_tokens: int = 16) -> str:
         f"file      {info['path']} ({_human(info['file_bytes'])})",
         f"format    {info['format']} v{info['format_version']}, storage {info['storage_format']}, "
         f"from {info['source']} ({info['created_by']})",
-        f"shape     {info['num_layers']} layers x batch {info['batch']} x {info['seq_len']} tokens x "
-        f"{info['num_kv_heads']} kv heads x {info['head_dim']}",
+        *(
+            f"shape     {g['num_layers']} layers x batch {info['batch']} x {info['seq_len']} tokens x "
+            f"{g['num_kv_heads']} kv heads x {g['head_dim']}"
+            + _group_label(i, g, len(info["groups"]))
+            for i, g in enumerate(info["groups"])
+        ),
         f"kv bytes  {_human(info['kv_bytes'])} (F16 would take {_human(info['f16_kv_bytes'])}, "
         f"{info['kv_bytes'] / max(info['f16_kv_bytes'], 1):.2f}x)",
     ]
@@ -89,6 +100,12 @@ def format_inspect(info: Mapping[str, Any], max_tokens: int = 16) -> str:
         lines.append(f"metadata  {json.dumps(info['metadata'], sort_keys=True)}")
     lines.append(f"sha256    {info['data_sha256']} (verified)")
     return "\n".join(lines)
+
+
+def _group_label(i: int, group: Mapping[str, Any], count: int) -> str:
+    if count == 1:
+        return ""
+    return f" (group {i}, layers {group['layers']})" if group["layers"] else f" (group {i})"
 
 
 def _human(n: int) -> str:

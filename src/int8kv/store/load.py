@@ -11,7 +11,7 @@ import torch
 
 from ..cache.contiguous import QuantizedKvCache
 from ..cache.paged import PagedKvCache
-from ..cache.state import KvState
+from ..cache.state import GroupedKvState, KvState
 from ..errors import KvCacheError, KvPoolExhausted
 from ..formats import KvStorageFormat
 from ._util import int8kv_cache_class
@@ -89,21 +89,31 @@ def _check_model(header: Header, expected: ModelFingerprint) -> None:
         raise ModelMismatch("the KV state was computed by another model (file != model): " + "; ".join(diffs))
 
 
-def _to_state(header: Header, t: dict[str, torch.Tensor]) -> KvState:
-    """The checked tensors as a KvState: per layer ``[batch, seq_len, heads, ...]`` parts (views, no copy)."""
+def _to_state(header: Header, t: dict[str, torch.Tensor]) -> KvState | GroupedKvState:
+    """The checked tensors as a KvState (a GroupedKvState for a version-2 file): per layer
+    ``[batch, seq_len, heads, ...]`` parts (views, no copy)."""
     try:
         names = header.fmt.spec.tensor_names()
-        return KvState.from_parts(header.layout, {name: list(t[name].unbind(0)) for name in names})
+        suffix = [f".{g}" if header.grouped else "" for g in range(len(header.layouts))]
+        sections = [
+            KvState.from_parts(la, {name: list(t[name + suffix[g]].unbind(0)) for name in names})
+            for g, la in enumerate(header.layouts)
+        ]
+        return GroupedKvState.of(sections, header.layers) if header.grouped else sections[0]
     except KvCacheError as exc:  # cannot happen for a header read_header accepted; kept typed regardless
         raise CorruptKvFile(f"the file's tensors do not form a KV state: {exc}") from exc
 
 
-def _check_fits(header: Header, what: str, layout: Any) -> None:
-    if layout.format != header.fmt:
-        raise IncompatibleCache(f"the file stores {header.fmt.value} but the {what} holds {layout.format.value}")
-    if layout.dims != header.layout.dims:
+def _check_fits(header: Header, what: str, layouts: tuple[Any, ...]) -> None:
+    if layouts[0].format != header.fmt:
+        raise IncompatibleCache(f"the file stores {header.fmt.value} but the {what} holds {layouts[0].format.value}")
+    got, want = [la.dims for la in header.layouts], [la.dims for la in layouts]
+    if got != want:
+        per = " of each group of K/V shapes" if len(got) + len(want) > 2 else ""
+        what_dims = f"(layers, kv heads, head_dim){per}"
         raise IncompatibleCache(
-            f"the file holds (layers, kv heads, head_dim) {header.layout.dims} but the {what} has {layout.dims}"
+            f"the file holds {what_dims} {got if len(got) > 1 else got[0]} but the {what} has "
+            f"{want if len(want) > 1 else want[0]}"
         )
 
 
@@ -116,9 +126,14 @@ def _plan(header: Header, cache: Any, seq_id: Any, device: torch.device | str | 
     if cache is None or isinstance(cache, QuantizedKvCache):
         if header.batch != 1:
             raise IncompatibleCache(f"the file holds a batch of {header.batch}; load it into an Int8KvCache")
+        if header.grouped:
+            raise IncompatibleCache(
+                f"the file holds K/V of {len(header.layouts)} shapes {[la.dims for la in header.layouts]}; a "
+                "QuantizedKvCache holds one: load it into a PagedKvCache of these layouts or an Int8KvCache"
+            )
         if cache is None:
             return lambda state: _into_new_cache(state, device)
-        _check_fits(header, "cache", cache.layout)
+        _check_fits(header, "cache", (cache.layout,))
         if header.seq_len > cache.capacity:
             raise IncompatibleCache(
                 f"the file holds {header.seq_len} tokens but the cache's capacity is {cache.capacity}"
@@ -129,7 +144,7 @@ def _plan(header: Header, cache: Any, seq_id: Any, device: torch.device | str | 
             raise IncompatibleCache(f"the file holds a batch of {header.batch}; a paged sequence holds one")
         if seq_id is None:
             raise IncompatibleCache("loading into a PagedKvCache needs seq_id= (the new sequence to create)")
-        _check_fits(header, "paged cache", cache.layout)
+        _check_fits(header, "paged cache", cache.layouts)
         if seq_id in cache.allocator:
             raise IncompatibleCache(f"sequence {seq_id!r} already exists in the paged cache")
         need = cache.allocator.blocks_for_tokens(header.seq_len)

@@ -14,13 +14,13 @@ import torch
 
 from ..cache.contiguous import QuantizedKvCache
 from ..cache.paged import PagedKvCache
-from ..cache.state import KvState
+from ..cache.state import GroupedKvState, KvState
 from ..errors import KvCacheError
 from ._util import int8kv_cache_class, raw_bytes
 from .errors import ModelMismatch, SaveError
 from .files import check_path, check_save_target, write_atomic
 from .fingerprint import ModelFingerprint, as_fingerprint
-from .format import encode, metadata_problem, parse_header
+from .format import encode, fingerprint_problem, metadata_problem, parse_header
 from .inspect import describe
 
 __all__ = ["save_kv"]
@@ -62,13 +62,10 @@ def save_kv(
     state, source = _export(cache, seq_id)
     fingerprint = as_fingerprint(model, weights_id)
     if fingerprint is not None:
-        expected = state.layout.dims
-        got = (fingerprint.num_layers, fingerprint.num_kv_heads, fingerprint.head_dim)
-        if got != expected:
-            raise ModelMismatch(
-                f"the model has (layers, kv heads, head_dim) {got} but the cache holds {expected}: "
-                "this state was not computed by this model"
-            )
+        problem = fingerprint_problem(fingerprint, state.layouts)
+        if problem is not None:
+            held = state.layouts[0].dims if len(state.layouts) == 1 else [la.dims for la in state.layouts]
+            raise ModelMismatch(f"{problem} the cache holds {held}: this state was not computed by this model")
     tokens = _check_token_ids(token_ids, state, fingerprint)
     user = {} if metadata is None else metadata
     problem = "it is not a mapping" if not isinstance(user, Mapping) else metadata_problem(user)
@@ -80,7 +77,7 @@ def save_kv(
     return describe(parse_header(header[8:].rstrip(b" ")), Path(name), len(header) + data_bytes, tokens)
 
 
-def _export(cache: Any, seq_id: Any) -> tuple[KvState, str]:
+def _export(cache: Any, seq_id: Any) -> tuple[KvState | GroupedKvState, str]:
     """The cache's state through its public export_state, and the name recorded as the file's source."""
     if seq_id is not None and not isinstance(cache, PagedKvCache):
         raise SaveError("seq_id is only meaningful for a PagedKvCache")
@@ -105,7 +102,9 @@ def _export(cache: Any, seq_id: Any) -> tuple[KvState, str]:
     return state, source
 
 
-def _check_token_ids(token_ids: Any, state: KvState, fingerprint: ModelFingerprint | None) -> torch.Tensor | None:
+def _check_token_ids(
+    token_ids: Any, state: KvState | GroupedKvState, fingerprint: ModelFingerprint | None
+) -> torch.Tensor | None:
     """``[batch, length]`` int64 CPU token ids in [0, vocab), or SaveError."""
     if token_ids is None:
         return None
