@@ -281,7 +281,14 @@ class LLM:
                 f"({type(hf_model).__name__}: {len(m.layouts)} groups of (layers, kv_heads, head_dim) "
                 f"{[la.dims for la in m.layouts]}): a block value holds one shape for every layer"
             )
-        # A block holds its tokens in every group's pool: each sized for its own shape.
+        if len(m.windows) > 1 and kv_store is not None and kv_store is not False:
+            raise UnsupportedModel(
+                f"kv_store is not implemented for a model whose sliding and full layers keep separate block tables "
+                f"({type(hf_model).__name__}: {len(m.windows)} table groups, windows {list(m.windows)}): a block value "
+                "holds every layer of one table"
+            )
+        # A block holds its tokens in every group's pool: each sized for its own shape (with several block tables,
+        # one pool whose block holds one table group's layers).
         per_block = sum(la.with_format(self.format).bytes_per_block(block_size) for la in m.layouts)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -302,8 +309,7 @@ class LLM:
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self.model.window,
-                                   self._states)  # fmt: skip
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self._states)
         if self._states is None:
             self.runner = ModelRunner(self.model, self.cache)
         else:
@@ -429,7 +435,7 @@ class LLM:
         """Yield the teacher-forced logits of `ids` chunk by chunk (`score`); the sequence is freed at the end."""
         if len(ids) > self.max_positions:
             raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
-        if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
+        if not self.cache.allocator.can_add(len(ids)):
             raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
         seq = Sequence(ids, SamplingParams(max_tokens=1))
         self.cache.add_sequence(seq.seq_id, 0)
@@ -464,7 +470,10 @@ class LLM:
         self.close()
 
     def kv_bytes_per_token(self) -> int:
-        return sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts)
+        """Bytes of K/V one token takes while every block table holds it (a sliding table gives its blocks back
+        once they leave the window)."""
+        tables = len(self.model.windows)
+        return tables * sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts)
 
     # -- online: requests join, stream and leave between steps ---------------------------------------------
     # The server's engine thread: add_request() whenever a request arrives, step() while has_unfinished(),
