@@ -55,8 +55,9 @@ WINDOWS = {"qwen3-sliding": (8,), "mistral-window": (8,), "gemma2": (8, None), "
            "gpt_oss": (8, None)}  # fmt: skip
 
 
-def build(name: str, seed: int = 0) -> torch.nn.Module:
-    model_type, fields = ARCHS[name]
+def build(name: str, seed: int = 0, arch: tuple[str, dict] | None = None) -> torch.nn.Module:
+    """The tiny model of ``ARCHS[name]`` (or of ``arch``: model_type and config fields)."""
+    model_type, fields = ARCHS[name] if arch is None else arch
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**COMMON, **fields})).eval()
     with torch.no_grad():
@@ -450,6 +451,103 @@ def test_hybrid_failure_fails_only_its_sequence(monkeypatch):
     outs = llm.generate([batch[1]], params)  # the engine goes on as a fresh one would
     assert outs[0].token_ids == want
 
+
+
+# Sliding and full layers of one K/V shape (a Gemma-3-like pattern, 5 sliding : 2 full): table groups of 2 layers
+# (the fewest layers any span has), the sliding layers in three (the last padded), the full ones in one; each
+# group has its own block table, the sliding ones give blocks back past the window.
+MIXED = dict(layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2
+             + ["full_attention"], num_hidden_layers=7, sliding_window=8)  # fmt: skip
+
+
+def build_mixed(seed: int = 0) -> torch.nn.Module:
+    return build("gemma3-mixed", seed, ("gemma3_text", MIXED))
+
+
+def _page_bytes(fmt: KvStorageFormat) -> int:
+    return 4 * fmt.bytes_per_token(2, 2, 16)  # a block of 4 tokens of one table group's 2 layers
+
+
+def test_mixed_spans_get_a_table_per_group_and_match_transformers():
+    model = build_mixed(seed=2)
+    batch = prompts(19, 6, seed=3)  # the first prompt is longer than the window
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for fmt, cache in ((F16, lambda: None), (INT8, lambda: fake_quant_cache(model, INT8))):
+        llm = engine(model, fmt)  # prefill in chunks of 7 tokens, two sequences side by side
+        assert llm.model.windows == (8, 8, 8, None) and llm.cache.windows == (8, 8, 8, None)
+        assert [(la.group, la.table, la.kv) for la in llm.model.step_layers] == [
+            (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 3, 0), (0, 1, 1), (0, 2, 0), (0, 3, 1)]  # fmt: skip
+        # A page holds one table group's 2 layers; the budget counts pages, and every page is in one pool.
+        assert [la.dims for la in llm.cache.layouts] == [(2, 2, 16)]
+        assert llm.cache.num_blocks == 2**20 // _page_bytes(fmt)
+        assert llm.cache.memory_bytes() == llm.cache.num_blocks * _page_bytes(fmt)
+        assert llm.kv_bytes_per_token() * 4 == 4 * _page_bytes(fmt)  # a token held by all four tables
+        outs = llm.generate(batch, params)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8, cache()) for p in batch], fmt
+        assert llm.cache.num_free_blocks == llm.cache.num_blocks
+
+
+def test_mixed_spans_sliding_tables_stop_growing_past_the_window():
+    model = build_mixed(seed=3)
+    prompt = prompts(10, seed=4)[0]
+    want = hf_greedy(model, prompt, 40)
+    llm = engine(model, F16, max_num_batched_tokens=64)
+    alloc = llm.cache.allocator
+    seen = []
+
+    def record(stats) -> None:
+        for seq in llm.scheduler.running:
+            seen.append((alloc.context_len(seq.seq_id), [alloc.blocks_in_use(g) for g in range(4)]))
+
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True), on_step=record)
+    assert out[0].token_ids == want
+    assert [n for n, _ in seen] == list(range(10, 49))  # the prefill, then a token a step
+    for n, pages in seen:
+        # After a step of length n the next query (position n) sees n - 7 .. n: a sliding table keeps the blocks
+        # from (n - 7) // 4 on, at most 3; the full table keeps every block.
+        held = alloc.blocks_for_tokens(n) - min(n // 4, max(0, n - 7) // 4)
+        assert pages == [held, held, held, alloc.blocks_for_tokens(n)], n
+    assert max(max(pages[:3]) for _, pages in seen) == 3 and seen[-1][1][3] == 12  # 48 tokens
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+
+
+def test_mixed_spans_with_prefix_hits_preemption_and_forks(tmp_path):
+    model = build_mixed(seed=5)
+    shared = prompts(22, seed=6)[0]
+    batch = [shared, shared[:17] + [3, 4, 5], shared, prompts(13, seed=7)[0]]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    want = [hf_greedy(model, p, 14) for p in batch]
+    # A request of 36 tokens fits in 9 pages of the full table and at most 5 per sliding table (its window and a
+    # chunk of 8): 24; the pool of 30 holds one such sequence and a part: admission waits and growth preempts.
+    llm = engine(model, F16, memory=30 * _page_bytes(F16), max_num_seqs=4, max_num_batched_tokens=8)
+    assert llm.cache.num_blocks == 30
+    outs = llm.generate(batch, params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.stats.preemptions > 0 and llm.stats.prefix_hit_tokens > 0
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+    # With room to spare, a prompt's released sliding blocks stay cached: the same prompt again hits the whole
+    # chain in every table (5 full blocks of its 22 tokens, one token left to compute).
+    llm = engine(model, F16, memory=128 * _page_bytes(F16))
+    for hits in (0, 20):
+        assert llm.generate([shared], params)[0].token_ids == want[0]
+        assert llm.stats.prefix_hit_tokens == hits
+    # Forked choices share the prompt's blocks in every table; the partial last block is copied in each.
+    ids = llm.add_forked_request(shared, params, n=3)
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        llm.step()
+        for u in llm.pop_updates():
+            tokens[u.request_id] += u.new_token_ids
+    assert list(tokens.values()) == [want[0]] * 3
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+    assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
+    # A block value and a KvState hold one table's layers: refused by name, before anything is opened.
+    with pytest.raises(UnsupportedModel, match="kv_store is not implemented for a model whose sliding and full"):
+        LLM(model, memory="1MiB", kv_store=f"disk:{tmp_path}")
+    assert list(tmp_path.iterdir()) == []
+    llm.cache.add_sequence("x", 3)
+    with pytest.raises(UnsupportedModel, match="export_state of a cache with 4 block tables per sequence"):
+        llm.cache.export_state("x")
 
 # Per-layer K/V shapes (Gemma 4: a larger head_dim on the full layers than on the sliding ones): one pool per group of
 # layers with the same (kv_heads, head_dim), every pool indexed by the same block ids of one allocator.
