@@ -187,6 +187,17 @@ def test_refused_models_are_left_as_they_were(model_type):
         assert torch.equal(model(ids).logits, before)
 
 
+def forked_tokens(llm, prompt: list[int], params: SamplingParams, n: int) -> list[list[int]]:
+    """The tokens of each of `n` forked choices of `prompt`, stepped to the end."""
+    ids = llm.add_forked_request(prompt, params, n=n)
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        llm.step()
+        for u in llm.pop_updates():
+            tokens[u.request_id] += u.new_token_ids
+    return list(tokens.values())
+
+
 def _referenced_blocks(llm) -> int:
     return llm.cache.num_blocks - llm.cache.num_free_blocks  # cached (keyed, unreferenced) blocks count as free
 
@@ -532,13 +543,7 @@ def test_mixed_spans_with_prefix_hits_preemption_and_forks(tmp_path):
         assert llm.generate([shared], params)[0].token_ids == want[0]
         assert llm.stats.prefix_hit_tokens == hits
     # Forked choices share the prompt's blocks in every table; the partial last block is copied in each.
-    ids = llm.add_forked_request(shared, params, n=3)
-    tokens: dict[int, list[int]] = {i: [] for i in ids}
-    while llm.has_unfinished():
-        llm.step()
-        for u in llm.pop_updates():
-            tokens[u.request_id] += u.new_token_ids
-    assert list(tokens.values()) == [want[0]] * 3
+    assert forked_tokens(llm, shared, params, 3) == [want[0]] * 3
     assert llm.cache.num_free_blocks == llm.cache.num_blocks
     assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
     # A block value and a KvState hold one table's layers: refused by name, before anything is opened.
@@ -584,13 +589,7 @@ def test_per_layer_shapes_with_prefix_caching_preemption_and_forks():
     # Forked choices share the prompt's blocks; the partial last block is copied on write in both pools (a copy
     # in one pool only would leave the other's rows of the prompt unwritten in the copy and change the tokens).
     llm = engine(model, F16, memory=32 * _gemma4_block_bytes(F16))
-    ids = llm.add_forked_request(shared, params, n=3)
-    tokens: dict[int, list[int]] = {i: [] for i in ids}
-    while llm.has_unfinished():
-        llm.step()
-        for u in llm.pop_updates():
-            tokens[u.request_id] += u.new_token_ids
-    assert list(tokens.values()) == [want[0]] * 3
+    assert forked_tokens(llm, shared, params, 3) == [want[0]] * 3
     assert llm.cache.num_free_blocks == llm.cache.num_blocks
     assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
 
