@@ -26,7 +26,7 @@ INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 def mixed_model(sliding: int, full: int, periods: int, window: int, positions: int) -> Any:
     """A tiny random Gemma 3 text model whose layers are ``periods`` x (``sliding`` sliding, ``full`` full)."""
     import torch
-    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     types = (["sliding_attention"] * sliding + ["full_attention"] * full) * periods
     config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=len(types),
