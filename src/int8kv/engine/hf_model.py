@@ -321,7 +321,7 @@ def engine_attention_forward(
     step = layer.owner.active()
     spec = step.layers[layer.layer_idx]
     # No mask says which keys a query sees, so the config's window is the judge: a kwarg must agree with it
-    # (the released blocks of a sliding-only model are outside it).
+    # (the released blocks of a sliding table are outside it).
     opts = attention_options(kwargs, spec)
     if opts.window != spec.window:
         raise UnsupportedAttention(
