@@ -4,6 +4,7 @@ and no leaks under any op sequence."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
@@ -21,15 +22,18 @@ from int8kv.errors import (
 
 
 def snapshot(a: BlockAllocator) -> tuple:
-    """Everything the allocator knows, through its public queries."""
+    """Everything the allocator knows, through its public queries (every table group's tables)."""
     blocks = range(a.num_blocks)
+    groups = range(a.num_groups)
     return (
         a.free_blocks(),
         a.cached_blocks(),
         [a.refcount(b) for b in blocks],
         [a.block_key(b) for b in blocks],
-        {s: (a.block_table(s), a.context_len(s), a.num_released(s)) for s in a.sequences()},
+        {s: ([a.block_table(s, g) for g in groups], a.context_len(s), [a.num_released(s, g) for g in groups])
+         for s in a.sequences()},  # fmt: skip
         (a.queried_tokens, a.hit_tokens, a.evictions),
+        [a.block_group(b) for b in blocks],
     )
 
 
@@ -329,6 +333,91 @@ def test_prefix_errors_change_nothing():
     assert a.match_prefix([keys[0], keys[0], keys[1]], 13) == 4
 
 
+
+# Several block tables per sequence (table groups: a full one and a sliding one of window 6), one free list.
+def test_every_table_gets_its_own_blocks_from_one_free_list():
+    a = BlockAllocator(12, 4, windows=(None, 6))
+    a.add_sequence("x", 5)
+    full, sliding = a.block_table("x", 0), a.block_table("x", 1)
+    assert len(full) == len(sliding) == 2 and not set(full) & set(sliding) and a.num_free_blocks == 8
+    assert [a.block_group(b) for b in full + sliding] == [0, 0, 1, 1] and a.block_group(a.free_blocks()[0]) is None
+    assert a.blocks_needed("x", 4) == 2 and a.grow("x", 4) == []  # a new block in each table
+    assert a.slots("x", 0, 9, 1) == [a.block_table("x", 1)[p // 4] * 4 + p % 4 for p in range(9)]
+    assert (a.blocks_in_use(0), a.blocks_in_use(1), a.blocks_in_use()) == (3, 3, 6)
+    # The next query sits at position 9: it sees 4..9, so the sliding table's first block goes back; the full one
+    # keeps all three.
+    assert a.release_outside_windows("x", 9) == 1
+    assert (a.num_released("x", 0), a.num_released("x", 1)) == (0, 1) and a.blocks_in_use(1) == 2
+    with pytest.raises(PositionOutOfRange):
+        a.slots("x", 0, 9, 1)
+    assert len(a.slots("x", 0, 9, 0)) == 9
+    with pytest.raises(PositionOutOfRange):
+        a.check_positions("x", 0, 9)  # no group given: every table must still hold the positions
+    a.fork("x", "y")
+    assert [a.refcount(b) for b in a.block_table("x", 0)] == [2, 2, 2]
+    assert [a.refcount(b) for b in a.block_table("x", 1)] == [0, 2, 2]  # the released head is not shared
+    assert a.blocks_needed("y", 1) == 2 and a.copies_on_grow("y", 1)  # the partial last block of both tables
+    copies = a.grow("y", 1)
+    assert sorted(src for src, _ in copies) == sorted([a.block_table("x", 0)[2], a.block_table("x", 1)[2]])
+    a.free("x")
+    a.free("y")
+    assert a.num_free_blocks == 12 and a.blocks_in_use() == 0
+    for bad in ((), [0], [None, -1], "ab", [True]):
+        with pytest.raises(ShapeMismatch):
+            BlockAllocator(4, 4, windows=bad)
+    with pytest.raises(ShapeMismatch):
+        a.block_table("none", 2)
+
+
+def test_tables_fail_atomically():
+    a = BlockAllocator(5, 4, windows=(None, 6))
+    a.add_sequence("a", 5)  # two blocks per table: 4 of 5
+    a.fork("a", "b")
+    before = snapshot(a)
+    for call in (lambda: a.add_sequence("c", 1), lambda: a.grow("a", 4), lambda: a.grow("b", 1)):
+        with pytest.raises(KvPoolExhausted):
+            call()  # 2 blocks needed (one per table, or two copies), 1 free
+        assert snapshot(a) == before
+    assert a.can_add(0) and not a.can_add(1) and not a.can_grow("b", 1) and a.can_grow("b", 0)
+
+
+def test_a_hit_needs_every_table_and_a_sliding_table_holds_only_its_window():
+    a, h = BlockAllocator(16, 4, windows=(None, 6)), hasher(4)
+    prompt = list(range(17))  # 4 full blocks + 1 token
+    keys = h.block_keys(prompt)
+    a.add_sequence("a", 17, keys)
+    assert a.register_blocks("a", keys) == 8  # each key in both tables' namespaces
+    assert a.lookup(keys[0], 0) != a.lookup(keys[0], 1) and a.block_key(a.lookup(keys[0], 1)) == keys[0]
+    full, sliding = a.block_table("a", 0), a.block_table("a", 1)
+    a.free("a")
+    # All 8 keyed blocks are cached. Position 16 (the first to compute) sees 11..16: the sliding table holds its
+    # hit blocks 2 and 3 only, blocks 0 and 1 enter its table released, never held.
+    assert a.match_prefix(keys, 17) == 16
+    assert a.blocks_needed_to_add(17, keys) == (4 + 1) + (2 + 1)
+    assert a.add_sequence("b", 17, keys) == 16
+    assert a.block_table("b", 0)[:4] == full[:4] and a.block_table("b", 1)[:4] == sliding[:4]
+    assert (a.num_released("b", 0), a.num_released("b", 1)) == (0, 2)
+    assert [a.refcount(b) for b in sliding[:4]] == [0, 0, 1, 1] and a.cached_blocks() == sliding[:2][::-1]
+    a.free("b")
+    assert a.cached_blocks()[:2] == sliding[:2][::-1] and a.num_free_blocks - a.num_cached_blocks == 8
+    # 5 blocks per table: the 8 free ones and the two least recently freed, the sliding table's first two. The full
+    # table still holds the whole chain, but a hit needs it in every table: none.
+    a.add_sequence("c", 20)
+    assert a.evictions == 2 and a.lookup(keys[0], 1) is None and a.lookup(keys[0], 0) == full[0]
+    assert a.match_prefix(keys, 17) == 0 and a.blocks_needed_to_add(17, keys) == 10
+
+
+def test_peak_blocks_counts_a_sliding_table_up_to_its_window_and_chunk():
+    a = BlockAllocator(64, 4, windows=(None, 6))
+    # One sequence of 40 tokens: the full table 10 blocks; the sliding one at most 6 - 1 + 8 positions of a chunk
+    # of 8 (4 blocks) plus a block for the alignment.
+    assert a.peak_blocks([40], 0, 8) == 10 + 5
+    assert a.peak_blocks([40]) == 20  # without a chunk bound, every block of both tables
+    assert a.peak_blocks([8], 0, 8) == 2 + 2  # short: all its blocks
+    # Three choices of a 9-token prompt: the full table holds the two full prompt blocks once.
+    assert a.peak_blocks([20, 20, 20], 9, 8) == 2 + 3 * 3 + 3 * 5
+    assert BlockAllocator(64, 4).peak_blocks([20, 20, 20], 9, 8) == 2 + 3 * 3
+
 BS = 4  # the machine's block size
 # Prompts: random, or the start of one of two shared prompts plus a random tail, so that prefixes repeat.
 SHARED = ([0, 1, 2, 0, 1, 2, 2, 1, 0, 0, 2, 1, 1, 1, 0, 2], [2, 2, 0, 1, 0, 0, 1, 2, 2, 0, 1, 1])
@@ -341,26 +430,31 @@ TOKENS = st.one_of(
 
 class AllocatorMachine(RuleBasedStateMachine):
     """Random add (plain or with a prefix hit) / grow / register / fork / free / preempt-and-return / release
-    (a sliding window's head) over a pool that remembers the token written at each slot.
+    (a sliding window's head, explicitly or by the table groups' windows) over a pool that remembers the token
+    written at each slot; `WINDOWS` gives the table groups (one block table each per sequence).
 
     Invariants: refcounts match the tables; every block is exactly one of referenced, cached (keyed) or free,
-    so nothing leaks; a shared block sits at the same position in every table that holds it; every position
-    of every sequence reads back the token it was written with (so no write ever reached another sequence's
-    block); a keyed block holds the tokens its key was computed from. Per rule: failures are atomic; writes go
-    only to private unkeyed blocks; allocation never hands out a referenced block, and evicts (drops the key
-    of) exactly the cached blocks it hands out; a hit returns the blocks registered under its keys, is the
-    longest run and leaves a token to compute; a preempted sequence that returns hits its own blocks. A released
-    head is no longer held (its stale table entries are never counted or read); its keyed blocks stay hits.
+    so nothing leaks; a shared block sits at the same position of the same group in every table that holds it;
+    every position of every sequence reads back, in every group, the token it was written with (so no write ever
+    reached another sequence's block or another group's); a keyed block holds the tokens its key was computed
+    from. Per rule: failures are atomic; writes go only to private unkeyed blocks; allocation never hands out a
+    referenced block, and evicts (drops the key of) exactly the cached blocks it hands out; a hit returns the
+    blocks registered under its keys in every group, is the longest run and leaves a token to compute; a preempted
+    sequence that returns hits its own blocks. A released head is no longer held (its stale table entries are
+    never counted or read); its keyed blocks stay hits.
     """
 
+    WINDOWS: tuple[int | None, ...] = (None,)
+    NUM_BLOCKS = 12
     seqs = Bundle("seqs")
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = BlockAllocator(num_blocks=12, block_size=BS)
+        self.a = BlockAllocator(num_blocks=self.NUM_BLOCKS, block_size=BS, windows=self.WINDOWS)
+        self.groups = range(len(self.WINDOWS))
         self.h = hasher(BS)
         self.next_id = 0
-        self.pool: list[int | None] = [None] * (12 * BS)  # the token last written at each slot
+        self.pool: list[int | None] = [None] * (self.NUM_BLOCKS * BS)  # the token last written at each slot
         self.tokens: dict[int, list[int]] = {}  # written tokens of each live sequence: its positions [0, len)
         self.pending: dict[int, list[int]] = {}  # prompt tokens not reserved yet (chunked prefill)
         self.key_tokens: dict[bytes, tuple[int, ...]] = {}  # the block tokens behind every key computed
@@ -375,12 +469,19 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.key_tokens[key] = tuple(tokens[i * BS : (i + 1) * BS])
         return keys
 
+    def _tables(self, sid: int) -> list[int]:
+        """Every block of every table of `sid`, group after group."""
+        return [b for g in self.groups for b in self.a.block_table(sid, g)]
+
     def _write(self, sid: int, toks: list[int]) -> None:
-        """The forward pass: write `toks` after the sequence's written tokens, only into blocks it owns alone."""
+        """The forward pass: write `toks` after the sequence's written tokens in every group, only into blocks it
+        owns alone."""
         start = len(self.tokens[sid])
-        for slot, t in zip(self.a.slots(sid, start, start + len(toks)), toks, strict=True):
-            assert self.a.refcount(slot // BS) == 1 and self.a.block_key(slot // BS) is None
-            self.pool[slot] = t
+        for g in self.groups:
+            for slot, t in zip(self.a.slots(sid, start, start + len(toks), g), toks, strict=True):
+                assert self.a.refcount(slot // BS) == 1 and self.a.block_key(slot // BS) is None
+                assert self.a.block_group(slot // BS) == g
+                self.pool[slot] = t
         self.tokens[sid] += toks
 
     def _check_fresh(self, fresh: list[int], refs_before: list[int], keys_before: list, evictions: int) -> None:
@@ -388,7 +489,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert all(refs_before[b] == 0 and self.a.refcount(b) == 1 for b in fresh)
         evicted = [b for b in fresh if keys_before[b] is not None]
         assert self.a.evictions - evictions == len(evicted)
-        assert all(self.a.block_key(b) is None and self.a.lookup(keys_before[b]) is None for b in evicted)
+        assert all(self.a.block_key(b) is None for b in evicted)
+        assert all(self.a.lookup(keys_before[b], g) != b for b in evicted for g in self.groups)
 
     def _add_with_keys(self, sid: int, toks: list[int], num: int) -> int | None:
         """add_sequence(sid, num, keys of toks) with every check; the hit, or None if the pool was exhausted."""
@@ -396,8 +498,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         keys = self._keys(toks)
         hit = a.match_prefix(keys, len(toks))
         hb, cap = hit // BS, max(0, (len(toks) - 1) // BS)
-        assert hb <= cap and (hb in (cap, len(keys)) or a.lookup(keys[hb]) is None)  # capped, and the longest run
-        registered = [a.lookup(k) for k in keys[:hb]]
+        # Capped, and the longest run every group holds.
+        assert hb <= cap and (hb in (cap, len(keys)) or any(a.lookup(keys[hb], g) is None for g in self.groups))
+        registered = [[a.lookup(k, g) for k in keys[:hb]] for g in self.groups]
         before = snapshot(a)
         refs, held = before[2], before[3]
         need = a.blocks_needed_to_add(num, keys)
@@ -409,13 +512,22 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert snapshot(a) == before
             return None
         assert got == hit and a.context_len(sid) == num
-        table = a.block_table(sid)
-        assert table[:hb] == registered  # a hit returns the blocks registered under those keys
-        self._check_fresh(table[hb:], refs, held, counters[2])
+        fresh = []
+        for g in self.groups:
+            table = a.block_table(sid, g)
+            assert table[:hb] == registered[g]  # a hit returns the blocks registered under those keys
+            fresh += table[hb:]
+            # A sliding group holds no hit block wholly before the window of position `hit`.
+            window = self.WINDOWS[g]
+            skip = 0 if window is None else max(0, hit - window + 1) // BS
+            assert a.num_released(sid, g) == skip
+        self._check_fresh(fresh, refs, held, counters[2])
         assert len(before[0]) + len(before[1]) - a.num_free_blocks == need
         assert (a.queried_tokens - counters[0], a.hit_tokens - counters[1]) == (len(keys) * BS, hit)
         # The hit positions already hold this prompt's tokens: nothing to compute there.
-        assert [self.pool[s] for s in a.slots(sid, 0, hit)] == toks[:hit]
+        for g in self.groups:
+            start = a.num_released(sid, g) * BS
+            assert [self.pool[s] for s in a.slots(sid, start, hit, g)] == toks[start:hit]
         self.tokens[sid] = list(toks[:hit])
         self._write(sid, toks[hit:num])
         return hit
@@ -431,7 +543,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert snapshot(self.a) == before
             return sid  # not registered: later rules on it must raise UnknownSequence
         assert self.a.context_len(sid) == n
-        self._check_fresh(self.a.block_table(sid), before[2], before[3], before[5][2])
+        assert all(len(self.a.block_table(sid, g)) == self.a.blocks_for_tokens(n) for g in self.groups)
+        self._check_fresh(self._tables(sid), before[2], before[3], before[5][2])
         self.tokens[sid], self.pending[sid] = [], []
         self._write(sid, toks)
         return sid
@@ -455,6 +568,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         before = snapshot(self.a)
         need = self.a.blocks_needed(sid, n)
+        cow = self.a.copies_on_grow(sid, n)
         length = self.a.context_len(sid)
         try:
             copies = self.a.grow(sid, n)
@@ -463,12 +577,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert snapshot(self.a) == before
             return
         assert self.a.num_free_blocks == len(before[0]) + len(before[1]) - need
-        assert self.a.context_len(sid) == length + n
-        table, old = self.a.block_table(sid), before[4][sid][0]
+        assert self.a.context_len(sid) == length + n and cow == bool(copies)
         # New tail blocks, and the private copy of a shared partial block (an id may be one this sequence released).
-        self._check_fresh(table[len(old) :] + [dst for _, dst in copies], before[2], before[3], before[5][2])
+        tails = [b for g in self.groups for b in self.a.block_table(sid, g)[len(before[4][sid][0][g]) :]]
+        self._check_fresh(tails + [dst for _, dst in copies], before[2], before[3], before[5][2])
         for src, dst in copies:  # the copied block was shared; the writer now owns a private one
             assert self.a.refcount(dst) == 1 and self.a.refcount(src) >= 1
+            assert self.a.block_group(dst) == self.a.block_group(src)
             self.pool[dst * BS : (dst + 1) * BS] = self.pool[src * BS : (src + 1) * BS]
         new = (self.pending[sid] + extra)[:n]  # the rest of the prompt first, then generated tokens
         self.pending[sid] = self.pending[sid][n:]
@@ -481,15 +596,18 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.a.register_blocks(sid, [])
             return
         keys = self._keys(self.tokens[sid])
-        table = self.a.block_table(sid)
-        held = [self.a.block_key(b) for b in table]
+        tables = [self.a.block_table(sid, g) for g in self.groups]
+        held = [[self.a.block_key(b) for b in table] for table in tables]
         added = self.a.register_blocks(sid, keys)
-        gone = self.a.num_released(sid)  # released blocks may belong to other sequences (and keys) now
-        for i, key in list(enumerate(keys))[gone:]:
-            now = self.a.block_key(table[i])
-            # Registered under its key, or left without one because another block already holds that key.
-            assert now == key or (now is None and self.a.lookup(key) not in (None, table[i]))
-        assert added == sum(1 for i in range(gone, len(keys)) if held[i] is None and self.a.block_key(table[i]))
+        expected = 0
+        for g, table in enumerate(tables):
+            gone = self.a.num_released(sid, g)  # released blocks may belong to other sequences (and keys) now
+            for i, key in list(enumerate(keys))[gone:]:
+                now = self.a.block_key(table[i])
+                # Registered under its key, or left without one because another block already holds that key.
+                assert now == key or (now is None and self.a.lookup(key, g) not in (None, table[i]))
+                expected += held[g][i] is None and now is not None
+        assert added == expected
         assert self.a.register_blocks(sid, keys) == 0
 
     @rule(target=seqs, parent=seqs)
@@ -502,7 +620,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         free = self.a.num_free_blocks
         self.a.fork(parent, child)
         assert self.a.num_free_blocks == free  # forking never allocates
-        assert self.a.block_table(child) == self.a.block_table(parent)
+        assert all(self.a.block_table(child, g) == self.a.block_table(parent, g) for g in self.groups)
         self.tokens[child], self.pending[child] = list(self.tokens[parent]), list(self.pending[parent])
         return child
 
@@ -510,10 +628,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free(self, sid):
         if sid not in self.a:
             return
-        table = self.a.block_table(sid)[self.a.num_released(sid) :]
+        tables = [self.a.block_table(sid, g)[self.a.num_released(sid, g) :] for g in self.groups]
         cached = self.a.cached_blocks()
         self.a.free(sid)
-        released = [b for b in reversed(table) if self.a.refcount(b) == 0]
+        released = [b for table in tables for b in reversed(table) if self.a.refcount(b) == 0]
         keyed = [b for b in released if self.a.block_key(b) is not None]
         assert self.a.cached_blocks() == cached + keyed  # most recently freed last, the tail before the head
         assert set(released) - set(keyed) <= set(self.a.free_blocks())
@@ -526,11 +644,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         toks = self.tokens[sid]
         keys = self._keys(toks)
-        table = self.a.block_table(sid)
         expected = self.a.match_prefix(keys, len(toks))
-        own = 0
-        while own < len(keys) and self.a.block_key(table[own]) == keys[own]:
-            own += 1
+        own = len(keys)
+        for g in self.groups:
+            table, run = self.a.block_table(sid, g), 0
+            while run < len(keys) and self.a.lookup(keys[run], g) == table[run]:
+                run += 1
+            own = min(own, run)
         assert expected >= min(own, max(0, (len(toks) - 1) // BS)) * BS
         pending = self.pending[sid]
         self.a.free(sid)
@@ -542,35 +662,58 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert hit == expected
         self.pending[sid] = pending
 
+    def _check_release(self, sid: int, call, upto: list[int]) -> None:
+        """`call()` releases, in group g, the blocks before ``upto[g]`` (in blocks) and nothing else."""
+        length = self.a.context_len(sid)
+        gone = [self.a.num_released(sid, g) for g in self.groups]
+        tables = [self.a.block_table(sid, g) for g in self.groups]
+        cached = self.a.cached_blocks()
+        released = call()
+        now = [self.a.num_released(sid, g) for g in self.groups]
+        assert now == [max(g0, min(u, length // BS)) for g0, u in zip(gone, upto, strict=True)]
+        assert released == sum(n - g0 for n, g0 in zip(now, gone, strict=True))
+        assert [self.a.block_table(sid, g) for g in self.groups] == tables and self.a.context_len(sid) == length
+        dropped = [b for g in self.groups for b in tables[g][gone[g] : now[g]] if self.a.refcount(b) == 0]
+        assert self.a.cached_blocks() == cached + [b for b in dropped if self.a.block_key(b) is not None]
+        if any(now):
+            with pytest.raises(PositionOutOfRange):
+                self.a.slots(sid, 0, length, now.index(max(now)))
+
     @rule(sid=seqs, keep=st.integers(0, 9))
     def release(self, sid, keep):
-        """A sliding window over the last `keep` positions: the blocks wholly before it are given back."""
+        """A sliding window over the last `keep` positions, in every group: the blocks wholly before it go back."""
         if sid not in self.a:
             with pytest.raises(UnknownSequence):
                 self.a.release_before(sid, 0)
             return
-        length, gone = self.a.context_len(sid), self.a.num_released(sid)
-        table = self.a.block_table(sid)
-        cached = self.a.cached_blocks()
-        released = self.a.release_before(sid, length - keep)
-        now = self.a.num_released(sid)
-        assert now == max(gone, min(max(0, length - keep) // BS, length // BS)) and released == now - gone
-        assert self.a.block_table(sid) == table and self.a.context_len(sid) == length
-        dropped = [b for b in table[gone:now] if self.a.refcount(b) == 0]
-        assert self.a.cached_blocks() == cached + [b for b in dropped if self.a.block_key(b) is not None]
-        if now:
-            with pytest.raises(PositionOutOfRange):
-                self.a.slots(sid, 0, length)
+        length = self.a.context_len(sid)
+        upto = [max(0, length - keep) // BS] * len(self.groups)
+        self._check_release(sid, lambda: self.a.release_before(sid, length - keep), upto)
+
+    @rule(sid=seqs)
+    def release_windows(self, sid):
+        """The groups' own windows, for the next query (at the sequence's length): full groups keep every block."""
+        if sid not in self.a:
+            with pytest.raises(UnknownSequence):
+                self.a.release_outside_windows(sid, 0)
+            return
+        length = self.a.context_len(sid)
+        upto = [0 if w is None else max(0, length - w + 1) // BS for w in self.WINDOWS]
+        self._check_release(sid, lambda: self.a.release_outside_windows(sid, length), upto)
 
     @invariant()
     def refcounts_match_tables(self):
         counts = [0] * self.a.num_blocks
         for sid in self.a.sequences():
-            table = self.a.block_table(sid)
-            assert len(table) == self.a.blocks_for_tokens(self.a.context_len(sid))
-            for block in table[self.a.num_released(sid) :]:
-                counts[block] += 1
+            for g in self.groups:
+                table = self.a.block_table(sid, g)
+                assert len(table) == self.a.blocks_for_tokens(self.a.context_len(sid))
+                for block in table[self.a.num_released(sid, g) :]:
+                    counts[block] += 1
+                    assert self.a.block_group(block) == g
         assert counts == [self.a.refcount(b) for b in range(self.a.num_blocks)]
+        assert self.a.blocks_in_use() == sum(1 for c in counts if c)
+        assert sum(self.a.blocks_in_use(g) for g in self.groups) == self.a.blocks_in_use()
         free, cached = self.a.free_blocks(), self.a.cached_blocks()
         assert len(set(free)) == len(free) and len(set(cached)) == len(cached)  # no block listed twice
         assert len(free) + len(cached) == self.a.num_free_blocks
@@ -581,26 +724,29 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def shared_blocks_hold_the_same_positions(self):
-        where: dict[int, set[int]] = {}
+        where: dict[int, set[tuple[int, int]]] = {}
         for sid in self.a.sequences():
-            gone = self.a.num_released(sid)
-            for i, block in list(enumerate(self.a.block_table(sid)))[gone:]:
-                where.setdefault(block, set()).add(i)
+            for g in self.groups:
+                gone = self.a.num_released(sid, g)
+                for i, block in list(enumerate(self.a.block_table(sid, g)))[gone:]:
+                    where.setdefault(block, set()).add((g, i))
         assert all(len(positions) == 1 for positions in where.values())
 
     @invariant()
     def every_position_reads_back_its_token(self):
         for sid in self.a.sequences():
-            n, start = self.a.context_len(sid), self.a.num_released(sid) * BS
+            n = self.a.context_len(sid)
             assert len(self.tokens[sid]) == n
-            assert [self.pool[s] for s in self.a.slots(sid, start, n)] == self.tokens[sid][start:]
+            for g in self.groups:
+                start = self.a.num_released(sid, g) * BS
+                assert [self.pool[s] for s in self.a.slots(sid, start, n, g)] == self.tokens[sid][start:]
 
     @invariant()
     def keyed_blocks_hold_their_tokens(self):
         for b in range(self.a.num_blocks):
             key = self.a.block_key(b)
             if key is not None:
-                assert self.a.lookup(key) == b
+                assert self.a.lookup(key, self.a.block_group(b)) == b
                 assert tuple(self.pool[b * BS : (b + 1) * BS]) == self.key_tokens[key]
 
     def teardown(self):
@@ -611,3 +757,14 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+class TablesMachine(AllocatorMachine):
+    """The same rules over three block tables per sequence (full, a sliding window of 6, full) sharing one pool."""
+
+    WINDOWS = (None, 6, None)
+    NUM_BLOCKS = 30
+
+
+TestTablesMachine = TablesMachine.TestCase
+TestTablesMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from int8kv import KvCacheError, KvStorageFormat, ShapeMismatch, UnsupportedAttention, UnsupportedModel
+from int8kv.cache.state import KvLayout
 from int8kv.engine import LLM, SamplingParams
 from int8kv.engine.hf_model import TransformersModel
 from int8kv.engine.model import DecoderModel
@@ -49,9 +50,15 @@ ARCHS = {
     "gemma4_text": ("gemma4_text", dict(GEMMA4, num_hidden_layers=4)),
 }
 
+# Block tables per model (one window per table group; None: full attention). Gemma 2 and gpt-oss alternate sliding and
+# full layers, Gemma 3's pattern 2 does too; Gemma 4's two K/V shapes stay on one table.
+WINDOWS = {"qwen3-sliding": (8,), "mistral-window": (8,), "gemma2": (8, None), "gemma3_text": (8, None),
+           "gpt_oss": (8, None)}  # fmt: skip
 
-def build(name: str, seed: int = 0) -> torch.nn.Module:
-    model_type, fields = ARCHS[name]
+
+def build(name: str, seed: int = 0, arch: tuple[str, dict] | None = None) -> torch.nn.Module:
+    """The tiny model of ``ARCHS[name]`` (or of ``arch``: model_type and config fields)."""
+    model_type, fields = ARCHS[name] if arch is None else arch
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**COMMON, **fields})).eval()
     with torch.no_grad():
@@ -102,8 +109,8 @@ def test_engine_generates_like_transformers(name):
     for fmt, cache in ((F16, lambda: None), (INT8, lambda: fake_quant_cache(model, INT8))):
         llm = engine(model, fmt)
         assert isinstance(llm.model, TransformersModel)
-        # Blocks are released only when every layer slides; mixed models (Gemma 2/3, gpt-oss) keep them all.
-        assert llm.model.window == (8 if name in ("mistral-window", "qwen3-sliding") else None)
+        # A block table per table group: sliding tables give blocks back past the window, full ones keep them all.
+        assert llm.model.windows == WINDOWS.get(name, (None,))
         outs = llm.generate(batch, params)  # two sequences side by side, prefill in chunks of 7 tokens
         assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8, cache()) for p in batch], fmt
         assert llm.cache.num_free_blocks == llm.cache.num_blocks
@@ -179,6 +186,17 @@ def test_refused_models_are_left_as_they_were(model_type):
     assert model.config._attn_implementation == attn
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def forked_tokens(llm, prompt: list[int], params: SamplingParams, n: int) -> list[list[int]]:
+    """The tokens of each of `n` forked choices of `prompt`, stepped to the end."""
+    ids = llm.add_forked_request(prompt, params, n=n)
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while llm.has_unfinished():
+        llm.step()
+        for u in llm.pop_updates():
+            tokens[u.request_id] += u.new_token_ids
+    return list(tokens.values())
 
 
 def _referenced_blocks(llm) -> int:
@@ -465,6 +483,130 @@ def test_hybrid_failure_fails_only_its_sequence(monkeypatch):
     assert outs[0].token_ids == want
 
 
+
+# Sliding and full layers of one K/V shape (a Gemma-3-like pattern, 5 sliding : 2 full): table groups of 2 layers
+# (the fewest layers any span has), the sliding layers in three (the last padded), the full ones in one; each
+# group has its own block table, the sliding ones give blocks back past the window.
+MIXED = dict(layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2
+             + ["full_attention"], num_hidden_layers=7, sliding_window=8)  # fmt: skip
+
+
+def build_mixed(seed: int = 0) -> torch.nn.Module:
+    return build("gemma3-mixed", seed, ("gemma3_text", MIXED))
+
+
+def _page_bytes(fmt: KvStorageFormat) -> int:
+    return 4 * fmt.bytes_per_token(2, 2, 16)  # a block of 4 tokens of one table group's 2 layers
+
+
+def test_mixed_spans_get_a_table_per_group_and_match_transformers():
+    model = build_mixed(seed=2)
+    batch = prompts(19, 6, seed=3)  # the first prompt is longer than the window
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for fmt, cache in ((F16, lambda: None), (INT8, lambda: fake_quant_cache(model, INT8))):
+        llm = engine(model, fmt)  # prefill in chunks of 7 tokens, two sequences side by side
+        assert llm.model.windows == (8, 8, 8, None) and llm.cache.windows == (8, 8, 8, None)
+        assert [(la.group, la.table, la.kv) for la in llm.model.step_layers] == [
+            (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 3, 0), (0, 1, 1), (0, 2, 0), (0, 3, 1)]  # fmt: skip
+        # A page holds one table group's 2 layers; the budget counts pages, and every page is in one pool.
+        assert [la.dims for la in llm.cache.layouts] == [(2, 2, 16)]
+        assert llm.cache.num_blocks == 2**20 // _page_bytes(fmt)
+        assert llm.cache.memory_bytes() == llm.cache.num_blocks * _page_bytes(fmt)
+        assert llm.kv_bytes_per_token() * 4 == 4 * _page_bytes(fmt)  # a token held by all four tables
+        outs = llm.generate(batch, params)
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 8, cache()) for p in batch], fmt
+        assert llm.cache.num_free_blocks == llm.cache.num_blocks
+
+
+def test_mixed_spans_sliding_tables_stop_growing_past_the_window():
+    model = build_mixed(seed=3)
+    prompt = prompts(10, seed=4)[0]
+    want = hf_greedy(model, prompt, 40)
+    llm = engine(model, F16, max_num_batched_tokens=64)
+    alloc = llm.cache.allocator
+    seen = []
+
+    def record(stats) -> None:
+        for seq in llm.scheduler.running:
+            seen.append((alloc.context_len(seq.seq_id), [alloc.blocks_in_use(g) for g in range(4)]))
+
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True), on_step=record)
+    assert out[0].token_ids == want
+    assert [n for n, _ in seen] == list(range(10, 49))  # the prefill, then a token a step
+    for n, pages in seen:
+        # After a step of length n the next query (position n) sees n - 7 .. n: a sliding table keeps the blocks
+        # from (n - 7) // 4 on, at most 3; the full table keeps every block.
+        held = alloc.blocks_for_tokens(n) - min(n // 4, max(0, n - 7) // 4)
+        assert pages == [held, held, held, alloc.blocks_for_tokens(n)], n
+    assert max(max(pages[:3]) for _, pages in seen) == 3 and seen[-1][1][3] == 12  # 48 tokens
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+
+
+def test_mixed_spans_with_prefix_hits_preemption_and_forks(tmp_path):
+    model = build_mixed(seed=5)
+    shared = prompts(22, seed=6)[0]
+    batch = [shared, shared[:17] + [3, 4, 5], shared, prompts(13, seed=7)[0]]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    want = [hf_greedy(model, p, 14) for p in batch]
+    # A request of 36 tokens fits in 9 pages of the full table and at most 5 per sliding table (its window and a
+    # chunk of 8): 24; the pool of 30 holds one such sequence and a part: admission waits and growth preempts.
+    llm = engine(model, F16, memory=30 * _page_bytes(F16), max_num_seqs=4, max_num_batched_tokens=8)
+    assert llm.cache.num_blocks == 30
+    outs = llm.generate(batch, params)
+    assert [o.token_ids for o in outs] == want
+    assert llm.stats.preemptions > 0 and llm.stats.prefix_hit_tokens > 0
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+    # With room to spare, a prompt's released sliding blocks stay cached: the same prompt again hits the whole
+    # chain in every table (5 full blocks of its 22 tokens, one token left to compute).
+    llm = engine(model, F16, memory=128 * _page_bytes(F16))
+    for hits in (0, 20):
+        assert llm.generate([shared], params)[0].token_ids == want[0]
+        assert llm.stats.prefix_hit_tokens == hits
+    # Forked choices share the prompt's blocks in every table; the partial last block is copied in each.
+    assert forked_tokens(llm, shared, params, 3) == [want[0]] * 3
+    assert llm.cache.num_free_blocks == llm.cache.num_blocks
+    assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
+
+
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_mixed_spans_share_prefix_blocks_through_the_block_store(tmp_path, fmt):
+    """Two engines on one disk store: the second loads the first's prefix blocks (one section per block table,
+    each its group's written layers: the padded third sliding group holds one) and generates the cold run's greedy
+    tokens; what the store holds is the first engine's rows of every table, and a state exported from one cache
+    imports into another bit for bit."""
+    from int8kv.blockstore import BlockSpec, decode_block
+    from int8kv.blockstore.codec import read_header
+
+    model = build_mixed(seed=8)
+    prompt = prompts(26, seed=9)[0]  # longer than the window: the sliding tables give blocks back as it prefills
+    want = hf_greedy(model, prompt, 6, None if fmt is F16 else fake_quant_cache(model, fmt))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs, hits = [], []
+    for _ in range(2):
+        with engine(model, fmt, kv_store=f"disk:{tmp_path}") as llm:
+            assert llm.cache.state_layouts == tuple(KvLayout(n, 2, 16, fmt) for n in (2, 2, 1, 2))
+            outs.append(llm.generate([prompt], params)[0].token_ids)
+            assert llm.flush_kv_store(5.0)
+            hits.append(llm.stats.store_hit_tokens)
+            key = llm.scheduler.hasher.block_keys(prompt)[0]
+            value = llm.kv_store.get([key])[0]
+    assert outs == [want, want]
+    assert hits == [0, 24]  # 6 full blocks of the 26-token prompt, 2 tokens left to compute
+    assert read_header(value).version == 3 and len(read_header(value).groups) == 4
+    cold = engine(model, fmt)
+    cold.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    hit, _ = cold.cache.add_sequence_with_prefix("probe", 5, [key])
+    assert hit == 4
+    state = cold.cache.export_state("probe", 0, 4)
+    assert decode_block(BlockSpec(cold.cache.state_layouts, 4, cold.fingerprint), value, key).equal(state)
+    other = engine(model, fmt).cache
+    other.import_state("copy", state)
+    assert other.export_state("copy").equal(state)
+    with pytest.raises(ShapeMismatch):  # a one-layout state does not fit a cache of four sections
+        other.import_state("bad", state.sections[0])
+    assert "bad" not in other.allocator
+    cold.cache.free("probe")
+
 # Per-layer K/V shapes (Gemma 4: a larger head_dim on the full layers than on the sliding ones): one pool per group of
 # layers with the same (kv_heads, head_dim), every pool indexed by the same block ids of one allocator.
 def _gemma4_block_bytes(fmt: KvStorageFormat) -> int:
@@ -481,7 +623,8 @@ def test_per_layer_shapes_get_a_pool_per_group_sized_for_its_shape():
     assert cache.num_blocks == 2**20 // per_block and cache.memory_bytes() == cache.num_blocks * per_block
     assert llm.kv_bytes_per_token() * 4 == per_block
     # Sliding layers 0 and 2 in the first pool, full layers 1 and 3 in the second.
-    assert [(layer.group, layer.kv) for layer in llm.model.step_layers] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert [(layer.group, layer.table, layer.kv) for layer in llm.model.step_layers] == [(0, 0, 0), (1, 0, 0),
+                                                                                         (0, 0, 1), (1, 0, 1)]
 
 
 def test_per_layer_shapes_with_prefix_caching_preemption_and_forks():
@@ -499,13 +642,7 @@ def test_per_layer_shapes_with_prefix_caching_preemption_and_forks():
     # Forked choices share the prompt's blocks; the partial last block is copied on write in both pools (a copy
     # in one pool only would leave the other's rows of the prompt unwritten in the copy and change the tokens).
     llm = engine(model, F16, memory=32 * _gemma4_block_bytes(F16))
-    ids = llm.add_forked_request(shared, params, n=3)
-    tokens: dict[int, list[int]] = {i: [] for i in ids}
-    while llm.has_unfinished():
-        llm.step()
-        for u in llm.pop_updates():
-            tokens[u.request_id] += u.new_token_ids
-    assert list(tokens.values()) == [want[0]] * 3
+    assert forked_tokens(llm, shared, params, 3) == [want[0]] * 3
     assert llm.cache.num_free_blocks == llm.cache.num_blocks
     assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
 

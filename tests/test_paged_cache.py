@@ -13,6 +13,7 @@ from int8kv.cache.paged import PagedKvCache, tokens_per_format
 from int8kv.errors import (
     KvPoolExhausted,
     ShapeMismatch,
+    UnsupportedModel,
 )
 from int8kv.formats import KvStorageFormat
 from int8kv.ops import append_paged_kv
@@ -174,3 +175,41 @@ def test_sizes_scale_with_block_count():
     assert math.isclose(
         PagedKvCache(10, 16, 2, 4, 64).memory_bytes() / PagedKvCache(5, 16, 2, 4, 64).memory_bytes(), 2.0
     )
+
+
+# -- several block tables (table groups of layers with one attention span each) -------------------------------
+def test_tables_give_per_table_slots_and_copy_written_rows_on_write():
+    c = PagedKvCache(10, 4, 1, 2, 16, F16, windows=(None, 8))
+    assert c.num_tables == 2 and c.windows == (None, 8) and c.memory_bytes() == 10 * 4 * F16.bytes_per_token(1, 2, 16)
+    slots = c.add_sequence("p", 6)
+    full, sliding = c.block_table("p", 0), c.block_table("p", 1)
+    want = [[t[p // 4] * 4 + p % 4 for p in range(6)] for t in (full, sliding)]
+    assert slots.shape == (2, 6) and slots.tolist() == want
+    # Each table's rows at its own slots: a layer of table 1 never lands in table 0's blocks.
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(6, 2, 16, generator=gen) for _ in range(4)]
+    append_paged_kv(c, 0, rows[0], rows[1], slots[0])
+    append_paged_kv(c, 0, rows[2], rows[3], slots[1])
+    c.fork("p", "c")
+    grown = c.grow("c", 1)  # copy-on-write of the shared partial block in both tables
+    assert grown.shape == (2, 1) and c.block_table("c", 0)[1] != full[1] and c.block_table("c", 1)[1] != sliding[1]
+    for t, (k, v) in enumerate((rows[:2], rows[2:])):
+        got_k, got_v = c.read_rows(0, c.slots("c", 0, 6)[t])
+        torch.testing.assert_close(got_k, k.half().float())
+        torch.testing.assert_close(got_v, v.half().float())
+    tables, lens = c.batch_tensors(["p", "c"])
+    assert tables.shape == (2, 2, 2) and tables[1, 1].tolist() == c.block_table("c", 1) and lens.tolist() == [6, 7]
+    assert c.table_rows("c", 0, 2).tolist() == [c.block_table("c", 0), c.block_table("c", 1)]
+    # The next query at position 9 sees 2..9: nothing to give back yet; at 13 (sees 6..13) block 0 of table 1.
+    c.grow("c", 6)
+    assert c.release_outside_windows("c", 9) == 0 and c.release_outside_windows("c", 13) == 1
+    assert c.allocator.num_released("c", 0) == 0 and c.allocator.num_released("c", 1) == 1
+    # A KvState holds one table's layers: refused by name, nothing allocated.
+    one = PagedKvCache(4, 4, 1, 2, 16, F16)
+    assert one.add_sequence("x", 3).shape == (3,) and one.batch_tensors(["x"])[0].shape == (1, 1)
+    state = one.export_state("x")
+    free = c.num_free_blocks
+    for call in (lambda: c.export_state("p"), lambda: c.import_state("n", state), lambda: c.write_state("p", 0, state)):
+        with pytest.raises(UnsupportedModel, match="2 block tables per sequence"):
+            call()
+    assert "n" not in c.allocator and c.num_free_blocks == free

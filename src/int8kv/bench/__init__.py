@@ -17,4 +17,5 @@ BENCHMARKS = {
     "slope": "int8kv.bench.slope",
     "plots": "int8kv.bench.plots",
     "window": "int8kv.bench.window",
+    "hybrid": "int8kv.bench.hybrid",
 }

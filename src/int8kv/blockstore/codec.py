@@ -106,8 +106,8 @@ class BlockSpec:
             layouts = tuple(self.layout)
             if not layouts or not all(isinstance(la, KvLayout) for la in layouts):
                 raise BlockEncodeError(f"layout must be a KvLayout or a non-empty sequence of them, got {layouts!r}")
-            if len({la.format for la in layouts}) != 1 or len({la.dims[1:] for la in layouts}) != len(layouts):
-                raise BlockEncodeError(f"the groups of a spec share one format and differ in shape, got {layouts}")
+            if len({la.format for la in layouts}) != 1:
+                raise BlockEncodeError(f"the groups of a spec share one format, got {layouts}")
             if len(layouts) > MAX_GROUPS:
                 raise BlockEncodeError(f"{len(layouts)} groups; a block value holds at most {MAX_GROUPS}")
             object.__setattr__(self, "layout", layouts[0] if len(layouts) == 1 else layouts)

@@ -33,6 +33,7 @@ class PagedKvCache:
         head_dim: int,
         format: KvStorageFormat = INT8,
         device: torch.device | str = "cpu",
+        windows: Sequence[int | None] = (None,),
     ) -> None:
         if min(num_blocks, block_size, num_layers, num_kv_heads, head_dim) <= 0:
             raise ShapeMismatch(
@@ -42,7 +43,10 @@ class PagedKvCache:
         self.pool = KvPool(KvLayout(num_layers, num_kv_heads, head_dim, KvStorageFormat(format)), num_blocks,
                            block_size, device)  # fmt: skip
         self.pools: tuple[KvPool, ...] = (self.pool,)
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        # One block table per entry (a table group of `num_layers` layers; None: full attention, else a window).
+        self.allocator = BlockAllocator(num_blocks, block_size, windows)
+        self.windows, self.num_tables = self.allocator.windows, self.allocator.num_groups
+        self._table_layers = (num_layers,) * self.num_tables  # layers each table's group writes (set_table_layers)
         p = self.pool
         self.layout: KvLayout = p.layout
         self.format, self.device = p.format, p.device
@@ -53,23 +57,56 @@ class PagedKvCache:
 
     @classmethod
     def with_groups(
-        cls, num_blocks: int, block_size: int, layouts: Sequence[KvLayout], device: torch.device | str = "cpu"
+        cls, num_blocks: int, block_size: int, layouts: Sequence[KvLayout], device: torch.device | str = "cpu",
+        windows: Sequence[int | None] = (None,), table_layers: Sequence[int] | None = None,
     ) -> PagedKvCache:
         """One pool per layout (a group of layers sharing a K/V shape; one format), every pool indexed by the same
-        block ids of one allocator. One layout is the plain cache."""
+        block ids of one allocator (with one block table per entry of `windows`). One layout is the plain cache."""
         first = layouts[0] if isinstance(layouts, (tuple, list)) and layouts else None
         if not isinstance(first, KvLayout) or any(
             not isinstance(la, KvLayout) or la.format != first.format for la in layouts
         ):
             raise ShapeMismatch(f"layouts must be a non-empty list of KvLayouts of one format, got {layouts!r}")
-        cache = cls(num_blocks, block_size, *first.dims, first.format, device)
+        cache = cls(num_blocks, block_size, *first.dims, first.format, device, windows)
         cache.pools = (cache.pool, *(KvPool(la, num_blocks, block_size, cache.device) for la in layouts[1:]))
+        if table_layers is not None:
+            cache.set_table_layers(table_layers)
         return cache
+
+    def set_table_layers(self, table_layers: Sequence[int]) -> None:
+        """How many of the pool's layers each block table's group really holds (the last table group of a span
+        is padded: its block's remaining layers are never written). Exported states, block values and prefix
+        keys hold only these layers (`state_layouts`)."""
+        counts = tuple(table_layers)
+        if len(self.pools) > 1 or len(counts) != self.num_tables or any(
+            isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.num_layers for n in counts
+        ):
+            raise ShapeMismatch(
+                f"table_layers must give each of the {self.num_tables} block tables of one pool a count in "
+                f"[1, {self.num_layers}], got {table_layers!r}"
+            )
+        self._table_layers = counts
 
     @property
     def layouts(self) -> tuple[KvLayout, ...]:
         """Each pool's layout (one per group of layers with the same K/V shape)."""
         return tuple(p.layout for p in self.pools)
+
+    def _sections(self) -> tuple[tuple[KvPool, int, KvLayout], ...]:
+        """What an exported state holds, section by section: (pool, block table, layout of the section's layers,
+        the pool's first ones). One per pool on one table; one per table of the one pool with several."""
+        if self.num_tables == 1:
+            return tuple((p, 0, p.layout) for p in self.pools)
+        la = self.pool.layout
+        return tuple((self.pool, t, KvLayout(n, la.num_kv_heads, la.head_dim, la.format))
+                     for t, n in enumerate(self._table_layers))  # fmt: skip
+
+    @property
+    def state_layouts(self) -> tuple[KvLayout, ...]:
+        """The layouts of an exported state's sections (a KvState for one, a GroupedKvState for several), which
+        block values and prefix keys describe: the pools' layouts on one block table; with several tables, each
+        table group's written layers."""
+        return tuple(la for _, _, la in self._sections())
 
     def __repr__(self) -> str:
         return (
@@ -167,31 +204,52 @@ class PagedKvCache:
 
     def release_before(self, seq_id: SeqId, position: int) -> int:
         """Give back the sequence's blocks holding only positions < `position` (outside a sliding window that
-        starts there); BlockAllocator.release_before. Returns how many blocks went back to the pool."""
+        starts there) in every table; BlockAllocator.release_before. Returns how many blocks went back to the
+        pool."""
         return self.allocator.release_before(seq_id, position)
 
-    def block_table(self, seq_id: SeqId) -> list[int]:
-        return self.allocator.block_table(seq_id)
+    def release_outside_windows(self, seq_id: SeqId, position: int) -> int:
+        """Give back the blocks of each sliding table that the query at `position` and later ones never read
+        (BlockAllocator.release_outside_windows); returns how many went back to the pool."""
+        return self.allocator.release_outside_windows(seq_id, position)
+
+    def block_table(self, seq_id: SeqId, group: int = 0) -> list[int]:
+        return self.allocator.block_table(seq_id, group)
+
+    def table_rows(self, seq_id: SeqId, start: int, end: int) -> torch.Tensor:
+        """Entries ``[start, end)`` of the sequence's block table as int32 on the cache's device: ``[end - start]``
+        with one table, ``[num_tables, end - start]`` with several."""
+        rows = [self.allocator.block_table(seq_id, g)[start:end] for g in range(self.num_tables)]
+        t = torch.tensor(rows, dtype=torch.int32).reshape(self.num_tables, end - start)
+        return (t[0] if self.num_tables == 1 else t).to(self.device)
 
     def context_len(self, seq_id: SeqId) -> int:
         return self.allocator.context_len(seq_id)
 
     def slots(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """int64 slots of positions ``[start, end)``: ``[n]`` with one block table, ``[num_tables, n]`` (each
+        table's slots, for its group's layers) with several."""
         stop = self.context_len(seq_id) if end is None else end
-        self.allocator.check_positions(seq_id, start, stop)  # stored, and not released
+        self.allocator.check_positions(seq_id, start, stop)  # stored, and not released in any table
         # Vectorised: a long prompt has thousands of slots, too many for a Python loop per step.
         pos = torch.arange(start, stop)
-        blocks = torch.tensor(self.allocator.block_table(seq_id), dtype=torch.int64)
+        blocks = torch.tensor([self.allocator.block_table(seq_id, g) for g in range(self.num_tables)],
+                              dtype=torch.int64).reshape(self.num_tables, -1)  # fmt: skip
         bs = self.block_size
-        return (blocks[pos // bs] * bs + pos % bs).to(self.device)
+        out = blocks[:, pos // bs] * bs + pos % bs
+        return (out[0] if self.num_tables == 1 else out).to(self.device)
 
     def batch_tensors(self, seq_ids: Sequence[SeqId], min_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded `block_tables [batch, max_blocks]` and `context_lens [batch]`, int32, on the cache's device."""
-        tables = [self.allocator.block_table(s) for s in seq_ids]
-        width = max([min_blocks, 1, *(len(t) for t in tables)])
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        """Padded `block_tables [batch, max_blocks]` (``[num_tables, batch, max_blocks]`` with several tables) and
+        `context_lens [batch]`, int32, on the cache's device."""
+        tables = [[self.allocator.block_table(s, g) for s in seq_ids] for g in range(self.num_tables)]
+        width = max([min_blocks, 1, *(len(t) for t in tables[0])])
+        padded = [[t + [0] * (width - len(t)) for t in group] for group in tables]
         lens = [self.allocator.context_len(s) for s in seq_ids]
-        block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device).reshape(len(tables), width)
+        block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device).reshape(
+            self.num_tables, len(seq_ids), width
+        )
+        block_tables = block_tables[0] if self.num_tables == 1 else block_tables
         return block_tables, torch.tensor(lens, dtype=torch.int32, device=self.device)
 
     # -- state (see cache/state.py) ---------------------------------------------------
@@ -203,10 +261,11 @@ class PagedKvCache:
         # blocks (shared, copied-on-write, scattered) the sequence occupies.
         slots = self.slots(seq_id, start, end)
         sections = []
-        for pool in self.pools:
-            rows = [pool.export_rows(layer, slots) for layer in range(pool.layout.num_layers)]
+        for pool, table, layout in self._sections():
+            at = slots if self.num_tables == 1 else slots[table]
+            rows = [pool.export_rows(layer, at) for layer in range(layout.num_layers)]
             batch_of_one = [tuple(tuple(t.unsqueeze(0) for t in side) for side in r) for r in rows]
-            sections.append(KvState.from_layers(pool.layout, batch_of_one))
+            sections.append(KvState.from_layers(layout, batch_of_one))
         return sections[0] if len(sections) == 1 else GroupedKvState.of(sections)
 
     def import_state(self, seq_id: SeqId, state: KvState | GroupedKvState) -> torch.Tensor:
@@ -233,7 +292,7 @@ class PagedKvCache:
 
     def _state_rows(self, state: KvState | GroupedKvState) -> list[list[tuple[Rows, Rows]]]:
         """For each pool, the state's per-layer (k_parts, v_parts) of its section, batch row 0, on this device."""
-        sections = state_sections(state, self.layouts, "a paged sequence")
+        sections = state_sections(state, self.state_layouts, "a paged sequence")
         return [
             [
                 tuple(tuple(t[0].to(self.device) for t in side) for side in section.layer(layer))  # type: ignore[misc]
@@ -243,9 +302,10 @@ class PagedKvCache:
         ]
 
     def _write_state_rows(self, slots: torch.Tensor, moved: list[list[tuple[Rows, Rows]]]) -> None:
-        for pool, layers in zip(self.pools, moved, strict=True):
+        for (pool, table, _), layers in zip(self._sections(), moved, strict=True):
+            at = slots if self.num_tables == 1 else slots[table]
             for layer, (k, v) in enumerate(layers):
-                pool.write_rows(layer, slots, k, v)
+                pool.write_rows(layer, at, k, v)
 
     # -- rows -------------------------------------------------------------------------------------------
     def check_layer(self, layer: int) -> int:

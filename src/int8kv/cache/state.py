@@ -244,12 +244,14 @@ def layer_map_problem(counts: Sequence[int], layers: Sequence[Sequence[object]])
 
 @dataclass(frozen=True, eq=False)
 class GroupedKvState:
-    """Stored K/V of a cache whose layers hold several K/V shapes: one batch-1-or-more :class:`KvState` per group.
+    """Stored K/V of a cache whose layers fall in several sections: one batch-1-or-more :class:`KvState` each.
 
-    ``sections``: at least two, one format, equal batch and length, distinct ``(num_kv_heads, head_dim)``, in the
-    cache's group order. ``layers``: for each section, the model layers its layers are (ascending, the sections
-    ordered by their first layer, together exactly ``0 .. num_layers - 1``), or None when the exporter does not
-    know them (a paged cache knows its pools, not the model's layer numbers). Construct through :meth:`of`.
+    ``sections``: at least two, one format, equal batch and length, in the cache's section order: one per pool of
+    a shape (Gemma 4), or one per block table of a cache whose attention spans keep separate tables (a
+    Gemma-3-like model's sliding and full layers: sections of one shape). ``layers``: for each section, the model
+    layers its layers are (ascending, the sections ordered by their first layer, together exactly
+    ``0 .. num_layers - 1``), or None when the exporter does not know them (a paged cache knows its pools, not the
+    model's layer numbers). Construct through :meth:`of`.
     """
 
     sections: tuple[KvState, ...]
@@ -269,9 +271,6 @@ class GroupedKvState:
                     f"the sections of a grouped state share format, batch and length: {first.format.value} "
                     f"{first.batch} x {first.length} and {s.format.value} {s.batch} x {s.length}"
                 )
-        shapes = [(s.layout.num_kv_heads, s.layout.head_dim) for s in sections]
-        if len(set(shapes)) != len(shapes):
-            raise ShapeMismatch(f"the sections of a grouped state have distinct (kv_heads, head_dim), got {shapes}")
         kept = None
         if layers is not None:
             kept = tuple(tuple(group) for group in layers) if isinstance(layers, (list, tuple)) else None

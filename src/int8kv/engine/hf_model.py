@@ -29,6 +29,11 @@ ALiBi, sparse attention (`UnsupportedAttention`, from `int8kv.hf.layers`).
 Layers whose K/V differ in shape (Gemma 4) are held in one pool per shape, all indexed by the same block ids
 (`PagedKvCache.with_groups`); each layer writes to and attends over its group's pool.
 
+Layers of one shape whose attention spans differ (sliding windows beside full attention: Gemma 2 / 3, gpt-oss,
+Cohere2) are split into table groups of equal size (`table_groups`): a block of the pool holds one group's layers,
+each sequence has one block table per group, and a sliding group's blocks wholly before its window go back to the
+shared free list (`PagedKvCache.release_outside_windows`); each layer writes at and attends over its group's table.
+
 Hybrids (linear-attention, Mamba, conv or RG-LRU layers beside attention) run one sequence per forward, each
 through its own state (`SequenceStates`, `SequenceRunner`; docs/design.md, "Engine: the model").
 """
@@ -72,7 +77,7 @@ from ..hf.attention import TAG, make_handle
 from ..hf.layers import LayerSpec, attention_options, layer_specs
 from ..ops import write
 from ..ops.plan import AttentionPlan
-from .model import Batch, plan_step
+from .model import Batch, plan_tables
 from .runner import ModelRunner
 from .scheduler import Scheduled
 
@@ -93,6 +98,28 @@ def engine_layer_specs(config: Any) -> list[LayerSpec]:
     return specs
 
 
+def table_groups(kv_layers: list[LayerSpec]) -> tuple[tuple[int | None, ...], list[tuple[int, int]], int]:
+    """Table groups of the K/V layers: the layers of each attention span (None: full or chunked, which keep every
+    key; else a sliding window W), in order of first use, cut into groups of ``size`` layers, ``size`` being the
+    fewest layers any span has (vLLM's hybrid cache does the same): the last group of a span is padded. Returns
+    each group's window, each layer's (group, layer within the group) and ``size``, the layers a block holds.
+    One span gives one group of every layer."""
+    spans = [spec.window if spec.kind == "sliding" else None for spec in kv_layers]
+    order = list(dict.fromkeys(spans))
+    size = min(spans.count(span) for span in order)
+    windows: list[int | None] = []
+    first: dict[int | None, int] = {}  # the span's first group
+    for span in order:
+        first[span] = len(windows)
+        windows += [span] * -(-spans.count(span) // size)
+    seen = dict.fromkeys(order, 0)
+    where = []
+    for span in spans:
+        where.append((first[span] + seen[span] // size, seen[span] % size))
+        seen[span] += 1
+    return tuple(windows), where, size
+
+
 def sliding_only_window(layers: list[LayerSpec]) -> int | None:
     """The widest window when every layer holding K/V slides (then keys older than it are never read again),
     else None. State layers and layers without attention keep no K/V, so they do not count."""
@@ -104,31 +131,37 @@ def sliding_only_window(layers: list[LayerSpec]) -> int | None:
 
 class _Step:
     """What every layer of one forward shares: the pools (one per group of layers with the same K/V shape), the
-    plan (one per softmax scale and group), and which layers wrote and read (each exactly once, checked after the
-    forward)."""
+    plans (one per block table, and per softmax scale and pool), and which layers wrote and read (each exactly
+    once, checked after the forward)."""
 
     def __init__(
-        self, cache: PagedKvCache, plan: AttentionPlan, layers: list[LayerSpec], backend: str | None
+        self, cache: PagedKvCache, plans: tuple[AttentionPlan, ...], layers: list[LayerSpec], backend: str | None
     ) -> None:
         self.pools = cache.pools
         self.backend = ops.resolve_backend(cache.pool, backend)
-        self.plan = plan
+        self.tables = plans  # the step's plan over each block table (one per table group)
+        self.plan = plans[0]
         self.layers = layers
-        # By (scaling as the layer passes it, pool group); None: the first pool's head_dim**-0.5, the step's plan.
-        self.plans: dict[tuple[float | None, int], AttentionPlan] = {(None, 0): plan, (plan.softmax_scale, 0): plan}
+        # By (scaling as the layer passes it, pool group, table group); None: the first pool's head_dim**-0.5, the
+        # table's plan.
+        self.plans: dict[tuple[float | None, int, int], AttentionPlan] = {}
+        for t, plan in enumerate(plans):
+            self.plans[(None, 0, t)] = self.plans[(plan.softmax_scale, 0, t)] = plan
         self.written = [0] * len(layers)
         self.read = [0] * len(layers)
 
-    def plan_for(self, scaling: float | None, group: int) -> AttentionPlan:
-        """The plan for a layer of pool ``group`` attending with ``scaling`` (None: that pool's head_dim**-0.5)."""
-        plan = self.plans.get((scaling, group))
+    def plan_for(self, scaling: float | None, group: int, table: int = 0) -> AttentionPlan:
+        """The plan for a layer of pool ``group`` and block table ``table`` attending with ``scaling`` (None: that
+        pool's head_dim**-0.5)."""
+        plan = self.plans.get((scaling, group, table))
         if plan is None:
             scale = self.pools[group].head_dim**-0.5 if scaling is None else float(scaling)
             if not math.isfinite(scale) or scale <= 0:
                 raise NonFiniteError(f"the model's attention scaling must be finite and > 0, got {scaling!r}")
             # Same metadata, another scale (Gemma's query_pre_attn_scalar) or pool (another K/V shape: the CPU
             # backend's work items depend on its heads); backend data is derived afresh.
-            plan = self.plans[(scaling, group)] = dataclasses.replace(self.plan, softmax_scale=scale, _memo={})
+            plan = self.plans[(scaling, group, table)] = dataclasses.replace(self.tables[table], softmax_scale=scale,
+                                                                             _memo={})  # fmt: skip
         return plan
 
     def check_complete(self) -> None:
@@ -142,19 +175,20 @@ class _Step:
 
 
 class _StepLayer(CacheLayerMixin):
-    """One layer of :class:`StepCache`: writes the step's rows into layer ``kv`` of pool ``group``, hands out
-    tagged empty handles."""
+    """One layer of :class:`StepCache`: writes the step's rows into layer ``kv`` of pool ``group`` at the slots of
+    block table ``table``, hands out tagged empty handles."""
 
     is_compileable = False
     is_sliding = False
     book = None  # the drop-in's per-forward state, which KvHandle aborts on misuse; the engine checks per step
 
-    def __init__(self, owner: StepCache, index: int, group: int, kv: int) -> None:
+    def __init__(self, owner: StepCache, index: int, group: int, table: int, kv: int) -> None:
         CacheLayerMixin.__init__(self)
         self.owner = owner
         self.layer_idx = index  # the model's layer
         self.group = group  # its pool: the group of layers with its K/V shape
-        self.kv = kv  # its layer in that pool (which holds only the group's layers)
+        self.table = table  # its block table: the table group of layers with its attention span
+        self.kv = kv  # its layer in that pool (which holds only the group's layers, or a table group's)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -169,7 +203,8 @@ class _StepLayer(CacheLayerMixin):
                 raise ShapeMismatch(f"layer {self.layer_idx}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
             rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
         # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
-        write.append_rows(step.pools[self.group], self.kv, rows[0], rows[1], step.plan.slots, backend=step.backend)
+        slots = step.tables[self.table].slots
+        write.append_rows(step.pools[self.group], self.kv, rows[0], rows[1], slots, backend=step.backend)
         step.written[self.layer_idx] += 1
         # Handles the drop-in's way (int8kv.hf.attention.KvHandle): any use but this attention raises.
         return make_handle(key_states, self), make_handle(value_states, self)
@@ -201,8 +236,10 @@ class _StepStateLayer(LinearAttentionLayer, _StepLayer):
     """A "hybrid" layer of one sequence: its linear-attention state (transformers' own code, as in the drop-in's
     `Int8KvHybridLayer`) beside K/V written to the paged pool."""
 
-    def __init__(self, owner: StepCache, index: int, group: int, kv: int, number_of_states: int = 1) -> None:
-        _StepLayer.__init__(self, owner, index, group, kv)
+    def __init__(
+        self, owner: StepCache, index: int, group: int, table: int, kv: int, number_of_states: int = 1
+    ) -> None:
+        _StepLayer.__init__(self, owner, index, group, table, kv)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     is_compileable = False
@@ -284,7 +321,7 @@ def engine_attention_forward(
     step = layer.owner.active()
     spec = step.layers[layer.layer_idx]
     # No mask says which keys a query sees, so the config's window is the judge: a kwarg must agree with it
-    # (the released blocks of a sliding-only model are outside it).
+    # (the released blocks of a sliding table are outside it).
     opts = attention_options(kwargs, spec)
     if opts.window != spec.window:
         raise UnsupportedAttention(
@@ -294,8 +331,9 @@ def engine_attention_forward(
         raise ShapeMismatch(f"the packed query must be [1, q_heads, tokens, head_dim], got {tuple(query.shape)}")
     q = query[0].transpose(0, 1)  # [tokens, q_heads, dim]
     sinks = None if opts.sinks is None else opts.sinks.detach()
-    out = ops.attention(step.pools[layer.group], layer.kv, q, step.plan_for(scaling, layer.group), backend=step.backend,
-                        window=opts.window, chunk=opts.chunk, softcap=opts.softcap, sinks=sinks)  # fmt: skip
+    plan = step.plan_for(scaling, layer.group, layer.table)
+    out = ops.attention(step.pools[layer.group], layer.kv, q, plan, backend=step.backend, window=opts.window,
+                        chunk=opts.chunk, softcap=opts.softcap, sinks=sinks)  # fmt: skip
     step.read[layer.layer_idx] += 1
     return out.unsqueeze(0).to(query.dtype), None
 
@@ -490,7 +528,7 @@ class SequenceStates:
             elif spec.state:
                 shared = self.shared[i]
                 states = kwargs.get("number_of_states", 1)
-                layers.append(_StepStateLayer(self.owner, i, shared.group, shared.kv, states))
+                layers.append(_StepStateLayer(self.owner, i, shared.group, shared.table, shared.kv, states))
             else:
                 layers.append(self.shared[i])
         state = self._states[seq_id] = _SeqState(layers, [None] * sum(len(paths) for _, (paths, _) in self.modules))
@@ -561,7 +599,7 @@ def _one_token(batch: Batch, i: int) -> Batch:
     """Token `i` of a one-sequence `batch` as a decode batch of its own."""
     n = int(batch.input_ids.shape[0])
     cu = torch.arange(2, dtype=torch.int32, device=batch.cu_seqlens_q.device)
-    return Batch(batch.input_ids[i : i + 1], batch.positions[i : i + 1], batch.slots[i : i + 1], cu,
+    return Batch(batch.input_ids[i : i + 1], batch.positions[i : i + 1], batch.slots[..., i : i + 1], cu,
                  batch.block_tables, batch.context_lens - (n - 1 - i), is_decode=True)  # fmt: skip
 
 
@@ -571,7 +609,9 @@ class TransformersModel:
     A model with state layers (linear attention, Mamba, conv: `states` is then a `SequenceStates`) runs one
     sequence per forward (`forward_sequence`, through `SequenceRunner`): a recurrent state cannot be packed with
     other sequences' tokens. Its pool holds only the layers with K/V (`kv_layers`); layers whose K/V differ in
-    shape are held in one pool per shape (`layouts`, one per group of layers: `PagedKvCache.with_groups`)."""
+    shape are held in one pool per shape (`layouts`, one per group of layers: `PagedKvCache.with_groups`), on one
+    block table; layers of one shape with different attention spans get a block table per table group
+    (`windows`, `table_groups`), one pool holding a table group's layers per block."""
 
     def __init__(self, hf_model: torch.nn.Module, backend: str | None = None) -> None:
         self.attention = check_architecture(hf_model)
@@ -581,16 +621,27 @@ class TransformersModel:
         if len(self.attention) != self.config.num_hidden_layers:
             raise UnsupportedModel(f"{len(self.attention)} layer types for {self.config.num_hidden_layers} layers")
         self.kv_layers = [i for i, spec in enumerate(self.attention) if spec.has_kv]
-        groups, where = kv_groups(discover_kv_dims(hf_model, len(self.kv_layers)))
-        # One layout per group of K/V layers with the same (kv_heads, head_dim), in order of first use; the format
-        # is the engine's choice per cache (make_cache). num_kv_heads / head_dim: the first group's.
-        self.layouts = tuple(KvLayout(sum(g == i for g, _ in where), *shape) for i, shape in enumerate(groups))
+        groups, shaped = kv_groups(discover_kv_dims(hf_model, len(self.kv_layers)))
+        if len(groups) == 1:
+            # One shape: a block table per table group of layers with one attention span, one pool whose blocks
+            # each hold one table group's layers; a sliding group's blocks before its window are given back.
+            self.windows, tables, size = table_groups([self.attention[i] for i in self.kv_layers])
+            self.layouts = (KvLayout(size, *groups[0]),)
+            where = [(0, t, kv) for t, kv in tables]
+            # The layers each table group writes (the last group of a span may hold fewer than `size`).
+            self.table_layers = tuple(sum(t == g for t, _ in tables) for g in range(len(self.windows)))
+        else:
+            # One layout per group of K/V layers with the same (kv_heads, head_dim), in order of first use, all on one
+            # block table: keys older than the window are released only when every K/V layer slides.
+            self.windows = (sliding_only_window(self.attention),)
+            self.layouts = tuple(KvLayout(sum(g == i for g, _ in shaped), *shape) for i, shape in enumerate(groups))
+            where = [(g, 0, kv) for g, kv in shaped]
+            self.table_layers = None
+        # The format is the engine's choice per cache (make_cache). num_kv_heads / head_dim: the first group's.
         self.layout = self.layouts[0]
         self.num_layers, (self.num_kv_heads, self.head_dim) = len(self.kv_layers), groups[0]
         self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
         self.max_positions = int(self.config.max_position_embeddings)
-        # Keys older than the window are never read when every K/V layer slides (the scheduler frees their blocks).
-        self.window = sliding_only_window(self.attention)
         self.step_cache = StepCache([])
         kv = {layer: k for k, layer in enumerate(self.kv_layers)}
         self.step_layers = [_StepLayer(self.step_cache, i, *where[kv[i]]) if i in kv else _NoKvLayer(i)
@@ -601,13 +652,17 @@ class TransformersModel:
     def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
         device = next(self.hf.parameters()).device
         layouts = [layout.with_format(format) for layout in self.layouts]
-        return PagedKvCache.with_groups(num_blocks, block_size, layouts, device=device)
+        tables = self.table_layers if len(self.windows) > 1 else None
+        return PagedKvCache.with_groups(num_blocks, block_size, layouts, device=device, windows=self.windows,
+                                        table_layers=tables)  # fmt: skip
 
-    def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:
-        return plan_step(cache, batch, self.max_positions, validate)
+    def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> tuple[AttentionPlan, ...]:
+        """The step's plan over each block table of `cache` (one with a single table)."""
+        return plan_tables(cache, batch, self.max_positions, validate)
 
     def forward(
-        self, cache: PagedKvCache, batch: Batch, all_logits: bool = False, plan: AttentionPlan | None = None
+        self, cache: PagedKvCache, batch: Batch, all_logits: bool = False,
+        plan: AttentionPlan | tuple[AttentionPlan, ...] | None = None,
     ) -> torch.Tensor:
         """Logits of each sequence's last token in the batch [batch, vocab] (or of every token [tokens, vocab])."""
         if self.states is not None:
@@ -632,12 +687,11 @@ class TransformersModel:
 
     @torch.inference_mode()
     def _run(
-        self, cache: PagedKvCache, batch: Batch, all_logits: bool, plan: AttentionPlan | None, layers: list[Any],
-        state: _SeqState | None = None,
+        self, cache: PagedKvCache, batch: Batch, all_logits: bool,
+        plan: AttentionPlan | tuple[AttentionPlan, ...] | None, layers: list[Any], state: _SeqState | None = None,
     ) -> torch.Tensor:
-        if plan is None:
-            plan = self.plan(cache, batch)
-        step = _Step(cache, plan, self.attention, self.backend)
+        plans = self.plan(cache, batch) if plan is None else (plan,) if isinstance(plan, AttentionPlan) else plan
+        step = _Step(cache, tuple(plans), self.attention, self.backend)
         keep = 0 if all_logits else batch.cu_seqlens_q[1:].to(torch.int64) - 1
         held = None if state is None else self.states.enter(state)
         self.step_cache.layers = layers
@@ -661,7 +715,7 @@ class TransformersModel:
         so is one whose packed steps would not be what each sequence gives alone (`_check_packing`)."""
         from ..formats import KvStorageFormat
 
-        cache = self.make_cache(4, 4, KvStorageFormat.F16)
+        cache = self.make_cache(4 * len(self.windows), 4, KvStorageFormat.F16)  # 4 sequences of one block per table
         try:
             if self.states is None:
                 self._check_packing(cache)
@@ -769,7 +823,7 @@ def _probe_batch(cache: PagedKvCache, items: list[tuple[Any, list[int], int]]) -
         cu.append(cu[-1] + len(tokens))
     tables, lens = cache.batch_tensors([seq for seq, _, _ in items])
     device = cache.device
-    return Batch(torch.tensor(ids, device=device), torch.tensor(positions, device=device), torch.cat(slots),
+    return Batch(torch.tensor(ids, device=device), torch.tensor(positions, device=device), torch.cat(slots, -1),
                  torch.tensor(cu, dtype=torch.int32, device=device), tables, lens,
                  is_decode=all(len(tokens) == 1 for _, tokens, _ in items))  # fmt: skip
 

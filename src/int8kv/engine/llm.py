@@ -275,7 +275,8 @@ class LLM:
         self.vocab_size = self.model.vocab_size
         self.max_positions = self.model.max_positions
         m = self.model
-        # A block holds its tokens in every group's pool: each sized for its own shape.
+        # A block holds its tokens in every group's pool: each sized for its own shape (with several block tables,
+        # one pool whose block holds one table group's layers).
         per_block = sum(la.with_format(self.format).bytes_per_block(block_size) for la in m.layouts)
         num_blocks = budget // per_block
         if num_blocks < 1:
@@ -291,14 +292,13 @@ class LLM:
 
             self.fingerprint = model_fingerprint(hf_model, model_id).digest
             # Several K/V shapes (one pool each): the keys cover every group's shape, the values are version 3.
-            hasher = PrefixHasher(self.cache.layouts, self.fingerprint, block_size)
+            hasher = PrefixHasher(self.cache.state_layouts, self.fingerprint, block_size)
             if kv_store:
-                spec = BlockSpec(self.cache.layouts, block_size, self.fingerprint)
+                spec = BlockSpec(self.cache.state_layouts, block_size, self.fingerprint)
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
         self.kv_store = tier.store if tier is not None else None
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self.model.window,
-                                   self._states)  # fmt: skip
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, hasher, tier, self._states)
         if self._states is None:
             self.runner = ModelRunner(self.model, self.cache)
         else:
@@ -424,7 +424,7 @@ class LLM:
         """Yield the teacher-forced logits of `ids` chunk by chunk (`score`); the sequence is freed at the end."""
         if len(ids) > self.max_positions:
             raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
-        if self.cache.allocator.blocks_for_tokens(len(ids)) > self.cache.num_free_blocks:
+        if not self.cache.allocator.can_add(len(ids)):
             raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
         seq = Sequence(ids, SamplingParams(max_tokens=1))
         self.cache.add_sequence(seq.seq_id, 0)
@@ -459,7 +459,10 @@ class LLM:
         self.close()
 
     def kv_bytes_per_token(self) -> int:
-        return sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts)
+        """Bytes of K/V one token takes while every block table holds it (a sliding table gives its blocks back
+        once they leave the window)."""
+        tables = len(self.model.windows)
+        return tables * sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts)
 
     # -- online: requests join, stream and leave between steps ---------------------------------------------
     # The server's engine thread: add_request() whenever a request arrives, step() while has_unfinished(),

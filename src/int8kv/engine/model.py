@@ -7,6 +7,7 @@ different sequences side by side, each described by its slots and its block tabl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +68,9 @@ class Batch:
 
     input_ids: torch.Tensor  # [tokens] int64
     positions: torch.Tensor  # [tokens] int64
-    slots: torch.Tensor  # [tokens] int64
+    slots: torch.Tensor  # [tokens] int64 ([tables, tokens]: each block table's, with several)
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
-    block_tables: torch.Tensor  # [batch, max_blocks] int32
+    block_tables: torch.Tensor  # [batch, max_blocks] int32 ([tables, batch, max_blocks] with several)
     context_lens: torch.Tensor  # [batch] int32, after this step's tokens are written
     is_decode: bool  # every sequence contributes exactly one token
 
@@ -84,6 +85,16 @@ def plan_step(cache: PagedKvCache, batch: Batch, max_position: int, validate: bo
         max_position=max_position, validate=validate,
         max_query_len=None if validate or batch.is_decode else int(batch.cu_seqlens_q.diff().max()),
     )  # fmt: skip
+
+
+def plan_tables(
+    cache: PagedKvCache, batch: Batch, max_position: int, validate: bool = True
+) -> tuple[AttentionPlan, ...]:
+    """The step's plan over each block table of `cache` (`plan_step` on that table's block tables and slots)."""
+    if cache.num_tables == 1:
+        return (plan_step(cache, batch, max_position, validate),)
+    return tuple(plan_step(cache, dataclasses.replace(batch, slots=batch.slots[t], block_tables=batch.block_tables[t]),
+                           max_position, validate) for t in range(cache.num_tables))  # fmt: skip
 
 
 @dataclass
@@ -114,7 +125,7 @@ class DecoderModel:
         self.num_q_heads = cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         self.max_positions = int(cfg.max_position_embeddings)
-        self.window = None  # full attention on every layer: no block is ever out of reach
+        self.windows = (None,)  # one block table, full attention on every layer: no block is ever out of reach
         self.backend = backend  # the ops dispatcher's backend (None: from the cache's device)
         base = hf_model.model
         with torch.no_grad():

@@ -52,7 +52,7 @@ class ModelRunner:
         return Batch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=positions.to(device),
-            slots=torch.cat([item.seq.slots for item in scheduled]),
+            slots=torch.cat([item.seq.slots for item in scheduled], -1),
             cu_seqlens_q=cu.to(device),
             block_tables=self._block_tables(scheduled),
             context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
@@ -60,30 +60,33 @@ class ModelRunner:
         )
 
     def _sync_block_table(self, seq: Sequence, length: int) -> None:
-        """Bring `seq.block_table` up to the blocks holding `length` tokens, copying only the new entries."""
+        """Bring `seq.block_table` up to the blocks holding `length` tokens, copying only the new entries (of every
+        block table: `[cap]` with one, `[tables, cap]` with several)."""
         need = self.cache.allocator.blocks_for_tokens(length)
         have = seq.num_table_blocks
         if need <= have:
             return
         table = seq.block_table
-        if table is None or table.shape[0] < need:
+        if table is None or table.shape[-1] < need:
             # Sized once for the whole request (prompt + max_tokens), so it is normally allocated once.
             cap = max(need, self.cache.allocator.blocks_for_tokens(len(seq.prompt) + seq.params.max_tokens))
-            grown = torch.zeros(cap, dtype=torch.int32, device=self.cache.device)
+            tables = self.cache.num_tables
+            grown = torch.zeros((cap,) if tables == 1 else (tables, cap), dtype=torch.int32, device=self.cache.device)
             if table is not None and have:
-                grown[:have] = table[:have]
+                grown[..., :have] = table[..., :have]
             seq.block_table = table = grown
-        blocks = self.cache.block_table(seq.seq_id)
-        table[have:need] = torch.tensor(blocks[have:need], dtype=torch.int32)
+        table[..., have:need] = self.cache.table_rows(seq.seq_id, have, need)
         seq.num_table_blocks = need
 
     def _block_tables(self, scheduled: list[Scheduled]) -> torch.Tensor:
-        """`[batch, max_blocks]` int32, each row a sequence's table padded with block 0 (never read)."""
+        """`[batch, max_blocks]` int32 (`[tables, batch, max_blocks]` with several block tables), each row a
+        sequence's table padded with block 0 (never read)."""
         width = max(item.seq.num_table_blocks for item in scheduled)
-        out = torch.zeros(len(scheduled), width, dtype=torch.int32, device=self.cache.device)
+        lead = () if self.cache.num_tables == 1 else (self.cache.num_tables,)
+        out = torch.zeros(*lead, len(scheduled), width, dtype=torch.int32, device=self.cache.device)
         for row, item in enumerate(scheduled):
             n = item.seq.num_table_blocks
-            out[row, :n] = item.seq.block_table[:n]
+            out[..., row, :n] = item.seq.block_table[..., :n]
         return out
 
     def forward(self, scheduled: list[Scheduled], all_logits: bool = False) -> torch.Tensor:

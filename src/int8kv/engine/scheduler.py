@@ -16,11 +16,13 @@ loaded into newly reserved blocks; only the rest is computed and counts against 
 registered (and pushed to the store) in `advance`, as soon as a step has filled them, before the sequence
 can finish or be preempted, so a preempted sequence hits its own blocks when it comes back.
 
-Sliding windows (`window`, for a model whose every layer slides): after the blocks are registered and pushed,
-`advance` gives back the blocks wholly before the window of the sequence's next query (position num_cached
-sees keys > num_cached - window), so a sequence holds about window / block_size + 1 blocks however long it
-runs. A released keyed block stays cached for prefix hits while it is not evicted (the hit rule still needs
-the whole chain from the first block).
+Sliding windows (the cache's block tables of sliding layers, `PagedKvCache.windows`): after the blocks are
+registered and pushed, `advance` gives back each sliding table's blocks wholly before the window of the
+sequence's next query (position num_cached sees keys > num_cached - window), so a sequence holds about
+window / block_size + 1 blocks per sliding table however long it runs; tables of full attention keep every
+block. A released keyed block stays cached for prefix hits while it is not evicted (the hit rule still needs
+the whole chain from the first block, in every table). Capacity (`check_fits`, admission, `_reserve`) counts
+every table's blocks.
 
 Per-sequence state (`states`, for a model with recurrent / conv layers: engine/hf_model.py `SequenceStates`):
 whatever frees a sequence's blocks frees its state, whatever forks its blocks copies its state. Such a model
@@ -65,12 +67,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         hasher: PrefixHasher | None = None,
         tier: StoreTier | None = None,
-        window: int | None = None,
         states=None,
     ) -> None:
         self.cache = cache
         self.states = states  # per-sequence model state: fork(src, dst) and free(seq_id) (None: the model has none)
-        self.window = window  # every layer attends to the last `window` positions only (None: full attention)
         self.hasher = hasher  # None: no prefix caching
         self.tier = tier  # None: no block store (needs a hasher)
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs", InvalidEngineConfig)
@@ -89,14 +89,15 @@ class Scheduler:
         A forked group (`seq.forks`, LLM.add_forked_request) runs all its choices at once, so it must fit whole:
         at most `max_num_seqs` choices (InvalidRequest), and the prompt's full blocks once plus, per choice, its
         private blocks (the copy of the shared partial last block and its growth to prompt + max_tokens) within
-        the pool (KvPoolExhausted)."""
+        the pool (KvPoolExhausted); a sliding table counts at most its window and a chunk per choice."""
         group = [seq, *seq.forks]
         if len(group) > self.max_num_seqs:
             raise InvalidRequest(f"n={len(group)} choices of one prompt run together; this engine runs at most "
                                  f"max_num_seqs={self.max_num_seqs} sequences")
         alloc = self.cache.allocator
-        shared = len(seq.prompt) // self.cache.block_size  # full prompt blocks: held once by the whole group
-        need = shared + sum(alloc.blocks_for_tokens(len(s.prompt) + s.params.max_tokens) - shared for s in group)
+        # Full prompt blocks are held once by the whole group.
+        need = alloc.peak_blocks([len(s.prompt) + s.params.max_tokens for s in group], len(seq.prompt),
+                                 self.max_num_batched_tokens)  # fmt: skip
         if need > self.cache.num_blocks:
             what = f"{len(group)} choices of " if len(group) > 1 else ""
             raise KvPoolExhausted(
@@ -153,7 +154,7 @@ class Scheduler:
 
     def _admit_plain(self, seq: Sequence, budget: int) -> Scheduled | None:
         n = min(seq.num_uncached, budget)
-        if self.cache.allocator.blocks_for_tokens(n) > self.cache.num_free_blocks:
+        if not self.cache.allocator.can_add(n):
             return None
         self.cache.add_sequence(seq.seq_id, 0)
         self._grow(seq, n)
@@ -188,7 +189,7 @@ class Scheduler:
                 raise
         seq.num_cached = hit + stored
         seq.num_registered = seq.num_cached // bs
-        seq.slots = slots[stored:]
+        seq.slots = slots[..., stored:]
         return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_tokens=stored,
                          store_faults=faults)  # fmt: skip
 
@@ -222,9 +223,8 @@ class Scheduler:
         return True
 
     def _grow(self, seq: Sequence, n: int) -> None:
-        alloc, length = self.cache.allocator, self.cache.context_len(seq.seq_id)
-        new_blocks = alloc.blocks_for_tokens(length + n) - alloc.blocks_for_tokens(length)
-        if alloc.blocks_needed(seq.seq_id, n) > new_blocks:
+        length = self.cache.context_len(seq.seq_id)
+        if self.cache.allocator.copies_on_grow(seq.seq_id, n):
             # Copy-on-write will replace the shared partial last block: the runner re-reads that entry.
             seq.num_table_blocks = min(seq.num_table_blocks, length // self.cache.block_size)
         seq.slots = self.cache.grow(seq.seq_id, n)
@@ -260,8 +260,7 @@ class Scheduler:
             if self.tier is not None:
                 self.tier.push(seq.seq_id, keys, seq.num_registered, full)
             seq.num_registered = full
-        if self.window is not None:
-            self.cache.release_before(seq.seq_id, seq.num_cached - self.window + 1)
+        self.cache.release_outside_windows(seq.seq_id, seq.num_cached)
         return seq.num_uncached == 0
 
     def fork(self, parent: Sequence) -> list[Sequence]:

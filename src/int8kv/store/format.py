@@ -385,7 +385,7 @@ def _groups_text(layouts: tuple[KvLayout, ...], layers: tuple[tuple[int, ...], .
 
 
 def _parse_groups(text: str, fmt: KvStorageFormat) -> tuple[tuple[KvLayout, ...], tuple[tuple[int, ...], ...] | None]:
-    """A version-2 header's ``groups`` field, every size checked: 2..MAX_GROUPS groups of distinct shape, each
+    """A version-2 header's ``groups`` field, every size checked: 2..MAX_GROUPS groups, each
     ``{"head_dim", "layers", "num_kv_heads", "num_layers"}``, the layer maps all given or all null."""
     try:
         groups = json.loads(text)
@@ -400,8 +400,6 @@ def _parse_groups(text: str, fmt: KvStorageFormat) -> tuple[tuple[KvLayout, ...]
         if not all(is_int(d) and 0 < d < MAX_DIM for d in sizes):
             raise CorruptKvFile(f"a group's num_layers, num_kv_heads and head_dim are sizes > 0, got {short(g)}")
     layouts = tuple(KvLayout(g["num_layers"], g["num_kv_heads"], g["head_dim"], fmt) for g in groups)
-    if len({la.dims[1:] for la in layouts}) != len(layouts):
-        raise CorruptKvFile(f"the groups' (num_kv_heads, head_dim) must differ, got {[la.dims for la in layouts]}")
     maps = [g["layers"] for g in groups]
     if all(m is None for m in maps):
         layer_map = None
