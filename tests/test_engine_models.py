@@ -41,7 +41,8 @@ ARCHS = {
     "gpt_oss": ("gpt_oss", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2)),  # sinks
     "phi3": ("phi3", {}),
     "olmo2": ("olmo2", {}),
-    "llama4_text": ("llama4_text", dict(attention_chunk_size=8)),  # chunked attention
+    # Chunked attention on three layers of four (a table each: a chunk bounds storage like a window), one full.
+    "llama4_text": ("llama4_text", dict(attention_chunk_size=8, num_hidden_layers=4)),
     # Without transformers' _supports_attention_backend flag: the probe's packed step shows they serve packed rows
     # (StableLM: partial rotary, per-head QK layer norms; BioGPT: learned absolute positions, 4 KV heads).
     "stablelm": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True)),
@@ -53,7 +54,7 @@ ARCHS = {
 # Block tables per model (one window per table group; None: full attention). Gemma 2 and gpt-oss alternate sliding and
 # full layers, Gemma 3's pattern 2 does too; Gemma 4's two K/V shapes stay on one table.
 WINDOWS = {"qwen3-sliding": (8,), "mistral-window": (8,), "gemma2": (8, None), "gemma3_text": (8, None),
-           "gpt_oss": (8, None)}  # fmt: skip
+           "gpt_oss": (8, None), "llama4_text": (8, 8, 8, None)}  # fmt: skip
 
 
 def build(name: str, seed: int = 0, arch: tuple[str, dict] | None = None) -> torch.nn.Module:

@@ -13,7 +13,6 @@ from int8kv.cache.paged import PagedKvCache, tokens_per_format
 from int8kv.errors import (
     KvPoolExhausted,
     ShapeMismatch,
-    UnsupportedModel,
 )
 from int8kv.formats import KvStorageFormat
 from int8kv.ops import append_paged_kv
@@ -204,12 +203,21 @@ def test_tables_give_per_table_slots_and_copy_written_rows_on_write():
     c.grow("c", 6)
     assert c.release_outside_windows("c", 9) == 0 and c.release_outside_windows("c", 13) == 1
     assert c.allocator.num_released("c", 0) == 0 and c.allocator.num_released("c", 1) == 1
-    # A KvState holds one table's layers: refused by name, nothing allocated.
+    # A state holds one section per table, each gathered at that table's slots; it imports into another cache
+    # with the same tables bit for bit, and a one-section state is refused before anything is allocated.
+    state = c.export_state("p")
+    assert c.state_layouts == (c.layout, c.layout) and state.layouts == c.state_layouts
+    for t, (k, v) in enumerate((rows[:2], rows[2:])):
+        got_k, got_v = (c.format.spec.decode(side)[0] for side in state.sections[t].layer(0))
+        torch.testing.assert_close(got_k, k.half().float())
+        torch.testing.assert_close(got_v, v.half().float())
+    other = PagedKvCache(10, 4, 1, 2, 16, F16, windows=(None, 8))
+    other.import_state("q", state)
+    assert other.export_state("q").equal(state)
     one = PagedKvCache(4, 4, 1, 2, 16, F16)
     assert one.add_sequence("x", 3).shape == (3,) and one.batch_tensors(["x"])[0].shape == (1, 1)
-    state = one.export_state("x")
     free = c.num_free_blocks
-    for call in (lambda: c.export_state("p"), lambda: c.import_state("n", state), lambda: c.write_state("p", 0, state)):
-        with pytest.raises(UnsupportedModel, match="2 block tables per sequence"):
+    for call in (lambda: c.import_state("n", one.export_state("x")), lambda: c.write_state("p", 0, state.sections[0])):
+        with pytest.raises(ShapeMismatch):
             call()
     assert "n" not in c.allocator and c.num_free_blocks == free
