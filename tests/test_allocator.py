@@ -365,8 +365,10 @@ def test_every_table_gets_its_own_blocks_from_one_free_list():
     for bad in ((), [0], [None, -1], "ab", [True]):
         with pytest.raises(ShapeMismatch):
             BlockAllocator(4, 4, windows=bad)
-    with pytest.raises(ShapeMismatch):
-        a.block_table("none", 2)
+    a.add_sequence("z", 1)
+    for group in (2, -1, True):
+        with pytest.raises(ShapeMismatch):
+            a.block_table("z", group)
 
 
 def test_tables_fail_atomically():
