@@ -732,8 +732,9 @@ def test_per_layer_shapes_state_round_trips_bit_exact_per_group():
         plain.import_state(0, state)
     with pytest.raises(ShapeMismatch, match="two or more"):
         GroupedKvState.of([one])
-    with pytest.raises(ShapeMismatch, match="distinct"):
-        GroupedKvState.of([one, one])
+    assert GroupedKvState.of([one, one]).layouts == (one.layout, one.layout)  # sections of one shape: block tables
+    with pytest.raises(ShapeMismatch, match="share format, batch and length"):
+        GroupedKvState.of([one, cache.export_state(2, 2, 5).sections[1]])  # 3 positions beside 7
     with pytest.raises(ShapeMismatch, match="layers must give"):
         GroupedKvState.of(state.sections, [[0, 1], [2], [3, 4]])  # 3 layers in the last section
     with pytest.raises(ShapeMismatch, match="layers must give"):

@@ -99,11 +99,11 @@ def engine_layer_specs(config: Any) -> list[LayerSpec]:
 
 
 def table_groups(kv_layers: list[LayerSpec]) -> tuple[tuple[int | None, ...], list[tuple[int, int]], int]:
-    """Table groups of the K/V layers: the layers of each attention span (None: full, which keeps every key; else a
-    sliding window W, or a chunk C, whose queries see no key at or before their position - C), in order of first use, cut into groups of ``size`` layers, ``size`` being the
-    fewest layers any span has (vLLM's hybrid cache does the same): the last group of a span is padded. Returns
-    each group's window, each layer's (group, layer within the group) and ``size``, the layers a block holds.
-    One span gives one group of every layer."""
+    """Table groups of the K/V layers: the layers of each attention span (None: full, which keeps every key; else
+    a sliding window W, or a chunk C, whose queries see no key at or before their position - C), in order of first
+    use, cut into groups of ``size`` layers, ``size`` being the fewest layers any span has (vLLM's hybrid cache
+    does the same): the last group of a span is padded. Returns each group's window, each layer's (group, layer
+    within the group) and ``size``, the layers a block holds. One span gives one group of every layer."""
     # A chunked layer's query sees keys from its chunk's start, all later than its position - chunk: for storage
     # that is a window of the chunk's size (the kernels still apply the chunk, counted from the sequence's start).
     spans = [spec.window if spec.kind == "sliding" else spec.chunk if spec.kind == "chunked" else None

@@ -310,7 +310,8 @@ class Service:
     async def prompt_logprobs(self, ids: list[int], k: int) -> list[TokenLogprob | None]:
         """Each prompt token's log-probability (LLM.prompt_logprobs), computed on the engine thread between steps."""
         self.check_open()
-        if self.llm.cache.allocator.blocks_for_tokens(len(ids)) > self.llm.cache.num_blocks:
+        # Scoring holds every block of every block table (LLM.score: can_add); more than the whole pool never fits.
+        if self.llm.cache.allocator.peak_blocks([len(ids)]) > self.llm.cache.num_blocks:
             raise ApiError(400, f"the prompt's {len(ids)} tokens do not fit in the whole KV cache pool")
         try:
             return await asyncio.wrap_future(self.engine.call(lambda llm: llm.prompt_logprobs(ids, k)))
