@@ -569,23 +569,19 @@ def test_mixed_spans_with_prefix_hits_preemption_and_forks(tmp_path):
     assert all(llm.cache.allocator.refcount(b) == 0 for b in range(llm.cache.num_blocks))
 
 
-@pytest.mark.parametrize("fmt", [F16, INT8])
-def test_mixed_spans_share_prefix_blocks_through_the_block_store(tmp_path, fmt):
-    """Two engines on one disk store: the second loads the first's prefix blocks (one section per block table,
-    each its group's written layers: the padded third sliding group holds one) and generates the cold run's greedy
-    tokens; what the store holds is the first engine's rows of every table, and a state exported from one cache
-    imports into another bit for bit."""
+def share_prefix_through_a_disk_store(model, fmt: KvStorageFormat, store: str):
+    """Two engines on one disk store: the second loads the first's prefix blocks and generates the cold run's greedy
+    tokens. Then a cold engine's pool holds the prompt's first block under the same key, with the rows the store
+    holds, bit for bit. Returns that engine (its sequence "probe" holding the block), the store's value and the
+    block's state."""
     from int8kv.blockstore import BlockSpec, decode_block
-    from int8kv.blockstore.codec import read_header
 
-    model = build_mixed(seed=8)
-    prompt = prompts(26, seed=9)[0]  # longer than the window: the sliding tables give blocks back as it prefills
+    prompt = prompts(26, seed=9)[0]
     want = hf_greedy(model, prompt, 6, None if fmt is F16 else fake_quant_cache(model, fmt))
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs, hits = [], []
-    for _ in range(2):
-        with engine(model, fmt, kv_store=f"disk:{tmp_path}") as llm:
-            assert llm.cache.state_layouts == tuple(KvLayout(n, 2, 16, fmt) for n in (2, 2, 1, 2))
+    for _ in range(2):  # two engines, one store directory
+        with engine(model, fmt, kv_store=f"disk:{store}") as llm:
             outs.append(llm.generate([prompt], params)[0].token_ids)
             assert llm.flush_kv_store(5.0)
             hits.append(llm.stats.store_hit_tokens)
@@ -593,13 +589,26 @@ def test_mixed_spans_share_prefix_blocks_through_the_block_store(tmp_path, fmt):
             value = llm.kv_store.get([key])[0]
     assert outs == [want, want]
     assert hits == [0, 24]  # 6 full blocks of the 26-token prompt, 2 tokens left to compute
-    assert read_header(value).version == 3 and len(read_header(value).groups) == 4
-    cold = engine(model, fmt)
+    cold = engine(model, fmt)  # a cold engine's pool holds the same block under the same key
     cold.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-    hit, _ = cold.cache.add_sequence_with_prefix("probe", 5, [key])
+    assert cold.scheduler.hasher.block_keys(prompt)[0] == key
+    hit, _ = cold.cache.add_sequence_with_prefix("probe", 5, [key])  # a hit leaves a token to compute
     assert hit == 4
     state = cold.cache.export_state("probe", 0, 4)
     assert decode_block(BlockSpec(cold.cache.state_layouts, 4, cold.fingerprint), value, key).equal(state)
+    return cold, value, state
+
+
+@pytest.mark.parametrize("fmt", [F16, INT8])
+def test_mixed_spans_share_prefix_blocks_through_the_block_store(tmp_path, fmt):
+    """Block values with one section per block table, each its group's written layers (the padded third sliding
+    group holds one); a state exported from one cache imports into another bit for bit."""
+    from int8kv.blockstore.codec import read_header
+
+    model = build_mixed(seed=8)  # the 26-token prompt is longer than the window: sliding tables give blocks back
+    cold, value, state = share_prefix_through_a_disk_store(model, fmt, tmp_path)
+    assert cold.cache.state_layouts == tuple(KvLayout(n, 2, 16, fmt) for n in (2, 2, 1, 2))
+    assert read_header(value).version == 3 and len(read_header(value).groups) == 4
     other = engine(model, fmt).cache
     other.import_state("copy", state)
     assert other.export_state("copy").equal(state)
@@ -650,35 +659,11 @@ def test_per_layer_shapes_with_prefix_caching_preemption_and_forks():
 
 @pytest.mark.parametrize("fmt", [F16, INT8])
 def test_per_layer_shapes_share_prefix_blocks_through_the_block_store(tmp_path, fmt):
-    """Two engines on one disk store: the second loads the first's prefix blocks (version-3 values, one section per
-    K/V shape) and generates the cold run's greedy tokens."""
-    from int8kv.blockstore import BlockSpec, decode_block
+    """Version-3 block values, one section per K/V shape: the store holds the first engine's rows of both pools."""
     from int8kv.blockstore.codec import read_header
 
-    model = build("gemma4_text", seed=8)
-    prompt = prompts(26, seed=9)[0]
-    want = hf_greedy(model, prompt, 6, None if fmt is F16 else fake_quant_cache(model, fmt))
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    outs, hits = [], []
-    for _ in range(2):  # two engines, one store directory
-        with engine(model, fmt, kv_store=f"disk:{tmp_path}") as llm:
-            outs.append(llm.generate([prompt], params)[0].token_ids)
-            assert llm.flush_kv_store(5.0)
-            hits.append(llm.stats.store_hit_tokens)
-            key = llm.scheduler.hasher.block_keys(prompt)[0]
-            value = llm.kv_store.get([key])[0]
-    assert outs == [want, want]
-    assert hits == [0, 24]  # 6 full blocks of the 26-token prompt, 2 tokens left to compute
-    # What the store holds for the prompt's first block is the first engine's rows of both pools, bit for bit.
+    cold, value, _ = share_prefix_through_a_disk_store(build("gemma4_text", seed=8), fmt, tmp_path)
     assert read_header(value).version == 3 and read_header(value).groups == ((2, 0, 2, 16), (2, 0, 2, 32))
-    cold = engine(model, fmt)  # a cold engine's pool holds the same block under the same key
-    cold.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-    assert cold.scheduler.hasher.block_keys(prompt)[0] == key
-    hit, _ = cold.cache.add_sequence_with_prefix("probe", 5, [key])  # a hit leaves a token to compute
-    assert hit == 4
-    assert decode_block(BlockSpec(cold.cache.layouts, 4, cold.fingerprint), value, key).equal(
-        cold.cache.export_state("probe", 0, 4)
-    )
     cold.cache.free("probe")
 
 
