@@ -22,11 +22,34 @@ from ..quant4 import BLOCK, Q4Rows, unpack_nibbles
 from .plan import AttentionVariant
 from .reference import probabilities, visible_keys
 
-__all__ = ["attend_q4"]
+__all__ = ["attend_q4", "sealed_scores", "sealed_values"]
 
 
-def _f64(a) -> torch.Tensor:
+def f64(a) -> torch.Tensor:
     return torch.from_numpy(a.astype("float64"))
+
+
+def per_query_head(t: torch.Tensor, group: int, axis: int) -> torch.Tensor:
+    """KV-head axis ``axis`` of ``t`` repeated for the ``group`` query heads that read each KV head."""
+    return t.repeat_interleave(group, dim=axis)
+
+
+def sealed_scores(q: torch.Tensor, k_codes, k_scale, k_min, group: int) -> torch.Tensor:
+    """``q [n, Hq, d]`` (float64) . the sealed blocks' keys (per channel: ``scale * code + min``; packed codes
+    ``[blocks, B, Hk, d / 2]``, scale and minimum ``[blocks, Hk, d]``) -> float64 ``[n, Hq, blocks * B]``."""
+    n, hq, _ = q.shape
+    ck = per_query_head(f64(unpack_nibbles(k_codes)), group, 2)  # [blocks, B, Hq, d]
+    ks, km = per_query_head(f64(k_scale), group, 1), per_query_head(f64(k_min), group, 1)  # [blocks, Hq, d]
+    dots = torch.einsum("nhi,bhi,bjhi->nhbj", q, ks, ck) + torch.einsum("nhi,bhi->nhb", q, km)[..., None]
+    return dots.reshape(n, hq, -1)
+
+
+def sealed_values(p: torch.Tensor, v_codes, v_scale, v_min, group: int) -> torch.Tensor:
+    """Probabilities ``p [n, Hq, blocks, B]`` over the sealed blocks' values (per position: ``scale * code + min``;
+    packed codes ``[blocks, B, Hk, d / 2]``, scale and minimum ``[blocks, B, Hk]``) -> float64 ``[n, Hq, d]``."""
+    cv = per_query_head(f64(unpack_nibbles(v_codes)), group, 2)  # [blocks, B, Hq, d]
+    vs, vm = per_query_head(f64(v_scale), group, 2), per_query_head(f64(v_min), group, 2)  # [blocks, B, Hq]
+    return torch.einsum("nhbj,bjh,bjhi->nhi", p, vs, cv) + torch.einsum("nhbj,bjh->nh", p, vm)[..., None]
 
 
 def attend_q4(
@@ -48,23 +71,12 @@ def attend_q4(
         )
     group = hq // heads
     qq = q.double()
-
-    def per_query_head(t: torch.Tensor, axis: int) -> torch.Tensor:
-        return t.repeat_interleave(group, dim=axis)
-
-    ck = per_query_head(_f64(unpack_nibbles(rows.k_codes)), 2)  # [blocks, BLOCK, Hq, d]
-    ks, km = per_query_head(_f64(rows.k_scale), 1), per_query_head(_f64(rows.k_min), 1)  # [blocks, Hq, d]
-    sealed = torch.einsum("nhi,bhi,bjhi->nhbj", qq, ks, ck) + torch.einsum("nhi,bhi->nhb", qq, km)[..., None]
-    dots = torch.cat(
-        [sealed.reshape(n, hq, -1), torch.einsum("nhi,thi->nht", qq, per_query_head(_f64(rows.k_open), 1))], -1
-    )
+    sealed = sealed_scores(qq, rows.k_codes, rows.k_scale, rows.k_min, group)
+    dots = torch.cat([sealed, torch.einsum("nhi,thi->nht", qq, per_query_head(f64(rows.k_open), group, 1))], -1)
     query_pos = torch.arange(ctx - n, ctx)
     visible = visible_keys(query_pos, torch.arange(ctx), kv_start, variant)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     p = probabilities(dots, visible, scale, variant)
     nsealed = rows.k_codes.shape[0] * BLOCK
-    ps = p[..., :nsealed].reshape(n, hq, -1, BLOCK)
-    cv = per_query_head(_f64(unpack_nibbles(rows.v_codes)), 2)  # [blocks, BLOCK, Hq, d]
-    vs, vm = per_query_head(_f64(rows.v_scale), 2), per_query_head(_f64(rows.v_min), 2)  # [blocks, BLOCK, Hq]
-    out = torch.einsum("nhbj,bjh,bjhi->nhi", ps, vs, cv) + torch.einsum("nhbj,bjh->nh", ps, vm)[..., None]
-    return out + torch.einsum("nht,thi->nhi", p[..., nsealed:], per_query_head(_f64(rows.v_open), 1))
+    out = sealed_values(p[..., :nsealed].reshape(n, hq, -1, BLOCK), rows.v_codes, rows.v_scale, rows.v_min, group)
+    return out + torch.einsum("nht,thi->nhi", p[..., nsealed:], per_query_head(f64(rows.v_open), group, 1))

@@ -20,16 +20,12 @@ import math
 import torch
 
 from ..errors import ShapeMismatch
-from ..quant4 import unpack_nibbles
 from ..quant4w import BLOCK, Q4WRows, f16_positions, sealed_blocks
 from .plan import AttentionVariant
 from .reference import probabilities, visible_keys
+from .reference_q4 import f64, per_query_head, sealed_scores, sealed_values
 
 __all__ = ["attend_pool", "attend_q4w", "query_runs"]
-
-
-def _f64(a) -> torch.Tensor:
-    return torch.from_numpy(a.astype("float64"))
 
 
 def attend_q4w(
@@ -49,21 +45,14 @@ def attend_q4w(
         raise ShapeMismatch(f"q {tuple(q.shape)} does not fit {ctx} stored rows of {heads} heads x {dim}")
     group = hq // heads
     qq = q.double()
-
-    def per_query_head(t: torch.Tensor, axis: int) -> torch.Tensor:
-        return t.repeat_interleave(group, dim=axis)
-
     sinks, window = (torch.tensor(list(r), dtype=torch.long) for r in f16_positions(ctx))
     blocks = rows.k_codes.shape[0]
     nsealed = blocks * BLOCK
     dots = torch.zeros(n, hq, ctx, dtype=torch.float64)
     if blocks:
-        ck = per_query_head(_f64(unpack_nibbles(rows.k_codes)), 2)  # [blocks, 64, Hq, d]
-        ks, km = per_query_head(_f64(rows.k_scale), 1), per_query_head(_f64(rows.k_min), 1)  # [blocks, Hq, d]
-        sealed = torch.einsum("nhi,bhi,bjhi->nhbj", qq, ks, ck) + torch.einsum("nhi,bhi->nhb", qq, km)[..., None]
-        dots[..., :nsealed] = sealed.reshape(n, hq, nsealed)
+        dots[..., :nsealed] = sealed_scores(qq, rows.k_codes, rows.k_scale, rows.k_min, group)
     for where, k16 in ((sinks, rows.k_sink), (window, rows.k_window)):
-        dots[..., where] = torch.einsum("nhi,thi->nht", qq, per_query_head(_f64(k16), 1))
+        dots[..., where] = torch.einsum("nhi,thi->nht", qq, per_query_head(f64(k16), group, 1))
     visible = visible_keys(torch.arange(ctx - n, ctx), torch.arange(ctx), kv_start, variant)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     p = probabilities(dots, visible, scale, variant)
@@ -71,12 +60,9 @@ def attend_q4w(
     if blocks:
         ps = p[..., :nsealed].clone()
         ps[..., sinks] = 0.0  # block 0's sink positions are read from their F16 rows below
-        ps = ps.reshape(n, hq, blocks, BLOCK)
-        cv = per_query_head(_f64(unpack_nibbles(rows.v_codes)), 2)  # [blocks, 64, Hq, d]
-        vs, vm = per_query_head(_f64(rows.v_scale), 2), per_query_head(_f64(rows.v_min), 2)  # [blocks, 64, Hq]
-        out += torch.einsum("nhbj,bjh,bjhi->nhi", ps, vs, cv) + torch.einsum("nhbj,bjh->nh", ps, vm)[..., None]
+        out += sealed_values(ps.reshape(n, hq, blocks, BLOCK), rows.v_codes, rows.v_scale, rows.v_min, group)
     for where, v16 in ((sinks, rows.v_sink), (window, rows.v_window)):
-        out += torch.einsum("nht,thi->nhi", p[..., where], per_query_head(_f64(v16), 1))
+        out += torch.einsum("nht,thi->nhi", p[..., where], per_query_head(f64(v16), group, 1))
     return out
 
 
