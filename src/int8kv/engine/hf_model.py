@@ -733,6 +733,16 @@ class TransformersModel:
         except NonFiniteError:
             pass  # a property of the weights or of the probe's tokens, not of the architecture: requests will say so
 
+    @torch.inference_mode()
+    def _own_logits(self, tokens: list[int]) -> torch.Tensor:
+        """The model's own forward over one sequence of `tokens`, without a cache: float32 ``[tokens, vocab]``."""
+        device = next(self.hf.parameters()).device
+        return self.hf(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0].float()
+
+    def _tolerance(self, floor: float) -> float:
+        """A probe's tolerance: `floor`, or 4 ulps of the weights' dtype where that is coarser."""
+        return max(floor, 4 * torch.finfo(next(self.hf.parameters()).dtype).eps)
+
     def _check_continuation(self, cache: PagedKvCache) -> None:
         """A model with state layers: a sequence's later tokens, run one per forward after a two-token first
         chunk, must give the model's own forward without a cache (UnsupportedModel, by name, otherwise); and when
@@ -756,16 +766,13 @@ class TransformersModel:
                 states.free(seq)
                 if seq in cache.allocator:
                     cache.free(seq)
-        with torch.inference_mode():
-            own = self.hf(input_ids=torch.tensor([tokens], device=cache.device), use_cache=False).logits[0, 2:]
-        eps = torch.finfo(next(self.hf.parameters()).dtype).eps
-        off = _relative_error(rows[1], own.float())
-        if off > max(OWN_TOLERANCE, 4 * eps):
+        off = _relative_error(rows[1], self._own_logits(tokens)[2:])
+        if off > self._tolerance(OWN_TOLERANCE):
             raise UnsupportedModel(
                 f"{type(self.hf).__name__}'s logits for tokens fed one per forward after a first chunk differ from "
                 f"its own forward's by {off:.3g} of their range: its state does not continue across forwards"
             )
-        if _relative_error(rows[0], rows[1]) > max(PACKED_TOLERANCE, 4 * eps):
+        if _relative_error(rows[0], rows[1]) > self._tolerance(PACKED_TOLERANCE):
             states.continues_chunks = False
 
     def _check_packing(self, cache: PagedKvCache) -> None:
@@ -781,19 +788,17 @@ class TransformersModel:
         packed = self.forward(cache, _probe_batch(cache, [(0, a[2:], 2), (1, b, 0)]), all_logits=True)
         alone = [self.forward(cache, _probe_batch(cache, [(2 + i, seq, 0)]), all_logits=True)
                  for i, seq in enumerate((a, b))]  # fmt: skip
-        with torch.inference_mode():  # A's three tokens show a mask the plan contradicts (B adds nothing to that)
-            own = self.hf(input_ids=torch.tensor([a], device=cache.device), use_cache=False).logits[0].float()
-        eps = torch.finfo(next(self.hf.parameters()).dtype).eps
+        own = self._own_logits(a)  # A's three tokens show a mask the plan contradicts (B adds nothing to that)
         name = type(self.hf).__name__
         off = _relative_error(torch.cat([first, packed]), torch.cat([alone[0], alone[1]]))
-        if off > max(PACKED_TOLERANCE, 4 * eps):
+        if off > self._tolerance(PACKED_TOLERANCE):
             raise UnsupportedModel(
                 f"{name} gives other logits for two sequences packed into one step than for each alone (off by "
                 f"{off:.3g} of their range): its forward mixes the row's tokens outside the attention or takes "
                 "positions from somewhere other than position_ids, which the engine's packed steps cannot serve"
             )
         off = _relative_error(alone[0], own)
-        if off > max(OWN_TOLERANCE, 4 * eps):
+        if off > self._tolerance(OWN_TOLERANCE):
             raise UnsupportedModel(
                 f"{name}'s logits through the engine's cache differ from its own forward's by {off:.3g} of their "
                 "range: its attention follows a mask or inputs the engine's plan does not implement"
