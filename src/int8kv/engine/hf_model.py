@@ -655,9 +655,8 @@ class TransformersModel:
     def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
         device = next(self.hf.parameters()).device
         layouts = [layout.with_format(format) for layout in self.layouts]
-        tables = self.table_layers if len(self.windows) > 1 else None
         return PagedKvCache.with_groups(num_blocks, block_size, layouts, device=device, windows=self.windows,
-                                        table_layers=tables)  # fmt: skip
+                                        table_layers=self.table_layers)  # fmt: skip
 
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> tuple[AttentionPlan, ...]:
         """The step's plan over each block table of `cache` (one with a single table)."""
