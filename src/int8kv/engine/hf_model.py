@@ -63,7 +63,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .. import ops
 from ..cache.paged import PagedKvCache
-from ..cache.state import KvLayout
+from ..cache.state import KvLayout, group_layers
 from ..errors import (
     AttentionBypassed,
     KvCacheError,
@@ -423,18 +423,13 @@ def discover_kv_dims(hf_model: torch.nn.Module, num_kv_layers: int) -> list[tupl
 
 def kv_groups(shapes: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """The distinct (kv_heads, head_dim) of ``shapes`` in order of first use (one pool each), and for each layer
-    its (group, index within the group)."""
-    groups: list[tuple[int, int]] = []
-    counts: list[int] = []
-    where = []
-    for shape in shapes:
-        if shape not in groups:
-            groups.append(shape)
-            counts.append(0)
-        g = groups.index(shape)
-        where.append((g, counts[g]))
-        counts[g] += 1
-    return groups, where
+    its (group, index within the group): `cache.state.group_layers`' grouping, which the drop-in's export uses."""
+    groups = group_layers(shapes)
+    where: list[tuple[int, int]] = [(0, 0)] * len(shapes)
+    for g, layers in enumerate(groups):
+        for j, i in enumerate(layers):
+            where[i] = (g, j)
+    return [tuple(shapes[layers[0]]) for layers in groups], where  # type: ignore[misc]
 
 
 def check_architecture(hf_model: torch.nn.Module) -> list[LayerSpec]:
