@@ -423,10 +423,13 @@ def refused_by_config(name: str) -> Outcome | None:
 WARM = ("llama", "gemma2", "gpt_oss", "llama4_text")
 
 
-def warm_up() -> None:
-    """Compile the kernels (or load them from numba's cache) outside any model's time limit."""
+def warm_up(reverse: bool = False) -> None:
+    """Compile the kernels (or load them from numba's cache) outside any model's time limit. Processes that warm
+    up at once share the compiles (int8kv.numba_cache: one compiles a specialisation, the others wait for it and
+    load it); ``reverse`` (every second test worker) takes the models the other way round, so two workers compile
+    different specialisations first instead of one waiting on the other."""
     transformers.logging.set_verbosity_error()
-    for mt in WARM:
+    for mt in reversed(WARM) if reverse else WARM:
         outcome(mt, seconds=0)
 
 

@@ -9,6 +9,7 @@ with ``python tests/models_coverage.py``).
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -20,7 +21,8 @@ ROWS = page_rows(PAGE)
 
 @pytest.fixture(scope="module")
 def warm():
-    warm_up()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")  # gw0, gw1, ...: pytest-xdist's worker name
+    warm_up(reverse=int(worker[2:] or 0) % 2 == 1)
 
 
 @pytest.mark.parametrize("model_type", candidate_types())

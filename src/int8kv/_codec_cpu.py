@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import numba as nb
 import numpy as np
 
+from .numba_cache import share_compiles
+
 # Elements below which one thread beats waking the pool: on a busy machine waking a second thread can
 # take milliseconds, while 64 Ki elements take ~20 us here. (A decode step encodes a few hundred.)
 SERIAL_ELEMENTS = 1 << 16
@@ -109,3 +111,6 @@ def dequantize_rows(q: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
         s = scale[r]
         for j in range(d):
             out[r, j] = np.float32(q[r, j]) * s
+
+
+share_compiles(globals())  # one compile per signature across processes, and a safe disk cache (int8kv.numba_cache)

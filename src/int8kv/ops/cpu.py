@@ -28,6 +28,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
+from ..numba_cache import share_compiles
 from . import cpu_simd
 from .parts import KERNELS, codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
@@ -1202,3 +1203,6 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, varia
     if long.size:
         _flash_prefill(pool, layer, q, plan, out, long, variant, lows)
     return out
+
+
+share_compiles(globals())  # one compile per signature across processes, and a safe disk cache (int8kv.numba_cache)

@@ -36,6 +36,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from ..numba_cache import share_compiles
 from ..quant4 import BLOCK
 from . import cpu_simd
 from .cpu import normaliser, thread_choice
@@ -259,21 +260,34 @@ def _merge(part_m, part_l, part_acc, firsts, sinks, out):
                 o[i] *= inv
 
 
+@njit(fastmath=True, inline="always")
+def _part_states(n_items, hq, d):
+    """Each work item's unnormalised softmax state (max, sum, output) per query head, for `_merge`."""
+    return (np.empty((n_items, hq), np.float32), np.empty((n_items, hq), np.float32),
+            np.empty((n_items, hq, d), np.float32))
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _decode_parallel(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap, sinks, f16, out):
     """Every work item (static split of the items over the threads: they are about equal by construction),
     then the merge on the calling thread. `_decode_serial` is the same on the calling thread alone."""
-    n_items, hq, d = items.shape[0], q.shape[1], q.shape[2]
-    part_m = np.empty((n_items, hq), np.float32)
-    part_l = np.empty((n_items, hq), np.float32)
-    part_acc = np.empty((n_items, hq, d), np.float32)
-    for it in prange(n_items):
+    part_m, part_l, part_acc = _part_states(items.shape[0], q.shape[1], q.shape[2])
+    for it in prange(items.shape[0]):
         _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
                   part_acc)
     _merge(part_m, part_l, part_acc, firsts, sinks, out)
 
 
-_decode_serial = njit(fastmath=True, cache=True)(_decode_parallel.py_func)
+@njit(fastmath=True, cache=True)
+def _decode_serial(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap, sinks, f16, out):
+    """`_decode_parallel` on the calling thread. Its own function, not ``njit(_decode_parallel.py_func)``: two
+    builds of one Python function share numba's cache index and keys, so each could load the other's build
+    (int8kv.numba_cache)."""
+    part_m, part_l, part_acc = _part_states(items.shape[0], q.shape[1], q.shape[2])
+    for it in range(items.shape[0]):
+        _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
+                  part_acc)
+    _merge(part_m, part_l, part_acc, firsts, sinks, out)
 
 
 def decode_items(lows: np.ndarray, lens: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -368,3 +382,6 @@ def layout_from_rows(seqs: list, order: np.ndarray | None = None) -> dict[str, n
         at += counts[b]
     lens = np.array([len(s) for s in seqs], np.int32)
     return {**pool, "k_open": k_open, "v_open": v_open, "block_tables": tables, "context_lens": lens}
+
+
+share_compiles(globals())  # one compile per signature across processes, and a safe disk cache (int8kv.numba_cache)

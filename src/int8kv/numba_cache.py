@@ -1,0 +1,130 @@
+"""numba's disk cache (``cache=True``) shared safely by processes that compile at the same time.
+
+numba keeps one index file per function (signature -> data file) and one data file per compiled signature. Its
+save (numba 0.68, ``caching.IndexDataCacheFile.save``) reads the index, takes the first free data-file number,
+writes the index, then the data file, under no lock. Two processes compiling two signatures of one function at
+once (the suite's two pytest workers; server replicas starting together) can both take number 1: the index
+then names one process's machine code under the other's signature, and a later load runs it on argument types
+it was not compiled for. Nothing in numba checks. A process that loads while another saves can also read an index
+entry whose data file is not yet written, or still holds a stale build of the same number.
+
+:func:`share_compiles` gives each cached dispatcher of a module:
+
+* a cache whose index is read under a shared lock and written (index and data together) under an exclusive one,
+  in a lock file beside the index, so an index entry always names the data written for its key;
+* a compile lock per (function, signature): a process that needs a signature another process is compiling waits
+  for it and then loads it from the disk cache instead of compiling it a second time. One kernel specialisation
+  is 15-50 s of CPU (ops/cpu.py); the suite's two workers used to compile each one twice at once.
+
+Locks are ``flock`` on files in the cache directory, released when the holder ends however it ends; a directory
+where they cannot be made leaves numba's own behaviour. Each cached dispatcher must come from its own Python
+function: twins made from one (``njit(parallel=True)(f)`` and ``njit(f.py_func)``) share an index file and its
+keys (the key holds the signature and the code, not the options), so one would load the other's build;
+:func:`share_compiles` refuses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+from collections.abc import Iterator
+
+from numba.core import caching
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.registry import CPUDispatcher
+
+_HELD: dict[str, int] = {}  # lock path -> depth, for the locks this process holds (under numba's compiler lock)
+
+
+@contextlib.contextmanager
+def _locked(path: str, shared: bool = False) -> Iterator[None]:
+    """Hold ``flock`` on ``path`` (created if needed). Called with numba's compiler lock held, so one thread of
+    this process at a time; re-entrant for the nested compiles of callees. A path that cannot be opened is not
+    locked."""
+    if path in _HELD:
+        _HELD[path] += 1
+        try:
+            yield
+        finally:
+            _HELD[path] -= 1
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        _HELD[path] = 1
+        try:
+            yield
+        finally:
+            del _HELD[path]
+    finally:
+        os.close(fd)  # releases the flock
+
+
+class SharedFunctionCache(caching.FunctionCache):
+    """numba's function cache with its index read under a shared lock and written under an exclusive one."""
+
+    def _lock_path(self, suffix: str) -> str:
+        return os.path.join(self.cache_path, f"{self._impl.filename_base}.{suffix}.lock")
+
+    def load_overload(self, sig, target_context):
+        with _locked(self._lock_path("index"), shared=True):
+            return super().load_overload(sig, target_context)
+
+    def save_overload(self, sig, data):
+        try:
+            self._impl.locator.ensure_cache_path()
+        except OSError:
+            return super().save_overload(sig, data)
+        with _locked(self._lock_path("index")):
+            super().save_overload(sig, data)
+
+    @contextlib.contextmanager
+    def compiling(self, sig) -> Iterator[None]:
+        """Held while this process loads or compiles ``sig``: one process at a time per signature."""
+        digest = hashlib.sha1(repr(sig).encode()).hexdigest()[:16]
+        try:
+            self._impl.locator.ensure_cache_path()
+        except OSError:
+            yield
+            return
+        with _locked(self._lock_path(digest)):
+            yield
+
+
+def _share(dispatcher: CPUDispatcher) -> None:
+    try:
+        cache = SharedFunctionCache(dispatcher.py_func)
+    except RuntimeError:  # no cache location numba can write: its own (null) cache stays
+        return
+    dispatcher._cache = cache  # what numba's own enable_caching() sets
+    compile_once = dispatcher.compile
+
+    def compile(sig):
+        # numba's compiler lock first (compile_once takes it again: it is re-entrant), so no thread of this
+        # process waits for a file lock that another of its threads holds while it waits for the compiler lock
+        with global_compiler_lock, cache.compiling(sig):
+            return compile_once(sig)
+
+    dispatcher.compile = compile
+
+
+def share_compiles(namespace: dict) -> None:
+    """Give every cached numba dispatcher in ``namespace`` (a module's ``globals()``) the shared cache and the
+    per-signature compile lock (module docs). Twins of one Python function are refused (ValueError)."""
+    cached = [(name, value) for name, value in namespace.items()
+              if isinstance(value, CPUDispatcher) and isinstance(value._cache, caching.FunctionCache)]
+    seen: dict[object, str] = {}
+    for name, value in cached:  # every check before any change
+        if value.py_func in seen:
+            raise ValueError(f"{seen[value.py_func]} and {name} are cached builds of one Python function: their "
+                             "disk cache entries would collide; give each its own function")
+        seen[value.py_func] = name
+    for _, value in cached:
+        if not isinstance(value._cache, SharedFunctionCache):
+            _share(value)

@@ -1,0 +1,130 @@
+"""int8kv.numba_cache: processes that compile one cached function at once share the work and the disk cache.
+
+Each test writes a small module of cached numba functions into its own temporary directory, points
+NUMBA_CACHE_DIR there, and runs child processes that wait on a common start file before their first call, so
+their compiles overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numba
+import pytest
+
+from int8kv.numba_cache import SharedFunctionCache, share_compiles
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+MODULE = textwrap.dedent('''
+    import numba
+    import numpy as np
+    from int8kv.numba_cache import share_compiles
+
+    @numba.njit(cache=True)
+    def combine(x, y):
+        total = x[0] * 0
+        for i in range(x.shape[0]):
+            total += x[i] * y + i
+        return total * 100 + x.itemsize  # a build run on another dtype's data reads the wrong values
+
+    share_compiles(globals())
+''')
+
+CHILD = textwrap.dedent('''
+    import json, os, sys, time
+    import numpy as np
+    from numba.core import caching
+    if os.environ.get("SLOW_INDEX"):  # a slow disk: numba's read-pick-write of the index takes 0.3 s
+        save_index = caching.IndexDataCacheFile._save_index
+        def slow(self, overloads):
+            time.sleep(0.3)
+            save_index(self, overloads)
+        caching.IndexDataCacheFile._save_index = slow
+    import kernels
+    start = sys.argv[1]
+    while not os.path.exists(start):
+        time.sleep(0.005)
+    out = {}
+    for kind in sys.argv[2:]:
+        x = np.arange(5, dtype=kind)
+        r = kernels.combine(x, x.dtype.type(3))
+        out[kind] = [float(r), type(r).__name__]
+    stats = kernels.combine.stats
+    print(json.dumps({"result": out, "hits": sum(stats.cache_hits.values()),
+                      "misses": sum(stats.cache_misses.values())}))
+''')
+
+
+def _children(tmp_path: Path, kinds: list[list[str]], slow_index: bool = False) -> list[dict]:
+    """Run one child per entry of ``kinds`` (the dtypes it calls `combine` with), all released at once;
+    ``slow_index``: each index write of numba's takes 0.3 s more, so unlocked saves would overlap."""
+    (tmp_path / "kernels.py").write_text(MODULE)
+    (tmp_path / "child.py").write_text(CHILD)
+    start = tmp_path / f"start-{time.monotonic_ns()}"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SRC)])}  # fmt: skip
+    if slow_index:
+        env["SLOW_INDEX"] = "1"
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(start), *k], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in kinds]
+    time.sleep(0.5)  # the children import numba meanwhile; a late one only finds more in the cache
+    start.write_text("")
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _expected(kind: str) -> list:
+    """What `combine` returns for ``arange(5, dtype=kind)`` and 3: its value and Python type."""
+    total = sum(v * 3 + i for i, v in enumerate(range(5)))
+    return [float(total * 100 + int(kind[-2:]) // 8), "float" if kind.startswith("float") else "int"]
+
+
+def test_one_process_compiles_a_signature_the_others_load(tmp_path):
+    results = _children(tmp_path, [["int64"], ["int64"], ["int64"]])
+    for r in results:
+        assert r["result"]["int64"] == _expected("int64")
+    assert sorted(r["misses"] for r in results) == [0, 0, 1]  # one compile; the others waited and loaded it
+    assert sum(r["hits"] for r in results) == 2
+
+
+def test_signatures_compiled_at_once_all_reach_the_index(tmp_path):
+    kinds = ["int64", "float64", "int32", "float32"]
+    first = _children(tmp_path, [[k] for k in kinds], slow_index=True)  # four signatures saved at once
+    for kind, r in zip(kinds, first, strict=True):
+        assert r["result"][kind] == _expected(kind), r
+    (later,) = _children(tmp_path, [kinds])  # a later process finds every one of them, each its own build
+    assert later["misses"] == 0 and later["hits"] == len(kinds), later
+    for kind in kinds:
+        assert later["result"][kind] == _expected(kind)
+
+
+def test_twin_builds_of_one_function_are_refused():
+    def body(x):
+        return x + 1
+
+    namespace = {"a": numba.njit(cache=False)(body)}
+    share_compiles(namespace)  # not cached: nothing to share, nothing refused
+    twins = {"a": numba.njit(cache=True)(body), "b": numba.njit(cache=True, parallel=True)(body)}
+    with pytest.raises(ValueError, match="a and b|b and a"):
+        share_compiles(twins)
+
+
+def test_the_kernel_modules_share_their_compiles():
+    from int8kv import _codec_cpu
+    from int8kv.ops import cpu, cpu_q4
+
+    for module in (cpu, cpu_q4, _codec_cpu):
+        cached = [v for v in vars(module).values() if isinstance(v, numba.core.registry.CPUDispatcher)
+                  and v._cache.__class__.__name__ != "NullCache"]  # fmt: skip
+        assert cached and all(isinstance(v._cache, SharedFunctionCache) for v in cached), module.__name__
