@@ -3,8 +3,9 @@ reference over the same pool (int8kv.ops.reference_q4w), step by step on fresh r
 and prefill chunks, lengths below the sinks, mid-page, below 64 + 64 and on seal boundaries, GQA, head_dim 64,
 80 and 128, windows, chunks, softcap, sinks, kv_starts; and its refusals.
 
-One kernel specialisation (float32 q, the pool's dtypes, one numba thread: the serial kernel only; its parallel
-twin runs the same `_run_items`)."""
+Two kernel specialisations, 5-6 s of CPU each when cold (float32 q, the pool's dtypes, one numba thread: the
+serial kernel only, its parallel twin runs the same `_run_items`): the codes read in place, and unpacked first
+for head_dim 80)."""
 
 from __future__ import annotations
 
