@@ -9,6 +9,7 @@ BENCHMARKS = {
     "e2e": "int8kv.bench.e2e",
     "kv4": "int8kv.bench.kv4",
     "kv4_attention": "int8kv.bench.kv4_attention",
+    "q4w_attention": "int8kv.bench.q4w_attention",
     "engine_paths": "int8kv.bench.engine_paths",
     "prefix": "int8kv.bench.prefix",
     "store": "int8kv.bench.store",

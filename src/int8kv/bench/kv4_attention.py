@@ -79,17 +79,26 @@ def run_shape(name: str, repeat: int, seed: int = 0) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run(shapes: tuple[str, ...] = SHAPES, repeat: int = 20) -> dict[str, Any]:
+def run_rows(run_shape, shapes: tuple[str, ...], repeat: int) -> dict[str, Any]:
+    """``run_shape(shape, repeat)`` for each shape, with the threads and the load they ran under."""
     return {
         "numba_threads": numba.get_num_threads(), "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()), "rows": [run_shape(s, repeat) for s in shapes],
     }
 
 
+def run(shapes: tuple[str, ...] = SHAPES, repeat: int = 20) -> dict[str, Any]:
+    return run_rows(run_shape, shapes, repeat)
+
+
+def heading(result: dict) -> str:
+    return (f"decode attention, one step; numba threads {result['numba_threads']}, load average "
+            + ", ".join(f"{x:.1f}" for x in result["load_average"]))
+
+
 def report(result: dict) -> str:
     lines = [
-        f"decode attention, one step; numba threads {result['numba_threads']}, load average "
-        + ", ".join(f"{x:.1f}" for x in result["load_average"]),
+        heading(result),
         f"{'shape':<10}{'int8 best':>11}{'q4 best':>10}{'q4/int8':>9}{'int8 med':>10}{'q4 med':>9}{'q4/int8':>9}"
         f"{'bytes q4/int8':>15}",
     ]
@@ -103,10 +112,12 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = bench_parser("kv4_attention", __doc__.split("\n")[0])
+def decode_args(name: str, description: str, repeat: int, argv: list[str] | None):
+    """The options of a decode-kernel benchmark over SHAPES (--preset, --repeat, --threads, --json), checked;
+    numba's thread count set. Returns ``(args, shapes)``."""
+    parser = bench_parser(name, description)
     parser.add_argument("--preset", choices=(*SHAPES, "all"), default="all", help="shape(s) to time")
-    parser.add_argument("--repeat", type=int, default=20, help="timed calls per kernel")
+    parser.add_argument("--repeat", type=int, default=repeat, help="timed calls per kernel")
     parser.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
     args = parser.parse_args(argv)
     check_minimums(args, {"repeat": 1})
@@ -115,7 +126,12 @@ def main(argv: list[str] | None = None) -> dict:
         if args.threads > numba.config.NUMBA_NUM_THREADS:
             raise CliError(f"--threads {args.threads}: numba has {numba.config.NUMBA_NUM_THREADS} threads")
         numba.set_num_threads(args.threads)
-    result = run(SHAPES if args.preset == "all" else (args.preset,), args.repeat)
+    return args, SHAPES if args.preset == "all" else (args.preset,)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, shapes = decode_args("kv4_attention", __doc__.split("\n")[0], 20, argv)
+    result = run(shapes, args.repeat)
     return emit(result, report(result), args.json)
 
 

@@ -23,9 +23,11 @@ at the start of the sequence's next step, before any window page is taken), so e
 own decode step would: :meth:`stored_form` of its prefix. The stored form of ``n`` positions is therefore
 ``quant4w.encode_sequence`` of them, whatever chunks wrote them (tests/test_pool_q4w.py).
 
+Reads: the reference backend through :meth:`stored_form`; the CPU backend's kernel (int8kv.ops.cpu_q4w) in
+place, through :meth:`layer_pages` and :meth:`page_books`, after :meth:`check_reads`.
+
 Not implemented (refused by name, UnsupportedFormat): writes by slot without a plan, copy-on-write copies,
-export / import of rows, resizing; the CPU and Triton backends (no kernels for this format: only the reference
-backend reads it, through :meth:`stored_form`).
+export / import of rows, resizing; the Triton backend (no kernel for this format).
 """
 
 from __future__ import annotations
@@ -221,6 +223,27 @@ class Int4SinkWindowPool:
                 self._f16_held[:, blk] = False
 
     # -- reads ------------------------------------------------------------------------------------------------
+    def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """One layer's storage as a kernel reads it (views of the pool's tensors, no copy): ``(k_codes, k_scale,
+        k_min, v_codes, v_scale, v_min, k_window, v_window, k_sink, v_sink)``, the shapes of the module docs
+        without the layer axis."""
+        return (*(t[layer] for t in self._k), *(t[layer] for t in self._v), self._k_win[layer], self._v_win[layer],
+                self._k_sink[layer], self._v_sink[layer])
+
+    def page_books(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(window_of, sink_of)``, int64 ``[num_blocks]``: the window page and the sink slot each block id holds
+        (-1: none). The pool's own arrays, updated in place by its writes: for kernels to read, never to write."""
+        return self._window_of, self._sink_of
+
+    def check_reads(self, layer: int, sealed: np.ndarray, f16: np.ndarray, firsts: np.ndarray) -> None:
+        """Refuse (UnsupportedFormat) a read of the block ids ``sealed`` as ``layer``'s sealed pages, of ``f16`` as
+        F16 rows (window pages) and of ``firsts`` (sequences' first pages) for their sink rows, unless the pool
+        holds each so: what :meth:`stored_form` refuses, for a kernel reading the pages in place."""
+        if not self._sealed[layer, sealed].all():
+            raise UnsupportedFormat(f"layer {layer} has not sealed the pages this step reads")
+        if (self._window_of[f16] < 0).any() or (self._sink_of[firsts] < 0).any():
+            raise UnsupportedFormat("the F16 rows this step reads were given back")
+
     def stored_form(self, layer: int, block_table: list[int], length: int) -> Q4WRows:
         """The stored form of a sequence's first ``length`` positions (numpy), as the decode step at position
         ``length - 1`` reads it: sealed pages for ``length >= 64 b + 128``, the sinks and the window from the

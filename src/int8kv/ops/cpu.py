@@ -30,7 +30,8 @@ from numba.extending import intrinsic, overload
 from ..cache.pool import KvPool
 from ..numba_cache import share_compiles
 from . import cpu_simd
-from .parts import KERNELS, codes_and_scales, int8_codes
+from .parts import KERNELS as PARTS_KERNELS
+from .parts import codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
 
 __all__ = ["KERNELS", "attend", "quantize_query", "quantize_query_int16"]
@@ -56,6 +57,8 @@ FLASH_QUERY_ROWS = 1024  # (query, group head) rows per block: fewer, larger cal
 # scaled_dot_product_attention does not return and merging key tiles needs. It is a private op: should a torch
 # release drop it, long chunks simply stay on the numba kernel.
 _sdpa_tile = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# The formats this backend reads: the parts' pairs, and the 4-bit sink-and-window pool through ops.cpu_q4w.
+KERNELS = PARTS_KERNELS | {"int4_sink_window"}
 NEG = np.float32(-1e30)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -1189,6 +1192,10 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
 def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
     """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape.
     ``variant``: a window, chunk, softcap or sinks of this call (:class:`~.plan.AttentionVariant`)."""
+    if getattr(pool, "writes_by_step", False):  # int8kv.cache.pool_q4w: its own kernel
+        from .cpu_q4w import attend as attend_q4w
+
+        return attend_q4w(pool, layer, q, plan, variant)
     threads = numba.get_num_threads()
     key: tuple = ("cpu-work", q.shape[1], threads)
     cap, sinks = None, _NO_SINKS

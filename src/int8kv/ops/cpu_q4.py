@@ -43,7 +43,10 @@ from .cpu import normaliser, thread_choice
 from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16, widen16
 from .plan import AttentionVariant
 
-__all__ = ["F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items"]
+__all__ = [
+    "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "prefetch_block", "softmax16",
+    "unpacked_channel",
+]
 
 assert BLOCK == cpu_simd.LANES  # a sealed block is one call of the 16-key kernels
 
@@ -53,7 +56,7 @@ MIN_SPLIT_KEYS = 256  # shortest key range worth its own work item: the INT8 ker
 
 
 @njit(fastmath=True, inline="always")
-def _channel(i, half):
+def unpacked_channel(i, half):
     """Where channel i sits in the unpacked order (even channels, then odd ones)."""
     return i // 2 + (i % 2) * half
 
@@ -71,8 +74,8 @@ def _block_scores(qp, kc, ks, km, flat, blk, h, rows, row0, ksp, kmp, qf, bias, 
         fold(qp, row0 * d, flat[1], flat[2], (blk * heads + h) * d, qf, bias, row0, rows, d)
     else:
         for i in range(d):
-            ksp[_channel(i, half)] = f16[ks[blk, h, i] & 0xFFFF]  # int16 bits -> table index
-            kmp[_channel(i, half)] = f16[km[blk, h, i] & 0xFFFF]
+            ksp[unpacked_channel(i, half)] = f16[ks[blk, h, i] & 0xFFFF]  # int16 bits -> table index
+            kmp[unpacked_channel(i, half)] = f16[km[blk, h, i] & 0xFFFF]
         for r in range(rows):
             b = np.float32(0.0)
             for i in range(d):
@@ -127,19 +130,19 @@ def _open_block(qp, ko, vo, b, n_rows, skip, softcap, m, den, macc, bias, sflat,
             x = np.float32(0.0)
             if t < n_rows:
                 for i in range(d):
-                    x += qp[row * d + _channel(i, half)] * f16[ko[b, t, h, i]]
+                    x += qp[row * d + unpacked_channel(i, half)] * f16[ko[b, t, h, i]]
             sflat[row * BLOCK + t] = x
-    _softmax(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d)
+    softmax16(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d)
     for row in range(m.shape[0]):
         h = row // g
         for t in range(n_rows):
             p = sflat[row * BLOCK + t]
             for i in range(d):
-                acc[row * d + _channel(i, half)] += p * f16[vo[b, t, h, i]]
+                acc[row * d + unpacked_channel(i, half)] += p * f16[vo[b, t, h, i]]
 
 
 @njit(fastmath=True, inline="always")
-def _softmax(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d):
+def softmax16(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d):
     """Fold one block's raw scores (16 per row: row r's at sflat[r*16], its score sflat[r*16 + t] + bias[r], the
     softmax scale already in them) into every row's running (max m, sum den, acc, macc); keys t < skip and
     t >= n_rows are hidden. The scores become the weights (0 for hidden keys). Every row in one pass, so that
@@ -172,6 +175,19 @@ def _softmax(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d):
 
 
 @njit(fastmath=True, inline="always")
+def prefetch_block(blk, positions, heads, d, k_codes, v_codes, k_scale, k_min, v_scale, v_min):
+    """Prefetch sealed block `blk` of `positions` positions (flat arrays, 4-bit codes two a byte): its codes,
+    the keys' channel scales and minimums, the values' per-position ones."""
+    size = positions * heads * (d // 2)
+    cpu_simd.prefetch(k_codes, blk * size, size)
+    cpu_simd.prefetch(v_codes, blk * size, size)
+    cpu_simd.prefetch(k_scale, blk * heads * d, heads * d)
+    cpu_simd.prefetch(k_min, blk * heads * d, heads * d)
+    cpu_simd.prefetch(v_scale, blk * positions * heads, positions * heads)
+    cpu_simd.prefetch(v_min, blk * positions * heads, positions * heads)
+
+
+@njit(fastmath=True, inline="always")
 def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
               part_acc):
     """Work item `it` = items[it] (sequence b, keys [lo, hi)): the unnormalised softmax state of every query head
@@ -186,7 +202,7 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
     qp = np.empty(hq * d, np.float32)  # q times the softmax scale, in the unpacked order: scores come out scaled
     for h in range(hq):
         for i in range(d):
-            qp[h * d + _channel(i, half)] = q[b, h, i] * sm
+            qp[h * d + unpacked_channel(i, half)] = q[b, h, i] * sm
     ksp = np.empty(d, np.float32)
     kmp = np.empty(d, np.float32)
     vst = np.empty(heads * BLOCK, np.float32)
@@ -202,7 +218,6 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
     den = np.zeros(hq, np.float32)
     kflat, vflat = kc.reshape(-1), vc.reshape(-1)
     ksb, kmb, vsb, vmb = ks.reshape(-1), km.reshape(-1), vs.reshape(-1), vm.reshape(-1)
-    block_bytes = BLOCK * heads * half
     last = (hi - 1) // BLOCK
     for j in range(lo // BLOCK, last + 1):
         skip = max(lo - j * BLOCK, 0)
@@ -212,15 +227,10 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
         blk = tables[b, j]
         if j + 1 < sealed and j < last:
             nxt = tables[b, j + 1]
-            cpu_simd.prefetch(kflat, nxt * block_bytes, block_bytes)
-            cpu_simd.prefetch(vflat, nxt * block_bytes, block_bytes)
-            cpu_simd.prefetch(ksb, nxt * heads * d, heads * d)
-            cpu_simd.prefetch(kmb, nxt * heads * d, heads * d)
-            cpu_simd.prefetch(vsb, nxt * BLOCK * heads, BLOCK * heads)
-            cpu_simd.prefetch(vmb, nxt * BLOCK * heads, BLOCK * heads)
+            prefetch_block(nxt, BLOCK, heads, d, kflat, vflat, ksb, kmb, vsb, vmb)
         for h in range(heads):
             _block_scores(qp, kc, ks, km, (kflat, ksb, kmb), blk, h, g, h * g, ksp, kmp, qf, bias, s, kbuf, fbuf, f16)
-        _softmax(s, BLOCK, skip, softcap, m, den, macc, bias, acc, d)
+        softmax16(s, BLOCK, skip, softcap, m, den, macc, bias, acc, d)
         for h in range(heads):  # the block's value scales and minimums, [heads, 16]
             widen16(vsb, blk * BLOCK * heads + h, heads, vst, h * BLOCK)
             widen16(vmb, blk * BLOCK * heads + h, heads, vmt, h * BLOCK)
@@ -230,11 +240,11 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
         part_m[it, h] = m[h]
         part_l[it, h] = den[h]
         for i in range(d):
-            part_acc[it, h, i] = acc[h * d + _channel(i, half)] + macc[h]
+            part_acc[it, h, i] = acc[h * d + unpacked_channel(i, half)] + macc[h]
 
 
 @njit(fastmath=True, inline="always")
-def _merge(part_m, part_l, part_acc, firsts, sinks, out):
+def merge_items(part_m, part_l, part_acc, firsts, sinks, out):
     """out[b, h] = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink_h - M)) over the items
     firsts[b]..firsts[b + 1] of sequence b; zeros for a head that saw no key."""
     batch, hq, d = out.shape
@@ -275,7 +285,7 @@ def _decode_parallel(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, fir
     for it in prange(items.shape[0]):
         _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
                   part_acc)
-    _merge(part_m, part_l, part_acc, firsts, sinks, out)
+    merge_items(part_m, part_l, part_acc, firsts, sinks, out)
 
 
 @njit(fastmath=True, cache=True)

@@ -15,10 +15,15 @@ block prefetched; of the 22, scores 12, values 8, softmax 5 by ablation):
 
 Both take flat arrays with element offsets and strides (keys: 16 rows, `kstride` elements apart, head_dim
 contiguous), so one kernel serves any number of KV heads and any block layout whose head rows are contiguous.
-The code element is int8 (INT8 codes: sign-extended, converted to float32) or int16 (F16 bits: bitcast to half,
-widened). head_dim must be a multiple of 16 (callers check `fits`); g and head_dim are runtime loop counts, so
-nothing is specialised per model. The 16 keys are unrolled; vectors are <16 x float>, which LLVM maps to one
-AVX-512 register or two AVX2 registers (or four NEON ones) on other CPUs.
+The code element is int8 (INT8 codes: sign-extended, converted to float32), int16 (F16 bits: bitcast to half,
+widened) or uint8 (packed 4-bit codes, two a byte, the even channel in the low nibble: `cpu_q4w`'s sealed rows).
+4-bit rows are read in place in the split order, a row's even channels then its odd ones (16 bytes hold the
+low nibbles of 16 channels and the high ones of 16 more, masked or shifted and converted in registers: no
+unpacking pass), so q, the scores' other operand, and the p . v accumulator are in that order too, and dim must
+be a multiple of 32; offsets and strides of such rows count bytes. head_dim must be a multiple of 16 (callers
+check `fits`); g and head_dim are runtime loop counts, so nothing is specialised per model. The 16 keys are
+unrolled; vectors are <16 x float>, which LLVM maps to one AVX-512 register or two AVX2 registers (or four NEON
+ones) on other CPUs.
 
 Summation order differs from a plain loop (16 lane sums, then the tree), like any vectorised float32 dot;
 the float64-oracle tests bound it.
@@ -75,13 +80,42 @@ def _data(context, builder, aryty, value):
     return context.make_array(aryty)(context, builder, value).data
 
 
-def _load_codes(builder, base, offset, elem):
-    """16 codes at base[offset] (unaligned) as <16 x float>: int8 sign-extended, int16 read as half bits."""
+def _load_nibbles(builder, base, offset):
+    """16 bytes of packed 4-bit codes at base[offset] as two <16 x float>: their low nibbles, their high ones."""
+    sixteen = ir.VectorType(ir.IntType(8), LANES)
+    raw = builder.load(builder.bitcast(builder.gep(base, [offset]), sixteen.as_pointer()), align=1)
+    low = builder.and_(raw, ir.Constant(sixteen, [15] * LANES))
+    high = builder.lshr(raw, ir.Constant(sixteen, [4] * LANES))
+    return builder.uitofp(low, _VEC), builder.uitofp(high, _VEC)
+
+
+def _load_codes(builder, base, offset, elem, high=False):
+    """16 codes at base[offset] (unaligned) as <16 x float>: int8 sign-extended, int16 read as half bits, or
+    (elem `_NIBBLES`) the low nibbles of 16 bytes of packed 4-bit codes, or their high ones (`high`)."""
+    if elem is _NIBBLES:
+        return _load_nibbles(builder, base, offset)[1 if high else 0]
     ptr = builder.bitcast(builder.gep(base, [offset]), ir.VectorType(elem, LANES).as_pointer())
     raw = builder.load(ptr, align=1)
     if elem.width == 8:
         return builder.sitofp(raw, _VEC)
     return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC)
+
+
+def _chunks(builder, dim, elem, body):
+    """``body(col, offset, high)`` for each 16 channels of a row: col the channel (in the split order for 4-bit
+    rows), offset where they start in a row of codes, high whether they are high nibbles. 4-bit rows: the low
+    nibbles of the row's dim / 2 bytes, then the high ones, two loops with the nibble known when compiled."""
+    i64 = dim.type
+    if elem is not _NIBBLES:
+        with cgutils.for_range(builder, builder.sdiv(dim, ir.Constant(i64, LANES))) as chunk:
+            col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+            body(col, col, False)
+        return
+    half = builder.sdiv(dim, ir.Constant(i64, 2))
+    for high in (False, True):
+        with cgutils.for_range(builder, builder.sdiv(dim, ir.Constant(i64, 2 * LANES))) as chunk:
+            col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+            body(builder.add(col, half) if high else col, col, high)
 
 
 def _load_f32(builder, base, offset):
@@ -121,17 +155,23 @@ def _fadd(builder, a, b):
     return builder.fadd(a, b, flags=_FAST)
 
 
+# The element of packed 4-bit codes (uint8 arrays, two a byte: channel 2j in byte j's low nibble, 2j + 1 in its
+# high one), a marker: no LLVM value has this type.
+_NIBBLES = ir.IntType(4)
+
+
 def _check(codes) -> ir.IntType:
-    if not isinstance(codes, types.Array) or codes.dtype not in (types.int8, types.int16):
-        raise TypingError("codes must be an int8 or int16 array")
-    return ir.IntType(codes.dtype.bitwidth)
+    if not isinstance(codes, types.Array) or codes.dtype not in (types.int8, types.int16, types.uint8):
+        raise TypingError("codes must be an int8 or int16 array, or uint8 (packed 4-bit codes)")
+    return _NIBBLES if codes.dtype == types.uint8 else ir.IntType(codes.dtype.bitwidth)
 
 
 @intrinsic
 def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
     """out[ooff + r*ostride + t] = sum_i q[qoff + r*dim + i] * k[koff + t*kstride + i] for r < rows, t < 16.
 
-    q: float32 flat array (the rows' values, contiguous by row); k: int8 codes or int16 F16 bits, flat;
+    q: float32 flat array (the rows' values, contiguous by row); k: int8 codes, int16 F16 bits or uint8 packed
+    4-bit codes (module docs), flat;
     out: float32 flat; offsets, strides, rows and dim: int64 element counts (dim a multiple of 16); buf: float32
     scratch of at least 16 * dim values. The 16 keys are converted into buf once and read by every row (an FMA
     with a memory operand) rather than converted again for each row: fewer vector operations, though the
@@ -147,14 +187,25 @@ def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, bu
         bp = _data(context, builder, signature.args[10], buf_arr)
         i64 = qo.type
         chunks = builder.sdiv(d, ir.Constant(i64, LANES))
-        with cgutils.for_range(builder, chunks) as chunk:
-            col = builder.mul(chunk.index, ir.Constant(i64, LANES))
-            key = builder.add(ko, col)
-            at = col
-            for _ in range(LANES):
-                _store_f32(builder, _load_codes(builder, kp, key, elem), bp, at)
-                key = builder.add(key, ks)
-                at = builder.add(at, d)
+        if elem is _NIBBLES:  # each 16-byte load gives two chunks: the low nibbles' and the high ones'
+            half = builder.sdiv(d, ir.Constant(i64, 2))
+            with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, 2 * LANES))) as chunk:
+                col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+                key, at = builder.add(ko, col), col
+                for _ in range(LANES):
+                    low, high = _load_nibbles(builder, kp, key)
+                    _store_f32(builder, low, bp, at)
+                    _store_f32(builder, high, bp, builder.add(at, half))
+                    key = builder.add(key, ks)
+                    at = builder.add(at, d)
+        else:
+            with cgutils.for_range(builder, chunks) as chunk:
+                col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+                key, at = builder.add(ko, col), col
+                for _ in range(LANES):
+                    _store_f32(builder, _load_codes(builder, kp, key, elem), bp, at)
+                    key = builder.add(key, ks)
+                    at = builder.add(at, d)
         slots = [cgutils.alloca_once(builder, _VEC) for _ in range(LANES)]
         zero = ir.Constant(_VEC, None)
         with cgutils.for_range(builder, nrows) as row:
@@ -341,7 +392,8 @@ def int_fits(head_dim: int) -> bool:
 def pv16(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
     """acc[aoff + r*dim + i] += sum_t w[woff + r*wstride + t] * v[voff + t*vstride + i] for r < rows, t < 16.
 
-    w: float32 flat (the weights, value scales already folded in); v: int8 codes or int16 F16 bits, flat;
+    w: float32 flat (the weights, value scales already folded in); v: int8 codes, int16 F16 bits or uint8 packed
+    4-bit codes (module docs), flat;
     acc: float32 flat, rows contiguous; offsets, strides, rows and dim: int64 element counts."""
     elem = _check(v)
     sig = types.void(w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim)
@@ -352,15 +404,14 @@ def pv16(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
         vp = _data(context, builder, signature.args[3], v_arr)
         ap = _data(context, builder, signature.args[6], acc_arr)
         i64 = wo.type
-        chunks = builder.sdiv(d, ir.Constant(i64, LANES))
         undef = ir.Constant(_VEC, ir.Undefined)
         splat = _mask([0] * LANES)
-        with cgutils.for_range(builder, chunks) as chunk:
-            col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+
+        def chunk(col, column, high):
             values = []
-            offset = builder.add(vo, col)
+            offset = builder.add(vo, column)
             for _ in range(LANES):
-                values.append(_load_codes(builder, vp, offset, elem))
+                values.append(_load_codes(builder, vp, offset, elem, high))
                 offset = builder.add(offset, vs)
             with cgutils.for_range(builder, nrows) as row:
                 where = builder.add(builder.add(ao, builder.mul(row.index, d)), col)
@@ -378,6 +429,8 @@ def pv16(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
                 left = builder.fadd(chains[0], chains[1], flags=_FAST)
                 right = builder.fadd(chains[2], chains[3], flags=_FAST)
                 _store_f32(builder, builder.fadd(left, right, flags=_FAST), ap, where)
+
+        _chunks(builder, d, elem, chunk)
         return context.get_dummy_value()
 
     return sig, codegen

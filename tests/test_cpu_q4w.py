@@ -1,0 +1,138 @@
+"""The CPU backend's kernel over int4_kchan64_vtok_asym_sink4_win64_v1 (int8kv.ops.cpu_q4w) against the float64
+reference over the same pool (int8kv.ops.reference_q4w), step by step on fresh random ragged batches: decode rows
+and prefill chunks, lengths below the sinks, mid-page, below 64 + 64 and on seal boundaries, GQA, head_dim 64,
+80 and 128, windows, chunks, softcap, sinks, kv_starts; and its refusals.
+
+Two kernel specialisations, 5-6 s of CPU each when cold (float32 q, the pool's dtypes, one numba thread: the
+serial kernel only, its parallel twin runs the same `_run_items`): the codes read in place, and unpacked first
+for head_dim 80)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from int8kv import ops
+from int8kv.cache.pool_q4w import Int4SinkWindowPool
+from int8kv.errors import UnsupportedFormat
+from int8kv.ops.plan import plan_attention
+
+TOL = 1e-5  # the INT8 kernel's (tests/test_ops_cpu.py): max |error| / max |reference|
+LAYERS = 2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One numba thread (the serial kernel: one specialisation compiled) and one torch thread (the reference's
+    many small ops); both restored after."""
+    threads, torch_threads = numba.get_num_threads(), torch.get_num_threads()
+    numba.set_num_threads(1)
+    torch.set_num_threads(1)
+    yield
+    numba.set_num_threads(threads)
+    torch.set_num_threads(torch_threads)
+
+
+def seeded(*key: object) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+
+
+class Batch:
+    """Sequences written step by step into a pool (block ids a random permutation), each step attended by the
+    cpu and reference backends on every layer."""
+
+    def __init__(self, heads, group, dim, capacity, gen, starts=None, **variant):
+        pages = [-(-n // 64) for n in capacity]
+        self.pool = Int4SinkWindowPool(LAYERS, heads, dim, sum(pages), sum(pages), len(capacity))
+        ids = torch.randperm(sum(pages), generator=gen).tolist()
+        self.tables = [ids[sum(pages[:b]) : sum(pages[: b + 1])] for b in range(len(pages))]
+        self.lens = [0] * len(capacity)
+        self.heads, self.group, self.dim, self.gen, self.starts, self.variant = heads, group, dim, gen, starts, variant
+        self.offsets = torch.randn(heads, dim, generator=gen) * 3  # per-channel key offsets, as real keys have
+
+    def plan(self, new):
+        self.lens = [n + m for n, m in zip(self.lens, new, strict=True)]
+        width = max(map(len, self.tables))
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
+        starts = None if self.starts is None else torch.tensor(self.starts, dtype=torch.int32)
+        return plan_attention(self.pool, bt, torch.tensor(self.lens, dtype=torch.int32), cu_seqlens_q=cu,
+                              kv_starts=starts)
+
+    def write(self, plan, layer):
+        rows = plan.num_queries
+        k = torch.randn(rows, self.heads, self.dim, generator=self.gen) + self.offsets
+        v = torch.randn(rows, self.heads, self.dim, generator=self.gen) * torch.rand(rows, self.heads, 1,
+                                                                                     generator=self.gen).add(0.2)
+        ops.append_paged_kv(self.pool, layer, k, v, plan=plan)
+
+    def step(self, new, tol=TOL):
+        plan = self.plan(new)
+        for layer in range(LAYERS):
+            self.write(plan, layer)
+        for layer in range(LAYERS):
+            q = torch.randn(plan.num_queries, self.heads * self.group, self.dim, generator=self.gen)
+            got = ops.attention(self.pool, layer, q, plan, backend="cpu", **self.variant)
+            want = ops.attention(self.pool, layer, q, plan, backend="reference", **self.variant)
+            assert rel_err(got, want) < tol, (new, self.lens, layer)
+            if self.starts is not None or "window" in self.variant or "chunk" in self.variant:
+                assert torch.equal(got == 0, want == 0)  # rows that see no key: zeros in both
+        return plan
+
+
+# Lengths after each step: 3 70 127 200 (a prefill of each), 4 71 128 201 (decode: the third seals page 0),
+# 5 128 192 256 (a chunk sealing pages its first queries still read in F16), 6 129 193 257 (decode), then
+# 70 129 193 321 (a chunk across a page boundary next to decode rows).
+STEPS = [(3, 70, 127, 200), (1, 1, 1, 1), (1, 57, 64, 55), (1, 1, 1, 1), (64, 0, 0, 64)]
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 64), (2, 4, 128), (1, 2, 80)], ids=str)
+def test_steps_match_the_float64_reference(shape):
+    heads, group, dim = shape
+    batch = Batch(heads, group, dim, [70, 130, 200, 330], seeded("steps", shape))
+    for new in STEPS:
+        if 0 in new:  # a sequence with no query this step stays out of the batch's rows, not out of the plan
+            new = tuple(max(m, 1) for m in new)
+        batch.step(list(new))
+
+
+def test_a_long_decode_row_split_into_key_ranges():
+    batch = Batch(3, 3, 64, [1200, 40], seeded("long"))
+    batch.step([1130, 40])
+    for _ in range(3):  # 1,131-1,133 keys: two ranges merged (one thread: two items per sequence)
+        batch.step([1, 1])
+
+
+@pytest.mark.parametrize("variant", [{"window": 50}, {"window": 200}, {"chunk": 70}, {"softcap": 2.0},
+                                     {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5, -0.5])}, {"starts": [3, 90]},
+                                     {"window": 80, "softcap": 5.0, "sinks": torch.full((6,), 1.0)}], ids=str)
+def test_variants_and_kv_starts(variant):
+    variant = dict(variant)
+    starts = variant.pop("starts", None)
+    batch = Batch(2, 3, 64, [260, 200], seeded("variant", str(variant), starts), starts=starts, **variant)
+    for new in [(100, 140), (40, 1), (1, 1), (1, 60)]:
+        batch.step(list(new))
+
+
+def test_refusals():
+    pool = Int4SinkWindowPool(1, 2, 8, 4, 4, 1)  # head_dim 8: not one the vector kernels take
+    plan = plan_attention(pool, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(UnsupportedFormat, match="multiple of 16"):
+        ops.attention(pool, 0, torch.zeros(1, 2, 8), plan, backend="cpu")
+    batch = Batch(2, 2, 16, [200], seeded("refuse"))
+    plan = batch.plan([130])
+    batch.write(plan, 0)
+    q = torch.zeros(130, 4, 16)
+    ops.attention(batch.pool, 0, q, plan, backend="cpu")  # layer 0 is written and sealed
+    with pytest.raises(UnsupportedFormat, match="layer 1 has not sealed"):  # layer 1 is not written yet
+        ops.attention(batch.pool, 1, q, plan, backend="cpu")
