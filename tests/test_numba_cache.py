@@ -122,9 +122,9 @@ def test_twin_builds_of_one_function_are_refused():
 
 def test_the_kernel_modules_share_their_compiles():
     from int8kv import _codec_cpu
-    from int8kv.ops import cpu, cpu_q4
+    from int8kv.ops import cpu, cpu_q4, cpu_q4w
 
-    for module in (cpu, cpu_q4, _codec_cpu):
+    for module in (cpu, cpu_q4, cpu_q4w, _codec_cpu):
         cached = [v for v in vars(module).values() if isinstance(v, numba.core.registry.CPUDispatcher)
                   and v._cache.__class__.__name__ != "NullCache"]  # fmt: skip
         assert cached and all(isinstance(v._cache, SharedFunctionCache) for v in cached), module.__name__

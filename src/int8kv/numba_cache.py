@@ -31,7 +31,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 
-from numba.core import caching
+from numba.core import caching, sigutils
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.registry import CPUDispatcher
 
@@ -106,6 +106,8 @@ def _share(dispatcher: CPUDispatcher) -> None:
     compile_once = dispatcher.compile
 
     def compile(sig):
+        if tuple(sigutils.normalize_signature(sig)[0]) in dispatcher.overloads:  # built here already: no lock
+            return compile_once(sig)
         # numba's compiler lock first (compile_once takes it again: it is re-entrant), so no thread of this
         # process waits for a file lock that another of its threads holds while it waits for the compiler lock
         with global_compiler_lock, cache.compiling(sig):

@@ -44,8 +44,8 @@ from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16, widen16
 from .plan import AttentionVariant
 
 __all__ = [
-    "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "prefetch_block", "softmax16",
-    "unpacked_channel",
+    "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "prefetch_block", "part_states",
+    "softmax16", "unpacked_channel",
 ]
 
 assert BLOCK == cpu_simd.LANES  # a sealed block is one call of the 16-key kernels
@@ -271,7 +271,7 @@ def merge_items(part_m, part_l, part_acc, firsts, sinks, out):
 
 
 @njit(fastmath=True, inline="always")
-def _part_states(n_items, hq, d):
+def part_states(n_items, hq, d):
     """Each work item's unnormalised softmax state (max, sum, output) per query head, for `_merge`."""
     return (np.empty((n_items, hq), np.float32), np.empty((n_items, hq), np.float32),
             np.empty((n_items, hq, d), np.float32))
@@ -281,7 +281,7 @@ def _part_states(n_items, hq, d):
 def _decode_parallel(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap, sinks, f16, out):
     """Every work item (static split of the items over the threads: they are about equal by construction),
     then the merge on the calling thread. `_decode_serial` is the same on the calling thread alone."""
-    part_m, part_l, part_acc = _part_states(items.shape[0], q.shape[1], q.shape[2])
+    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
     for it in prange(items.shape[0]):
         _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
                   part_acc)
@@ -293,11 +293,11 @@ def _decode_serial(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, first
     """`_decode_parallel` on the calling thread. Its own function, not ``njit(_decode_parallel.py_func)``: two
     builds of one Python function share numba's cache index and keys, so each could load the other's build
     (int8kv.numba_cache)."""
-    part_m, part_l, part_acc = _part_states(items.shape[0], q.shape[1], q.shape[2])
+    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
     for it in range(items.shape[0]):
         _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
                   part_acc)
-    _merge(part_m, part_l, part_acc, firsts, sinks, out)
+    merge_items(part_m, part_l, part_acc, firsts, sinks, out)
 
 
 def decode_items(lows: np.ndarray, lens: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:

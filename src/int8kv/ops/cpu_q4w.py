@@ -45,11 +45,12 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..errors import UnsupportedFormat
+from ..numba_cache import share_compiles
 from ..quant4w import BLOCK as PAGE
 from ..quant4w import SINKS, WINDOW
 from . import cpu_simd
 from .cpu import thread_choice
-from .cpu_q4 import NEG, decode_items, merge_items, prefetch_block, softmax16, unpacked_channel
+from .cpu_q4 import NEG, decode_items, merge_items, part_states, prefetch_block, softmax16, unpacked_channel
 from .cpu_q4_simd import fold, unpack16, weights16, widen16
 from .plan import AttentionPlan, AttentionVariant
 
@@ -233,18 +234,11 @@ def _run_items(first, last, q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, v
                   window_of, sink_of, seq_of, len_of, items, part_m, part_l, part_acc)
 
 
-@njit(fastmath=True, inline="always")
-def _states(items, q):
-    n = items.shape[0]
-    return (np.empty((n, q.shape[1]), np.float32), np.empty((n, q.shape[1]), np.float32),
-            np.empty((n, q.shape[1], q.shape[2]), np.float32))
-
-
 @njit(parallel=True, fastmath=True, cache=True)
 def _q4w_parallel(q, heads, unpack, sm, softcap, sinks, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink, tables,
                   window_of, sink_of, seq_of, len_of, items, firsts, lists, out):
     """Worker w runs items lists[w]..lists[w + 1] (`_assign`), then the merge on the calling thread."""
-    part_m, part_l, part_acc = _states(items, q)
+    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
     for w in prange(lists.shape[0] - 1):
         _run_items(lists[w], lists[w + 1], q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw, k_sink,
                    v_sink, tables, window_of, sink_of, seq_of, len_of, items, part_m, part_l, part_acc)
@@ -255,7 +249,7 @@ def _q4w_parallel(q, heads, unpack, sm, softcap, sinks, kc, ks, km, vc, vs, vm, 
 def _q4w_serial(q, heads, unpack, sm, softcap, sinks, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink, tables,
                 window_of, sink_of, seq_of, len_of, items, firsts, lists, out):
     """`_q4w_parallel` on the calling thread alone."""
-    part_m, part_l, part_acc = _states(items, q)
+    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
     _run_items(lists[0], lists[-1], q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink,
                tables, window_of, sink_of, seq_of, len_of, items, part_m, part_l, part_acc)
     merge_items(part_m, part_l, part_acc, firsts, sinks, out)
@@ -348,3 +342,6 @@ def attend(pool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: Atte
         seconds = time.perf_counter() - start
         choice.record(parallel, units, lists.shape[0] - 1, seconds if len(kernel.overloads) == compiled else None)
     return torch.from_numpy(out)
+
+
+share_compiles(globals())  # one compile per signature across processes, and a safe disk cache (int8kv.numba_cache)
