@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from int8kv.cli import main
+from int8kv.formats import INT4_SINK_WINDOW_V1 as Q4W
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -34,6 +35,10 @@ def test_demo_on_packaged_model(capsys, tmp_path):
     assert all(len(t) == 6 for t in f16["token_ids"])
     # whole 16-token blocks only, as the paged pool allocates them
     assert result["capacity_tokens"]["f16"] == (1 << 30) // (16 * 30 * 3 * 2 * 128) * 16
+    # 4-bit: the longest sequence whose stored form (sinks and window in F16) stays within it as it grows, ~3.5x
+    q4 = result["capacity_tokens"]["int4_kchan64_vtok_asym_sink4_win64_v1"]
+    assert 30 * 3 * Q4W.peak_bytes(q4, 64) <= 1 << 30 < 30 * 3 * Q4W.peak_bytes(q4 + 1, 64)
+    assert 3.3 < q4 / result["capacity_tokens"]["f16"] < 3.7 and "4-bit" in out
     assert (tmp_path / "mem.png").read_bytes().startswith(PNG)
     assert err == ""  # --quiet: no progress lines
 

@@ -176,3 +176,20 @@ def test_toy_value_rules_guard_files(toy, tmp_path):
     with pytest.raises(Exception, match="v_scales holds a scale that is not finite and positive"):
         save_kv(tmp_path / "bad.kv", cache, seq_id="a")
     assert not (tmp_path / "bad.kv").exists()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_4bit_tokens_for_memory_is_the_longest_sequence_that_grows_within_it(head_dim):
+    from itertools import accumulate
+
+    from int8kv.formats import INT4_SINK_WINDOW_V1 as Q4W
+
+    layers, heads, top = 3, 2, 1500
+    cost = [layers * heads * Q4W.stored_bytes(n, head_dim) for n in range(top + 1)]
+    peak = list(accumulate(cost, max))  # a sequence passes every length below its own
+    assert peak == [layers * heads * Q4W.peak_bytes(n, head_dim) for n in range(top + 1)]
+    assert cost[128] < cost[127]  # sealing a page frees its F16 rows: the stored form alone is not monotonic
+    # budgets around the sinks, the window, a first sealed page and later ones, each checked by brute force
+    for budget in sorted({0, 1, cost[3], cost[4] - 1, cost[127], cost[127] - 1, cost[500] + 7, peak[1200]}):
+        want = max(n for n in range(top + 1) if peak[n] <= budget)
+        assert Q4W.tokens_for_memory(budget, layers, heads, head_dim) == want, budget

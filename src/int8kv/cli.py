@@ -27,7 +27,7 @@ from .cli_common import (
     report_errors,
     write_json,
 )
-from .formats import KvStorageFormat
+from .formats import INT4_SINK_WINDOW_V1, KvStorageFormat
 from .models.weights import WEIGHTS
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
@@ -245,6 +245,7 @@ def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvSto
                 "identical": [o.token_ids for o in again] == [o.token_ids for o in outs],
             }
     capacity = {fmt.as_str(): PagedKvCache.tokens_for_memory(budget, *dims, fmt) for fmt in KvStorageFormat}
+    capacity[INT4_SINK_WINDOW_V1.name] = INT4_SINK_WINDOW_V1.tokens_for_memory(budget, *dims)
     name = os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct"
     return {"model": name, "prompts": prompts, "runs": runs, "kv_store": args.kv_store,
             "memory_budget": budget, "dims": dims, "capacity_tokens": capacity}
@@ -313,6 +314,11 @@ def _demo_summary(result: dict) -> str:
         more = capacity[INT8.as_str()] / capacity["f16"]
         lines.append(f"  fits       the same memory holds {more:.2f}x the tokens in INT8: longer contexts or more "
                      "requests at once")
+    if "f16" in capacity and INT4_SINK_WINDOW_V1.name in capacity:
+        more = capacity[INT4_SINK_WINDOW_V1.name] / capacity["f16"]
+        lines.append(f"  4-bit      {more:.2f}x in {INT4_SINK_WINDOW_V1.name} (one sequence's stored form, F16 sinks "
+                     "and window included): a frozen format the CPU kernel reads, not yet a choice of the demo, "
+                     "the engine or the drop-in")
     return "\n".join(lines)
 
 

@@ -286,6 +286,25 @@ class Int4SinkWindowFormat(KvFormat):
 
         return stored_bytes(length, head_dim)
 
+    def peak_bytes(self, length: int, head_dim: int) -> int:
+        """The most :meth:`stored_bytes` takes at any length up to ``length``: it drops when a page is sealed,
+        so a sequence's peak sits at its last length before a seal (``64 b + 127``) or at ``length`` itself."""
+        last = (length - 127) // self.page * self.page + 127 if length >= 127 else -1  # latest pre-seal length
+        return max(self.stored_bytes(length, head_dim), self.stored_bytes(last, head_dim) if last >= 0 else 0)
+
+    def tokens_for_memory(self, budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """The longest sequence that grows to its length within ``budget_bytes`` over ``num_layers`` x
+        ``num_kv_heads`` (:meth:`peak_bytes`, sinks and window included): the figure the demo prints beside
+        ``PagedKvCache.tokens_for_memory``'s for F16 and INT8."""
+        heads = num_layers * num_kv_heads
+        lo, hi = 0, 1
+        while heads * self.peak_bytes(hi, head_dim) <= budget_bytes:
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:  # peak_bytes never falls as the length grows: the largest fitting one, by bisection
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if heads * self.peak_bytes(mid, head_dim) <= budget_bytes else (lo, mid)
+        return lo
+
 
 F16 = F16Format()
 INT8_V1 = Int8V1Format()
