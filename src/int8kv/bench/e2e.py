@@ -1,13 +1,15 @@
 """End-to-end decode speed on a real model: a context sweep, every peer at the same batch, in one process.
 
     python -m int8kv.bench e2e [--model PATH] [--contexts 512,2048,7000] [--batches 1,8] [--runs 3]
-                               [--new-tokens 32] [--max-batch-tokens 16384] [--json PATH]
+                               [--new-tokens 32] [--max-batch-tokens 16384] [--peers hf] [--json PATH]
 
 Peers, each given `batch` copies of the same `context`-token prompt:
   hf dynamic    transformers generate, DynamicCache (float32), SDPA attention
   hf int8kv     transformers generate, int8kv.hf.Int8KvCache (INT8), int8kv attention kernels
   engine int8   int8kv.engine.LLM, INT8 paged cache
   engine f16    int8kv.engine.LLM, F16 paged cache
+`--peers hf` runs the two transformers peers only (the drop-in against DynamicCache, in about half the time);
+the ratios are those of the peers run.
 
 Every peer's decode rate counts the same thing: tokens generated per second while all the batch's
 sequences decode, i.e. after the prefill (and so after the first token, which the prefill produces) until
@@ -37,6 +39,7 @@ from ..progress import note
 from .timing import emit
 
 PEERS = ("hf dynamic", "hf int8kv", "engine int8", "engine f16")
+PEER_SETS = {"all": PEERS, "hf": PEERS[:2]}
 
 
 def _prompt_ids(tokenizer, context: int) -> list[int]:
@@ -97,8 +100,8 @@ def engine_decode(llm, ids: list[int], batch: int, new_tokens: int) -> dict:
     }
 
 
-def _peers(model, tokenizer, ids: list[int], batch: int, new_tokens: int) -> dict:
-    """name -> a callable doing one timed run, for one (context, batch) cell."""
+def _peers(model, tokenizer, ids: list[int], batch: int, new_tokens: int, names: tuple[str, ...] = PEERS) -> dict:
+    """name -> a callable doing one timed run, for one (context, batch) cell (the peers of ``names``)."""
     from transformers import DynamicCache
 
     from ..cache.state import KvLayout
@@ -120,16 +123,17 @@ def _peers(model, tokenizer, ids: list[int], batch: int, new_tokens: int) -> dic
         engine_decode(llm, ids[:64], batch, 3)  # compile (or load) the kernels outside the timings
         return lambda: engine_decode(llm, ids, batch, new_tokens)
 
-    return {
-        "hf dynamic": dynamic,
-        "hf int8kv": lambda: hf_decode(model, ids, batch, new_tokens, lambda: Int8KvCache(model.config)),
-        "engine int8": engine(KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1),
-        "engine f16": engine(KvStorageFormat.F16),
+    makers = {
+        "hf dynamic": lambda: dynamic,
+        "hf int8kv": lambda: lambda: hf_decode(model, ids, batch, new_tokens, lambda: Int8KvCache(model.config)),
+        "engine int8": lambda: engine(KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1),
+        "engine f16": lambda: engine(KvStorageFormat.F16),
     }
+    return {name: makers[name]() for name in names}  # an engine peer not run is not built (nor warmed up)
 
 
 def run(model_path: str | None, contexts: list[int], batches: list[int], runs: int, new_tokens: int,
-        max_batch_tokens: int) -> dict:
+        max_batch_tokens: int, peers: str = "all") -> dict:
     from ..hf import Int8KvCache
     from ..models import load_model
 
@@ -142,16 +146,16 @@ def run(model_path: str | None, contexts: list[int], batches: list[int], runs: i
             if batch * context > max_batch_tokens:
                 skipped.append({"context": context, "batch": batch})
                 continue
-            peers = _peers(model, tokenizer, ids, batch, new_tokens)
-            samples: dict[str, list[dict]] = {name: [] for name in PEERS}
+            calls = _peers(model, tokenizer, ids, batch, new_tokens, PEER_SETS[peers])
+            samples: dict[str, list[dict]] = {name: [] for name in calls}
             for r in range(runs):  # interleaved, so a slow spell of the shared machine hits every peer
-                for name in PEERS:
+                for name, call in calls.items():
                     note(f"e2e: context {context}, batch {batch}, run {r + 1}/{runs}: {name} ...")
-                    samples[name].append(peers[name]())
+                    samples[name].append(call())
             results = {name: _median(rows) for name, rows in samples.items()}
             cells.append({"context": context, "batch": batch, "results": results, "ratios": _ratios(results)})
     return {
-        "new_tokens": new_tokens, "runs": runs, "threads": torch.get_num_threads(),
+        "new_tokens": new_tokens, "runs": runs, "threads": torch.get_num_threads(), "peers": list(PEER_SETS[peers]),
         "max_batch_tokens": max_batch_tokens, "cells": cells, "skipped": skipped,
     }
 
@@ -165,12 +169,9 @@ def _median(rows: list[dict]) -> dict:
 
 def _ratios(results: dict) -> dict:
     rate = {name: r["decode_tok_per_s"] for name, r in results.items()}
-    return {
-        "hf int8kv / hf dynamic": rate["hf int8kv"] / rate["hf dynamic"],
-        "engine int8 / hf dynamic": rate["engine int8"] / rate["hf dynamic"],
-        "engine int8 / hf int8kv": rate["engine int8"] / rate["hf int8kv"],
-        "engine int8 / engine f16": rate["engine int8"] / rate["engine f16"],
-    }
+    pairs = [("hf int8kv", "hf dynamic"), ("engine int8", "hf dynamic"), ("engine int8", "hf int8kv"),
+             ("engine int8", "engine f16")]
+    return {f"{a} / {b}": rate[a] / rate[b] for a, b in pairs if a in rate and b in rate}
 
 
 def report(result: dict) -> str:
@@ -210,9 +211,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per sequence (>= 2)")
     parser.add_argument("--max-batch-tokens", type=int, default=16384,
                         help="skip cells whose batch x context exceeds this (8 x 7000 alone takes ~30 min)")
+    parser.add_argument("--peers", choices=sorted(PEER_SETS), default="all",
+                        help="all four peers, or hf: DynamicCache and Int8KvCache only")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.new_tokens < 2:
         parser.error("--runs must be >= 1 and --new-tokens >= 2 (the decode window starts after token 1)")
-    result = run(args.model, args.contexts, args.batches, args.runs, args.new_tokens, args.max_batch_tokens)
+    result = run(args.model, args.contexts, args.batches, args.runs, args.new_tokens, args.max_batch_tokens,
+                 args.peers)
     return emit(result, report(result), args.json)
