@@ -38,6 +38,32 @@ SAME_KERNEL_TESTS = {
     "tests/test_cli.py::test_bench_options_are_the_same_from_both_entry_points": "bench attention",
 }
 
+# Work units sent before all others, in this order: the longest first (LPT), so that no long unit starts while the
+# other worker is nearly done, and the first units of the two workers compile different numba kernels. Seconds:
+# two runs from an empty numba cache on this 2-core VM (pytest 975 s at load 5-7, 625 s at load 2-4; most of a
+# long unit's time is the kernels it is the first to compile: warm, the gemma2, fork, engine_errors and hybrid
+# tests below took 1.3, 0.1, 0.0 and 0.2 s). In the first runs test_engine_fork and test_engine_errors started
+# together and both compiled the INT8 decode and prefill kernels (4 kernel specialisations, 20-46 s each, on
+# both workers); here the second worker starts on Triton work (the interpreter, no numba attention kernel) and
+# reaches test_engine_errors after test_engine_fork has written those kernels to the disk cache.
+LONG_UNITS = (
+    "tests/test_engine_fork.py",  # 152-191 s: the INT8 and F16 decode / prefill kernels
+    "tests/test_gpu_check.py::test_smoke_runs_end_to_end_under_the_interpreter",  # 59-102 s, Triton interpreter
+    "tests/test_triton_compile.py",  # 23-52 s, Triton
+    "tests/test_engine_models.py::test_engine_generates_like_transformers[gemma2]",  # 131-312 s: softcap kernels
+    "tests/test_kvstore_engine.py",  # 88-134 s
+    "tests/test_engine_errors.py",  # 79-117 s
+    "bench attention",  # 60-121 s (SAME_KERNEL_TESTS)
+    "tests/test_bench_hybrid.py::test_pages_per_table_follow_the_window_and_the_baseline_keeps_every_block",  # 41-76 s
+    "tests/test_server_api.py",  # 39-44 s
+    "tests/test_server_replicas.py",  # 20-63 s
+    "tests/test_readme.py::test_openai_example_runs_against_int8kv_serve",  # 12-46 s
+    "tests/test_blockstore_backends.py",  # 26-35 s
+    "tests/test_cli.py::test_eval_small_run",  # 8-34 s
+    "tests/test_server_smollm2.py",  # 13-29 s
+    "tests/test_server.py",  # 26-27 s
+)
+
 try:
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # pytest-xdist is in the dev extra; without it the suite runs in one process
@@ -47,7 +73,18 @@ if LoadScopeScheduling is not None:
 
     class ModuleFixtureScheduling(LoadScopeScheduling):
         """Single tests as work units, except ONE_WORKER_MODULES (one unit per module) and SAME_KERNEL_TESTS
-        (one unit per group), sent first, largest first, by LoadScopeScheduling's ordering."""
+        (one unit per group). LONG_UNITS go first, in their order; the rest follow largest first, by
+        LoadScopeScheduling's ordering."""
+
+        _long_units_sent = False
+
+        def _assign_work_unit(self, node) -> None:
+            if not self._long_units_sent:  # the queue is complete at the first assignment
+                self._long_units_sent = True
+                for scope in reversed(LONG_UNITS):
+                    if scope in self.workqueue:
+                        self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
