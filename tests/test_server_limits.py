@@ -12,9 +12,11 @@ from server_helpers import ServerProcess, make_tiny_model, metric
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server_limits")
-    model_dir = make_tiny_model(root / "tiny")
-    proc = ServerProcess("--model", str(model_dir), "--memory", "160KiB", "--max-num-seqs", "1", "--max-queue", "1",
-                         "--shutdown-timeout", "2", log_path=root / "server.log")
+    # A stream that cannot end by itself within the tests (15,000 tokens: the tiny model decodes 1,000 in under
+    # the 2 s of --shutdown-timeout on an idle core), in a pool that holds it in F16 or INT8 (256 B a token).
+    model_dir = make_tiny_model(root / "tiny", max_positions=16384)
+    proc = ServerProcess("--model", str(model_dir), "--memory", "4MiB", "--max-num-seqs", "1", "--max-queue", "1",
+                         "--max-tokens", "15000", "--shutdown-timeout", "2", log_path=root / "server.log")
     try:
         yield proc
     finally:
@@ -29,7 +31,7 @@ def wait_for(predicate, what: str, limit: float = 60.0) -> None:
 
 
 def long_stream(client: openai.OpenAI):
-    return client.completions.create(model="tiny", prompt="the a of", max_tokens=1000, temperature=0, stream=True,
+    return client.completions.create(model="tiny", prompt="the a of", max_tokens=15000, temperature=0, stream=True,
                                      extra_body={"ignore_eos": True})
 
 
