@@ -23,9 +23,15 @@ from int8kv.numba_cache import SharedFunctionCache, share_compiles
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 MODULE = textwrap.dedent('''
+    import importlib.util, os
     import numba
     import numpy as np
-    from int8kv.numba_cache import share_compiles
+
+    # int8kv.numba_cache's file loaded on its own: importing the package would import torch (3 s a child)
+    spec = importlib.util.spec_from_file_location("numba_cache", os.environ["NUMBA_CACHE_MODULE"])
+    numba_cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numba_cache)
+    share_compiles = numba_cache.share_compiles
 
     @numba.njit(cache=True)
     def combine(x, y):
@@ -69,7 +75,7 @@ def _children(tmp_path: Path, kinds: list[list[str]], slow_index: bool = False) 
     (tmp_path / "child.py").write_text(CHILD)
     start = tmp_path / f"start-{time.monotonic_ns()}"
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SRC)])}  # fmt: skip
+           "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_MODULE": str(SRC / "int8kv" / "numba_cache.py")}  # fmt: skip
     if slow_index:
         env["SLOW_INDEX"] = "1"
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "child.py"), str(start), *k], env=env,
