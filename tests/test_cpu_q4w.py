@@ -136,3 +136,7 @@ def test_refusals():
     ops.attention(batch.pool, 0, q, plan, backend="cpu")  # layer 0 is written and sealed
     with pytest.raises(UnsupportedFormat, match="layer 1 has not sealed"):  # layer 1 is not written yet
         ops.attention(batch.pool, 1, q, plan, backend="cpu")
+    ops.attention(batch.pool, 0, q, plan, backend="cpu")  # checked once per pool generation, then trusted
+    batch.pool.release(batch.tables[0])  # the sequence ends: its window pages and sink slot go back
+    with pytest.raises(UnsupportedFormat, match="given back"):  # the same plan's reads are checked again
+        ops.attention(batch.pool, 0, q, plan, backend="cpu")

@@ -87,6 +87,9 @@ class Int4SinkWindowPool:
         self._free_sinks = list(range(sink_slots - 1, -1, -1))
         self._sealed = np.zeros((num_layers, num_blocks), bool)
         self._f16_held = np.zeros((num_layers, num_blocks), bool)
+        #: Counts the calls that may change the books above (write_step, release): a kernel that checked a
+        #: step's reads (check_reads) at one generation need not check them again at the same one.
+        self.generation = 0
 
     def __repr__(self) -> str:
         return (f"Int4SinkWindowPool({self.num_layers} layers, {self.num_kv_heads} x {self.head_dim}, "
@@ -183,6 +186,7 @@ class Int4SinkWindowPool:
     def write_step(self, layer: int, plan, k16: torch.Tensor, v16: torch.Tensor) -> None:
         """Store the step's F16 rows ``[num_queries, H, d]`` of ``layer`` (checked and rounded by the write
         path), then seal the pages that 64 positions now follow and give back the F16 rows no query reads."""
+        self.generation += 1
         for table, first, n, row in self._step(plan):
             pos = torch.arange(first, n)
             rows = slice(row, row + n - first)
@@ -212,6 +216,7 @@ class Int4SinkWindowPool:
     def release(self, blocks, sinks_only: bool = False) -> None:
         """Give back the window pages and sink slots of ``blocks`` (block ids the owner freed: a sequence that
         ends before its pages are sealed leaves them held until then, or until the block is written afresh)."""
+        self.generation += 1
         for blk in blocks:
             books = ((self._sink_of, self._free_sinks),) if sinks_only else (
                 (self._window_of, self._free_windows), (self._sink_of, self._free_sinks))
