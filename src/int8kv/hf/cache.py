@@ -250,9 +250,8 @@ class Int8KvLayer(CacheLayerMixin):
         if value_states.shape[2] != n:
             raise ShapeMismatch(f"keys hold {n} tokens but values {value_states.shape[2]}")
         row = self.held
-        if row + n > p.block_size:
-            self.reserve(row + n)
-            p = self.pool
+        self.reserve(row + n)  # returns at once while the rows fit
+        p = self.pool
         # [batch, heads, n, dim] -> rows [batch * n, heads, dim] in slot order (row b's block, rows row..).
         k = key_states.transpose(1, 2).reshape(-1, p.num_kv_heads, p.head_dim)
         v = value_states.transpose(1, 2).reshape(-1, p.num_kv_heads, p.head_dim)
