@@ -207,7 +207,7 @@ class _StepLayer(CacheLayerMixin):
             rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
         # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
         pool, plan = step.pools[self.group], step.tables[self.table]
-        if getattr(pool, "writes_by_step", False):  # cache/pool_q4w.py: the step's rows go in with the plan, not by slot
+        if getattr(pool, "writes_by_step", False):  # cache/pool_q4w.py: the step's rows go in with the plan
             write.append_paged_kv(pool, self.kv, rows[0], rows[1], plan=plan, backend=step.backend)
         else:
             write.append_rows(pool, self.kv, rows[0], rows[1], plan.slots, backend=step.backend)

@@ -38,10 +38,10 @@ import torch
 
 from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
-from ..cache.prefix import PrefixHasher
-from ..cache.state import as_format
 from ..cache.paged_q4w import plan_sizes, sealed_page_bytes
 from ..cache.pool_q4w import PAGE
+from ..cache.prefix import PrefixHasher
+from ..cache.state import as_format
 from ..errors import (
     InvalidEngineConfig,
     InvalidRequest,
