@@ -31,7 +31,7 @@ CFG = dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_lay
            num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=0)
 SEQS, BUDGET = 4, 64  # max_num_seqs, max_num_batched_tokens: prefills run in chunks of at most 64 tokens
 # Ragged prompts: below the sinks, within the first page, across the first seal (64 + 64) and past it; each
-# generates 40 tokens, so the longest ends at 240 positions (three sealed pages).
+# generates 40 tokens, so the longest ends at 240 positions (pages sealed at 128 and 192).
 LENGTHS, NEW = (3, 70, 130, 200), 40
 GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
 
@@ -160,7 +160,10 @@ def test_refused_by_name(model, prompts, tmp_path):
     for call in (lambda: KvPool(layout, 4, 64), lambda: KvState.from_parts(layout, zeros),
                  lambda: QuantizedKvCache(2, 8, 2, 64, format=Q4W), lambda: PagedKvCache(4, 64, 2, 2, 64, Q4W),
                  lambda: BlockSpec(layout, 64, "m"), lambda: layout.bytes_per_block(64),
-                 lambda: PagedKvCache.with_groups(4, 16, [layout], window_pages=4, sink_slots=1)):
+                 lambda: PagedKvCache.with_groups(4, 16, [layout], window_pages=4, sink_slots=1),
+                 lambda: PagedKvCache.with_groups(4, 64, [layout], windows=(None, 8), window_pages=4, sink_slots=1),
+                 lambda: PagedKvCache.with_groups(4, 64, [layout, KvLayout(1, 1, 128, Q4W)], window_pages=4,
+                                                  sink_slots=1)):
         with pytest.raises(UnsupportedFormat, match=NAME):
             call()
     assert np.isfinite(layout.tokens_for_memory(1 << 20))  # sizing by the format's own figure

@@ -312,6 +312,8 @@ class LLM:
         _check_host_memory(held, memory)
         try:
             self.cache = m.make_cache(num_blocks, block_size, self.format, **pool)
+        except UnsupportedFormat:  # a NotImplementedError, hence a RuntimeError: a refusal, not an allocation
+            raise
         except (RuntimeError, MemoryError) as e:  # the allocator refused (memory taken by other processes)
             raise InvalidEngineConfig(f"cannot allocate the pool for memory budget {memory!r}: {e}") from None
         if stateful and resolve_backend(self.cache.pool, backend) == "triton":  # a CUDA model, backend None
