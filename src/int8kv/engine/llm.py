@@ -513,7 +513,9 @@ class LLM:
         """Bytes of K/V one token takes while every block table holds it (a sliding table gives its blocks back
         once they leave the window)."""
         tables = len(self.model.windows)
-        return tables * sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts)
+        # The 4-bit format's figure is its sealed rows' (the long-context cost, F16 sinks and window left out), a
+        # whole number of bytes for a head_dim that is a multiple of 16.
+        return math.ceil(tables * sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts))
 
     # -- online: requests join, stream and leave between steps ---------------------------------------------
     # The server's engine thread: add_request() whenever a request arrives, step() while has_unfinished(),
