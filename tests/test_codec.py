@@ -225,7 +225,7 @@ def test_inputs_that_require_grad_are_encoded_detached():
             q, s = quant(inp)
             assert torch.equal(q, want_q) and torch.equal(s, want_s)
             assert not q.requires_grad and not s.requires_grad
-    for fmt in KvStorageFormat:
+    for fmt in KvStorageFormat:  # the 4-bit format's encode is its F16 rows (sealing is its pool's)
         parts = fmt.spec.encode(x.clone().requires_grad_())
         assert all(t.grad_fn is None and not t.requires_grad for t in parts)
         assert not fmt.spec.decode(parts).requires_grad

@@ -24,10 +24,13 @@ SPEC = KvStorageFormat.spec  # the real property, before any test patches it
 
 
 def test_registry_and_enum_name_the_same_objects():
-    assert format_names() == ("f16", "int8_per_token_head_f32_scale_v1")
-    assert KvStorageFormat.F16.spec is F16 and INT8.spec is INT8_V1
-    assert [get_format(f.value) for f in KvStorageFormat] == [F16, INT8_V1]
-    with pytest.raises(ValueError, match="accepted: f16, int8_per_token_head_f32_scale_v1"):
+    from int8kv.formats import INT4_SINK_WINDOW_V1 as Q4W
+
+    assert format_names() == ("f16", "int8_per_token_head_f32_scale_v1", "int4_kchan64_vtok_asym_sink4_win64_v1")
+    assert KvStorageFormat.F16.spec is F16 and INT8.spec is INT8_V1 and KvStorageFormat.INT4_SINK_WINDOW_V1.spec is Q4W
+    assert [get_format(f.value) for f in KvStorageFormat] == [F16, INT8_V1, Q4W]
+    assert [f.is_stateful for f in KvStorageFormat] == [False, False, True]
+    with pytest.raises(ValueError, match="accepted: f16, int8_per_token_head_f32_scale_v1, int4_kchan64"):
         get_format("int4")
     with pytest.raises(ValueError, match="already registered"):
         register(Int8V1Format())  # another object under a taken name

@@ -9,8 +9,9 @@ INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 F16 = KvStorageFormat.F16
 
 
-def test_exactly_two_members_with_stable_names():
-    assert [f.as_str() for f in KvStorageFormat] == ["f16", "int8_per_token_head_f32_scale_v1"]
+def test_exactly_three_members_with_stable_names():
+    assert [f.as_str() for f in KvStorageFormat] == ["f16", "int8_per_token_head_f32_scale_v1",
+                                                     "int4_kchan64_vtok_asym_sink4_win64_v1"]
     for fmt in KvStorageFormat:
         assert str(fmt) == fmt.as_str()
         assert KvStorageFormat.parse(fmt.as_str()) is fmt
@@ -38,9 +39,10 @@ def test_from_dtype_f16(name):
 
 def test_from_dtype_int8():
     assert KvStorageFormat.from_dtype("int8") is INT8
+    assert KvStorageFormat.from_dtype(" INT4 ") is KvStorageFormat.INT4_SINK_WINDOW_V1
 
 
-@pytest.mark.parametrize("name", ["fp8", "bf16", "bfloat16", "fp8_e4m3", "int4", ""])
+@pytest.mark.parametrize("name", ["fp8", "bf16", "bfloat16", "fp8_e4m3", "int4_v1", ""])
 def test_from_dtype_refuses_the_rest(name):
     with pytest.raises(ValueError, match="accepted: .*int8"):
         KvStorageFormat.from_dtype(name)

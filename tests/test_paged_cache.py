@@ -45,6 +45,8 @@ def test_sizing_helpers():
     assert set(caps) == set(KvStorageFormat)
     # INT8 rows are 128 + 4 bytes against 256 for F16: nearly twice the tokens.
     assert caps[INT8] / caps[F16] == pytest.approx(256 / 132, rel=0.01)
+    q4w = KvStorageFormat.INT4_SINK_WINDOW_V1  # one sequence's stored form, F16 sinks and window included
+    assert caps[q4w] == q4w.spec.tokens_for_memory(budget, 32, 8, 128) and 3.3 < caps[q4w] / caps[F16] < 3.8
     c = PagedKvCache.for_memory(budget // 64, 16, 2, 2, 64, F16)
     assert c.memory_bytes() <= budget // 64 < c.memory_bytes() + PagedKvCache.bytes_per_block(16, 2, 2, 64, F16)
 

@@ -23,9 +23,7 @@ LAYERS, HEADS, GROUP, DIM = 2, 2, 2, 16
 
 def test_format_object():
     assert FMT.name == quant4w.NAME and FMT.version == 1 and (FMT.page, FMT.sinks, FMT.window) == (64, 4, 64)
-    assert FMT.name not in format_names()  # held by its own pool only (formats.Int4SinkWindowFormat)
-    with pytest.raises(ValueError, match="unknown KV storage format"):
-        get_format(FMT.name)
+    assert FMT.name in format_names() and get_format(FMT.name) is FMT and FMT.stateful
     for d in (64, 128):
         assert FMT.bytes_per_page(d) == 68 * d + 256 == 64 * quant4w.sealed_bytes_per_position(d)
         assert FMT.bytes_per_token(30, 3, d) == 30 * 3 * quant4w.sealed_bytes_per_position(d)

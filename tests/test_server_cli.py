@@ -19,6 +19,8 @@ from int8kv.server.launch import free_port
         (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0"),
         (["--kv-format", "int3"], "unsupported KV cache dtype 'int3'"),
         (["--memory", "lots"], "cannot read a memory size from 'lots'"),
+        # the 4-bit format's window pages and sink slots for 16 sequences take ~87 MiB of SmolLM2's F16 rows first
+        (["--kv-format", "int4", "--memory", "64MiB"], "holds no 64-position page of this model in int4_kchan64"),
         (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
         (["/models/a", "--model", "/models/b"], "two models given: '/models/a' and --model '/models/b'"),
         (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:"),  # not an address of this machine

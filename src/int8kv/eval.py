@@ -69,7 +69,7 @@ def cache_kinds(include_fp8: bool = True) -> list[CacheKind]:
 
     kinds = [
         CacheKind("DynamicCache fp32 (baseline)", lambda cfg: DynamicCache(), per_elem(4)),
-        *(ours(fmt) for fmt in KvStorageFormat),
+        *(ours(fmt) for fmt in KvStorageFormat if not fmt.is_stateful),
     ]
     if include_fp8:
         # transformers' fp8 backend: one float8_e4m3 scale per layer tensor, frozen after the first update.

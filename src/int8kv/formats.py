@@ -70,9 +70,20 @@ class KvFormat:
     parts: tuple[Part, ...]
     wire_order: tuple[str, ...]
     kernel: str
+    #: What a position is stored as depends on the sequence's length (pages sealed as it grows), not on the row
+    #: alone: only the format's own pool holds it; row-by-row consumers refuse it (:meth:`refuse_stateful`).
+    stateful = False
 
     def __repr__(self) -> str:
         return f"<KvFormat {self.name} v{self.version}>"
+
+    def refuse_stateful(self, what: str) -> None:
+        """UnsupportedFormat naming the format if it is :attr:`stateful` (``what``: the consumer refusing it)."""
+        if self.stateful:
+            from .errors import UnsupportedFormat
+
+            raise UnsupportedFormat(f"{what} does not hold the {self.name} format: its pages are sealed as a "
+                                    "sequence grows, which only its own pool (the engine's paged cache) implements")
 
     # -- the codec -----------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -203,12 +214,14 @@ class Int4SinkWindowFormat(KvFormat):
     per-channel key scales (:meth:`seal`) once 64 positions follow them. A stateful format: its pool is
     :class:`int8kv.cache.pool_q4w.Int4SinkWindowPool`, whose writes take the step's plan.
 
-    Not in the registry: a registered name is a ``KvStorageFormat`` member, hence a choice every cache, file and
-    block value accepts, and only that pool holds this format so far."""
+    Registered (``KvStorageFormat.INT4_SINK_WINDOW_V1``) and ``stateful``: only that pool and the engine's
+    cache over it (int8kv.cache.paged_q4w) hold it; every other consumer of a member (the plain pool, states,
+    the contiguous cache, KV files, block values) refuses it by name (UnsupportedFormat)."""
 
     name = "int4_kchan64_vtok_asym_sink4_win64_v1"
     version = 1
     kernel = "int4_sink_window"
+    stateful = True
     page = 64  # positions per block: a key group's span (docs/kv_file_format.md, "In the paged cache")
     sinks = 4
     window = 64
@@ -320,7 +333,7 @@ def register(fmt: KvFormat) -> KvFormat:
     return fmt
 
 
-for _fmt in (F16, INT8_V1):
+for _fmt in (F16, INT8_V1, INT4_SINK_WINDOW_V1):
     register(_fmt)
 
 
@@ -342,6 +355,7 @@ class KvStorageFormat(str, enum.Enum):
 
     F16 = F16Format.name
     INT8_PER_TOKEN_HEAD_F32_SCALE_V1 = Int8V1Format.name
+    INT4_SINK_WINDOW_V1 = Int4SinkWindowFormat.name
 
     def as_str(self) -> str:
         return self.value
@@ -373,7 +387,9 @@ class KvStorageFormat(str, enum.Enum):
             return cls.F16
         if key in _INT8_ALIASES:
             return cls.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
-        accepted = ", ".join(sorted(_F16_ALIASES | _INT8_ALIASES))
+        if key in _INT4_ALIASES:
+            return cls.INT4_SINK_WINDOW_V1
+        accepted = ", ".join(sorted(_F16_ALIASES | _INT8_ALIASES | _INT4_ALIASES))
         raise ValueError(f"unsupported KV cache dtype {name!r}; accepted: {accepted}")
 
     # -- the format object's answers, for the callers that hold a member (encode and decode: ``.spec``, as
@@ -382,6 +398,11 @@ class KvStorageFormat(str, enum.Enum):
     def is_quantized(self) -> bool:
         """Whether rows are stored lossily beyond float16 rounding (every format but F16)."""
         return self is not KvStorageFormat.F16
+
+    @property
+    def is_stateful(self) -> bool:
+        """Whether the format's stored form depends on the sequence's length (:attr:`KvFormat.stateful`)."""
+        return self.spec.stateful
 
     @property
     def version(self) -> int:
@@ -401,3 +422,4 @@ class KvStorageFormat(str, enum.Enum):
 
 _F16_ALIASES = frozenset({"auto", "fp16", "float16", "half", "f16"})
 _INT8_ALIASES = frozenset({"int8"})
+_INT4_ALIASES = frozenset({"int4"})

@@ -113,6 +113,7 @@ class BlockSpec:
             object.__setattr__(self, "layout", layouts[0] if len(layouts) == 1 else layouts)
         elif not isinstance(self.layout, KvLayout):
             raise BlockEncodeError(f"layout must be a KvLayout or a non-empty sequence of them, got {self.layout!r}")
+        self.format.spec.refuse_stateful("a block value")  # UnsupportedFormat: its pool exports no rows
         if self.grouped and self.head_start != 0:
             raise BlockEncodeError("a head range of a spec with several K/V shapes (head_start > 0) is not implemented")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -351,6 +352,8 @@ def verify_block(
         fmt = KvStorageFormat.parse(header.format_name)
     except ValueError as exc:
         raise UnsupportedBlock(f"unknown storage format {header.format_name!r}") from exc
+    if fmt.is_stateful:
+        raise UnsupportedBlock(f"a block value of the {fmt.value} format, which block values do not hold")
     if header.storage_version != fmt.version:
         raise UnsupportedBlock(f"{fmt.value} version {header.storage_version}; this reader knows {fmt.version}")
     if header.fingerprint != spec.fingerprint:

@@ -65,6 +65,7 @@ class QuantizedKvLayer:
                 f"got {capacity}, {num_kv_heads}, {head_dim}"
             )
         self.format = KvStorageFormat(format)
+        self.format.spec.refuse_stateful("the contiguous cache")
         self.capacity = capacity
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -209,6 +210,7 @@ class QuantizedKvCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.format = KvStorageFormat(format)
+        self.format.spec.refuse_stateful("the contiguous cache")
         self.layers = [
             QuantizedKvLayer(capacity, num_kv_heads, head_dim, self.format, device) for _ in range(num_layers)
         ]

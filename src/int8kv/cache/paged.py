@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import PositionOutOfRange, ShapeMismatch
+from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedFormat
 from ..formats import KvStorageFormat
 from .allocator import BlockAllocator, SeqId
 from .pool import KvPool, Rows
@@ -40,6 +40,9 @@ class PagedKvCache:
                 "num_blocks, block_size, num_layers, num_kv_heads and head_dim must all be > 0, got "
                 f"{num_blocks}, {block_size}, {num_layers}, {num_kv_heads}, {head_dim}"
             )
+        if KvStorageFormat(format).is_stateful:
+            raise UnsupportedFormat(f"PagedKvCache holds rows by slot, not the {KvStorageFormat(format).value} format: "
+                                    "build it through PagedKvCache.with_groups (cache/paged_q4w.py)")
         self.pool = KvPool(KvLayout(num_layers, num_kv_heads, head_dim, KvStorageFormat(format)), num_blocks,
                            block_size, device)  # fmt: skip
         self.pools: tuple[KvPool, ...] = (self.pool,)
@@ -58,15 +61,23 @@ class PagedKvCache:
     @classmethod
     def with_groups(
         cls, num_blocks: int, block_size: int, layouts: Sequence[KvLayout], device: torch.device | str = "cpu",
-        windows: Sequence[int | None] = (None,), table_layers: Sequence[int] | None = None,
+        windows: Sequence[int | None] = (None,), table_layers: Sequence[int] | None = None, *,
+        window_pages: int | None = None, sink_slots: int | None = None,
     ) -> PagedKvCache:
         """One pool per layout (a group of layers sharing a K/V shape; one format), every pool indexed by the same
-        block ids of one allocator (with one block table per entry of `windows`). One layout is the plain cache."""
+        block ids of one allocator (with one block table per entry of `windows`). One layout is the plain cache.
+        A stateful format's cache (int8kv.cache.paged_q4w.Int4SinkWindowCache, which also takes the pool's
+        ``window_pages`` and ``sink_slots``) for layouts of that format."""
         first = layouts[0] if isinstance(layouts, (tuple, list)) and layouts else None
         if not isinstance(first, KvLayout) or any(
             not isinstance(la, KvLayout) or la.format != first.format for la in layouts
         ):
             raise ShapeMismatch(f"layouts must be a non-empty list of KvLayouts of one format, got {layouts!r}")
+        if first.format.is_stateful:
+            from .paged_q4w import Int4SinkWindowCache
+
+            return Int4SinkWindowCache.for_layouts(num_blocks, block_size, layouts, device, windows, table_layers,
+                                                   window_pages=window_pages, sink_slots=sink_slots)  # fmt: skip
         cache = cls(num_blocks, block_size, *first.dims, first.format, device, windows)
         cache.pools = (cache.pool, *(KvPool(la, num_blocks, block_size, cache.device) for la in layouts[1:]))
         if table_layers is not None:

@@ -37,6 +37,7 @@ class KvPool:
     ) -> None:
         if not isinstance(layout, KvLayout):
             raise ShapeMismatch(f"layout must be a KvLayout, got {type(layout).__name__}")
+        layout.format.spec.refuse_stateful("KvPool")  # its own pool: cache/pool_q4w.py
         for name, n in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ShapeMismatch(f"{name} must be a positive int, got {n!r}")
@@ -57,6 +58,7 @@ class KvPool:
         """A pool over existing K and V parts (one tensor per part of the format,
         ``[num_layers, num_blocks, block_size, heads, *part.shape(dim)]``, one device), without copying them."""
         spec = layout.format.spec
+        spec.refuse_stateful("KvPool")
         first = k[0] if isinstance(k, (tuple, list)) and k and isinstance(k[0], torch.Tensor) else None
         if first is None or first.dim() < 4 or (first.shape[0], first.shape[3]) != layout.dims[:2]:
             raise ShapeMismatch(f"K parts do not fit {layout}")

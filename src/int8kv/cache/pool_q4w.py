@@ -111,6 +111,17 @@ class Int4SinkWindowPool:
     def windows_held(self) -> int:
         return int((self._window_of >= 0).sum())
 
+    def sinks_held(self) -> int:
+        return int((self._sink_of >= 0).sum())
+
+    @property
+    def window_pages(self) -> int:
+        return int(self._k_win.shape[1])
+
+    @property
+    def sink_slots(self) -> int:
+        return int(self._k_sink.shape[1])
+
     def check_layer(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise LayerOutOfRange(f"layer {layer!r} outside [0, {self.num_layers})")
@@ -212,6 +223,21 @@ class Int4SinkWindowPool:
                     if not self._f16_held[:, blk].any():
                         self._free_windows.append(int(self._window_of[blk]))
                         self._window_of[blk] = -1
+
+    def settle(self, block_table, length: int) -> int:
+        """Give back the window pages of a sequence's pages that every query at positions ``>= length`` reads
+        sealed (``length >= 64 b + 128``, sealed in every layer), as its next step would before taking any:
+        for an owner holding sequences between steps (``length``: the sequence's context, no shorter), so that
+        a sequence holds at most its last two pages' F16 rows between steps. Returns how many went back."""
+        self.generation += 1
+        back = 0
+        for blk in block_table[: max(0, (length - WINDOW) // PAGE)]:
+            if self._window_of[blk] >= 0 and self._sealed[:, blk].all():
+                self._f16_held[:, blk] = False
+                self._free_windows.append(int(self._window_of[blk]))
+                self._window_of[blk] = -1
+                back += 1
+        return back
 
     def release(self, blocks, sinks_only: bool = False) -> None:
         """Give back the window pages and sink slots of ``blocks`` (block ids the owner freed: a sequence that

@@ -83,6 +83,9 @@ class KvLayout:
         return self.format.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def bytes_per_block(self, block_size: int) -> int:
+        # A stateful format's block holds a sealed page or F16 rows as its sequence grows: the engine sizes its
+        # cache by page (int8kv.cache.paged_q4w), never by a bytes-per-block figure.
+        self.format.spec.refuse_stateful("sizing by bytes per block")
         return _positive_int(block_size, "block_size") * self.bytes_per_token
 
     def blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
@@ -92,6 +95,14 @@ class KvLayout:
         return max(0, memory_bytes // self.bytes_per_block(block_size))
 
     def tokens_for_memory(self, memory_bytes: int, block_size: int = 16) -> int:
+        """Token capacity of a pool of ``block_size`` blocks in ``memory_bytes``; for a stateful format (its blocks
+        are 64 positions whatever ``block_size``), the longest one sequence that grows to its length within the
+        budget, F16 sinks and window included (``Int4SinkWindowFormat.tokens_for_memory``)."""
+        spec = self.format.spec
+        if spec.stateful:
+            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int):
+                raise ShapeMismatch(f"memory_bytes must be an int, got {memory_bytes!r}")
+            return spec.tokens_for_memory(memory_bytes, *self.dims)
         return self.blocks_for_memory(memory_bytes, block_size) * block_size
 
     def with_format(self, format: KvStorageFormat | str) -> KvLayout:
@@ -118,6 +129,7 @@ class KvState:
     def from_parts(cls, layout: KvLayout, groups: Mapping[str, Any]) -> KvState:
         """Check and normalise (detached, CPU, contiguous) per-layer tensors, keyed by tensor name, into a state."""
         spec = layout.format.spec
+        spec.refuse_stateful("KvState")  # a row's stored form depends on the sequence's length
         names = spec.tensor_names()
         if not isinstance(groups, Mapping) or set(groups) != set(names):
             got = sorted(groups) if isinstance(groups, Mapping) else type(groups).__name__

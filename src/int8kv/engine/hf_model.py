@@ -206,8 +206,11 @@ class _StepLayer(CacheLayerMixin):
                 raise ShapeMismatch(f"layer {self.layer_idx}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
             rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
         # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
-        slots = step.tables[self.table].slots
-        write.append_rows(step.pools[self.group], self.kv, rows[0], rows[1], slots, backend=step.backend)
+        pool, plan = step.pools[self.group], step.tables[self.table]
+        if getattr(pool, "writes_by_step", False):  # cache/pool_q4w.py: the step's rows go in with the plan
+            write.append_paged_kv(pool, self.kv, rows[0], rows[1], plan=plan, backend=step.backend)
+        else:
+            write.append_rows(pool, self.kv, rows[0], rows[1], plan.slots, backend=step.backend)
         step.written[self.layer_idx] += 1
         # Handles the drop-in's way (int8kv.hf.attention.KvHandle): any use but this attention raises.
         return make_handle(key_states, self), make_handle(value_states, self)
@@ -647,11 +650,12 @@ class TransformersModel:
         self.states = SequenceStates(self) if any(spec.state for spec in self.attention) else None
         self._probe()
 
-    def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
+    def make_cache(self, num_blocks: int, block_size: int, format, **pool: int) -> PagedKvCache:
+        """The engine's cache (``pool``: a stateful format's window_pages and sink_slots, PagedKvCache.with_groups)."""
         device = next(self.hf.parameters()).device
         layouts = [layout.with_format(format) for layout in self.layouts]
         return PagedKvCache.with_groups(num_blocks, block_size, layouts, device=device, windows=self.windows,
-                                        table_layers=self.table_layers)  # fmt: skip
+                                        table_layers=self.table_layers, **pool)  # fmt: skip
 
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> tuple[AttentionPlan, ...]:
         """The step's plan over each block table of `cache` (one with a single table)."""

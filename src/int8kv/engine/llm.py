@@ -38,12 +38,21 @@ import torch
 
 from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
+from ..cache.paged_q4w import plan_sizes, sealed_page_bytes
+from ..cache.pool_q4w import PAGE
 from ..cache.prefix import PrefixHasher
 from ..cache.state import as_format
-from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted, UnsupportedModel, UnsupportedWeights
+from ..errors import (
+    InvalidEngineConfig,
+    InvalidRequest,
+    KvPoolExhausted,
+    UnsupportedFormat,
+    UnsupportedModel,
+    UnsupportedWeights,
+)
 from ..formats import KvStorageFormat
 from ..models.weights import check_weights, convert_weights
-from ..ops import BACKENDS
+from ..ops import BACKENDS, resolve_backend
 from .chat import chat_prompt_ids
 from .model import DecoderModel
 from .runner import ModelRunner
@@ -184,7 +193,7 @@ class LLM:
         model: str | torch.nn.Module,
         kv_format: KvStorageFormat | str = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1,
         memory: int | str = "256MiB",
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
         tokenizer=None,
@@ -209,7 +218,10 @@ class LLM:
         every config field it does not implement). `backend`: the attention kernels (int8kv.ops.BACKENDS;
         None: "cpu" or "triton" from the pool's device). `weights`: the precision of the model's matmuls,
         "model" (as loaded), "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not
-        changed; the prefix-cache key root hashes the converted weights)."""
+        changed; the prefix-cache key root hashes the converted weights). `block_size`: None is 16 positions, 64
+        for ``int4_kchan64_vtok_asym_sink4_win64_v1`` (its pages; another size is refused by name), which runs
+        without prefix caching, the block store and forks (cache/paged_q4w.py; refused by name when asked for,
+        prefix caching off and logged by default) on the reference and cpu backends."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -236,13 +248,18 @@ class LLM:
             raise InvalidEngineConfig(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
-        block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
         positive_int(max_num_seqs, "max_num_seqs", InvalidEngineConfig)
         positive_int(max_num_batched_tokens, "max_num_batched_tokens", InvalidEngineConfig)
         try:
             self.format = as_format(kv_format)
         except ValueError as e:
             raise InvalidEngineConfig(str(e)) from None
+        stateful = self.format.is_stateful
+        if block_size is None:
+            block_size = PAGE if stateful else 16
+        block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
+        if stateful:
+            prefix_caching = self._stateful_checks(block_size, prefix_caching, kv_store, backend)
         if isinstance(model, torch.nn.Module):
             hf_model = model
         else:
@@ -277,15 +294,30 @@ class LLM:
         m = self.model
         # A block holds its tokens in every group's pool: each sized for its own shape (with several block tables,
         # one pool whose block holds one table group's layers).
-        per_block = sum(la.with_format(self.format).bytes_per_block(block_size) for la in m.layouts)
-        num_blocks = budget // per_block
+        pool: dict[str, int] = {}
+        if stateful:
+            # Window pages and sink slots for the worst step first, the rest in sealed pages (cache/paged_q4w.py).
+            layout = m.layouts[0].with_format(self.format)
+            num_blocks, pool["window_pages"], pool["sink_slots"] = plan_sizes(budget, layout, max_num_seqs,
+                                                                             max_num_batched_tokens)  # fmt: skip
+            per_block = sealed_page_bytes(layout)
+            held = budget  # the window pages and sink slots, then whole sealed pages: at most the budget
+        else:
+            per_block = sum(la.with_format(self.format).bytes_per_block(block_size) for la in m.layouts)
+            num_blocks = budget // per_block
+            held = num_blocks * per_block
         if num_blocks < 1:
-            raise KvPoolExhausted(f"memory budget {memory!r} holds no block ({per_block} bytes each)")
-        _check_host_memory(num_blocks * per_block, memory)
+            extra = " after its window pages and sink slots" if stateful else ""
+            raise KvPoolExhausted(f"memory budget {memory!r} holds no block{extra} ({per_block} bytes each)")
+        _check_host_memory(held, memory)
         try:
-            self.cache = m.make_cache(num_blocks, block_size, self.format)
+            self.cache = m.make_cache(num_blocks, block_size, self.format, **pool)
+        except UnsupportedFormat:  # a NotImplementedError, hence a RuntimeError: a refusal, not an allocation
+            raise
         except (RuntimeError, MemoryError) as e:  # the allocator refused (memory taken by other processes)
             raise InvalidEngineConfig(f"cannot allocate the pool for memory budget {memory!r}: {e}") from None
+        if stateful and resolve_backend(self.cache.pool, backend) == "triton":  # a CUDA model, backend None
+            raise UnsupportedFormat(f"the triton backend has no kernels for the {self.format.value} format")
         hasher, tier, self.fingerprint = None, None, None
         if prefix_caching:
             from ..store import model_fingerprint
@@ -309,6 +341,23 @@ class LLM:
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).
         self._lock = threading.RLock()
         self._live: dict[int, _Live] = {}  # online requests (add_request) whose last update is not yet popped
+
+    def _stateful_checks(self, block_size: int, prefix_caching: bool | None, kv_store: Any,
+                         backend: str | None) -> bool:
+        """The 4-bit format's engine settings, refused by name before the model loads: its block size (a page of
+        64), prefix caching and the block store (a cached page's F16 rows and sinks are given back with its
+        sequence), the Triton backend (no kernel). Prefix caching is then off (logged when not asked about)."""
+        name = self.format.value
+        if block_size != PAGE:
+            raise InvalidEngineConfig(f"the {name} format stores blocks of {PAGE} positions; block_size={block_size}")
+        if prefix_caching or (kv_store is not None and kv_store is not False):
+            what = "prefix_caching=True" if prefix_caching else "kv_store (which needs prefix caching)"
+            raise UnsupportedFormat(f"{what} is not implemented for the {name} format (cache/paged_q4w.py)")
+        if backend == "triton":
+            raise UnsupportedFormat(f"the triton backend has no kernels for the {name} format")
+        if prefix_caching is None:
+            logger.info("prefix caching is off: not implemented for the %s format", name)
+        return False
 
     def _without_prefix_cache(self, prefix_caching: bool | None, kv_store: Any) -> bool:
         """Prefix caching (and with it the block store) for a model with state layers: a cached block holds only
@@ -426,6 +475,8 @@ class LLM:
             raise InvalidRequest(f"{len(ids)} tokens exceed the model's {self.max_positions} positions")
         if not self.cache.allocator.can_add(len(ids)):
             raise KvPoolExhausted(f"{len(ids)} tokens do not fit in the free part of the pool")
+        if self.format.is_stateful:  # its window pages are sized for chunks of the engine's token budget
+            chunk_size = min(chunk_size, self.scheduler.max_num_batched_tokens)
         seq = Sequence(ids, SamplingParams(max_tokens=1))
         self.cache.add_sequence(seq.seq_id, 0)
         try:
@@ -462,7 +513,9 @@ class LLM:
         """Bytes of K/V one token takes while every block table holds it (a sliding table gives its blocks back
         once they leave the window)."""
         tables = len(self.model.windows)
-        return tables * sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts)
+        # The 4-bit format's figure is its sealed rows' (the long-context cost, F16 sinks and window left out), a
+        # whole number of bytes for a head_dim that is a multiple of 16.
+        return math.ceil(tables * sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts))
 
     # -- online: requests join, stream and leave between steps ---------------------------------------------
     # The server's engine thread: add_request() whenever a request arrives, step() while has_unfinished(),
@@ -501,6 +554,9 @@ class LLM:
                 params = [params or SamplingParams()]
             elif not isinstance(params, Seq) or not params:
                 raise InvalidRequest("params must be a SamplingParams (with n) or a non-empty list, one per choice")
+            if len(params) > 1 and self.format.is_stateful:
+                raise UnsupportedFormat(f"n={len(params)} choices of one prompt share its pages copy-on-write, which "
+                                        f"is not implemented for the {self.format.value} format")
             ids = self._encode(prompt)
             seqs = self._requests([ids] * len(params), list(params))
             first, forks = seqs[0], seqs[1:]

@@ -17,6 +17,7 @@ from .. import ops
 from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
 from ..errors import UnsupportedModel
+from ..formats import KvStorageFormat
 from ..models.weights import fused_linear
 from ..ops.plan import AttentionPlan, plan_attention
 from ..ops.write import rms_norm
@@ -160,7 +161,10 @@ class DecoderModel:
         angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
         return (angles.cos() * scaling).float(), (angles.sin() * scaling).float()
 
-    def make_cache(self, num_blocks: int, block_size: int, format) -> PagedKvCache:
+    def make_cache(self, num_blocks: int, block_size: int, format, **pool: int) -> PagedKvCache:
+        """The engine's cache (``pool``: a stateful format's window_pages and sink_slots, PagedKvCache.with_groups)."""
+        if pool or KvStorageFormat(format).is_stateful:
+            return PagedKvCache.with_groups(num_blocks, block_size, [self.layout.with_format(format)], **pool)
         return PagedKvCache(num_blocks, block_size, *self.layout.dims, format)
 
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> AttentionPlan:

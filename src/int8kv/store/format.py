@@ -307,6 +307,8 @@ def parse_header(body: bytes) -> Header:
         fmt = KvStorageFormat.parse(meta["storage_format"])
     except ValueError as exc:
         raise UnsupportedKvFile(str(exc)) from None
+    if fmt.is_stateful:
+        raise UnsupportedKvFile(f"a KV file of the {fmt.value} format, which KV files do not hold")
     dims = {}
     for key in ("batch", "seq_len") if grouped else DIM_KEYS:
         if not _UINT.fullmatch(meta[key]) or int(meta[key]) >= MAX_DIM:

@@ -1,0 +1,170 @@
+"""The engine's paged cache in ``int4_kchan64_vtok_asym_sink4_win64_v1``: a :class:`PagedKvCache` whose pool is an
+:class:`~int8kv.cache.pool_q4w.Int4SinkWindowPool` (one layout, one block table, blocks of 64 positions).
+
+Block ids are the allocator's as for every paged cache: block ``b`` is sealed page ``b`` (pool tensors
+``[num_layers, num_blocks, 64, H, d / 2]`` codes and the scales of cache/pool_q4w.py); the F16 rows of a page not
+yet sealed sit in one of ``window_pages`` window pages, a sequence's positions 0-3 in one of ``sink_slots`` sink
+slots, both taken by the pool's writes and given back by :meth:`free` (``pool.release`` of the blocks the
+allocator freed) and :meth:`release_outside_windows` (``pool.settle``: the scheduler calls it after each step,
+so a sequence holds at most its last two pages' F16 rows between steps).
+
+Sizing (:func:`plan_sizes`): a step that writes ``m`` positions of a sequence holds at most ``ceil(m / 64) + 2``
+window pages for it, a running sequence between its steps at most 2, so ``ceil(max_num_batched_tokens / 64) +
+3 * seats`` window pages and ``seats`` sink slots (``seats``: ``max_num_seqs`` plus one for ``LLM.score``'s
+sequence) mean an admitted request never meets KvPoolExhausted mid-step: admission and preemption count blocks
+only, as for the other formats.
+
+Refused by name (UnsupportedFormat): copy-on-write (forks), prefix keys and hits, exported / imported states
+(KV files and the block store), releasing blocks before a position (sliding tables: page 0 holds the sinks
+every query reads), several K/V shapes or block tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ShapeMismatch, UnsupportedFormat
+from ..formats import INT4_SINK_WINDOW_V1, KvStorageFormat
+from .allocator import BlockAllocator, SeqId
+from .paged import PagedKvCache
+from .pool_q4w import PAGE, SINKS, Int4SinkWindowPool
+from .state import KvLayout
+
+Q4W = KvStorageFormat.INT4_SINK_WINDOW_V1
+NAME = INT4_SINK_WINDOW_V1.name
+
+
+def window_page_bytes(layout: KvLayout) -> int:
+    """Bytes of one window page over every layer: 64 F16 rows of K and of V per KV head."""
+    return layout.num_layers * 2 * PAGE * layout.num_kv_heads * layout.head_dim * 2
+
+
+def sink_slot_bytes(layout: KvLayout) -> int:
+    """Bytes of one sink slot over every layer: 4 F16 rows of K and of V per KV head."""
+    return layout.num_layers * 2 * SINKS * layout.num_kv_heads * layout.head_dim * 2
+
+
+def sealed_page_bytes(layout: KvLayout) -> int:
+    """Bytes of one sealed page (a block) over every layer: ``H (68 d + 256)`` per layer."""
+    return layout.num_layers * layout.num_kv_heads * INT4_SINK_WINDOW_V1.bytes_per_page(layout.head_dim)
+
+
+def plan_sizes(budget: int, layout: KvLayout, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int]:
+    """``(num_blocks, window_pages, sink_slots)`` of an engine cache within ``budget`` bytes (module docs): the
+    window pages and sink slots its worst step needs first, the rest in sealed pages (``num_blocks`` may be 0 or
+    less: the budget holds no block)."""
+    seats = max_num_seqs + 1
+    windows = math.ceil(max_num_batched_tokens / PAGE) + 3 * seats
+    fixed = windows * window_page_bytes(layout) + seats * sink_slot_bytes(layout)
+    return (budget - fixed) // sealed_page_bytes(layout), windows, seats
+
+
+def refuse(what: str) -> UnsupportedFormat:
+    return UnsupportedFormat(f"{what} is not implemented for the {NAME} format in the engine's paged cache")
+
+
+class Int4SinkWindowCache(PagedKvCache):
+    """``num_blocks`` pages of 64 positions for ``num_layers`` layers of ``num_kv_heads`` x ``head_dim``, with
+    ``window_pages`` window pages and ``sink_slots`` sink slots (module docs), and the allocator of their block
+    ids."""
+
+    def __init__(
+        self, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int, window_pages: int, sink_slots: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        # The base's __init__ builds a KvPool, which refuses this format: the same attributes, over this pool.
+        self.layout = KvLayout(num_layers, num_kv_heads, head_dim, Q4W)
+        self.pool = Int4SinkWindowPool(num_layers, num_kv_heads, head_dim, num_blocks, window_pages, sink_slots,
+                                       device)  # fmt: skip
+        self.pools = (self.pool,)
+        self.allocator = BlockAllocator(num_blocks, PAGE)
+        self.windows, self.num_tables = self.allocator.windows, self.allocator.num_groups
+        self.format, self.device = self.layout.format, self.pool.device
+        self.num_blocks, self.block_size = num_blocks, PAGE
+        self.num_layers, self.num_kv_heads, self.head_dim = self.layout.dims
+
+    @classmethod
+    def for_layouts(
+        cls, num_blocks: int, block_size: int, layouts: Sequence[KvLayout], device: torch.device | str = "cpu",
+        windows: Sequence[int | None] = (None,), table_layers: Sequence[int] | None = None, *,
+        window_pages: int | None = None, sink_slots: int | None = None,
+    ) -> Int4SinkWindowCache:
+        """``PagedKvCache.with_groups``' arguments for this format: one layout, one block table of full attention,
+        ``block_size`` 64, and the pool's ``window_pages`` and ``sink_slots``; anything else refused by name."""
+        if block_size != PAGE:
+            raise refuse(f"a block size of {block_size!r} (its pages are {PAGE} positions)")
+        if len(layouts) != 1:
+            raise refuse(f"{len(layouts)} K/V shapes (one pool per shape)")
+        if tuple(windows) != (None,):
+            raise refuse(f"block tables {tuple(windows)!r} (sliding layers give page 0, the sinks', back)")
+        if table_layers is not None and tuple(table_layers) != (layouts[0].num_layers,):
+            raise refuse(f"table groups of {tuple(table_layers)!r} layers")
+        if window_pages is None or sink_slots is None:
+            raise ShapeMismatch(f"a {NAME} cache needs window_pages and sink_slots (cache/paged_q4w.plan_sizes)")
+        return cls(num_blocks, *layouts[0].dims, window_pages, sink_slots, device)
+
+    def __repr__(self) -> str:
+        return (f"Int4SinkWindowCache(num_blocks={self.num_blocks}, num_layers={self.num_layers}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, window_pages={self.pool.window_pages}, "
+                f"sink_slots={self.pool.sink_slots}, device={self.device}, free_blocks={self.num_free_blocks})")
+
+    @property
+    def layouts(self) -> tuple[KvLayout, ...]:
+        return (self.layout,)
+
+    @property
+    def state_layouts(self) -> tuple[KvLayout, ...]:
+        raise refuse("exporting states (prefix keys, block values, KV files)")
+
+    def set_table_layers(self, table_layers: Sequence[int]) -> None:
+        if tuple(table_layers) != (self.num_layers,):
+            raise refuse(f"table groups of {tuple(table_layers)!r} layers")
+
+    # -- sequences ------------------------------------------------------------------------------------------
+    def free(self, seq_id: SeqId) -> None:
+        """Drop a sequence; the window pages and sink slot of every block that went back to the pool with it are
+        given back (``pool.release``)."""
+        table = self.allocator.block_table(seq_id)
+        self.allocator.free(seq_id)
+        self.pool.release([b for b in table if self.allocator.refcount(b) == 0])
+
+    def release_outside_windows(self, seq_id: SeqId, position: int) -> int:
+        """After a step (the scheduler's ``advance``): the window pages of the pages every query from
+        ``position`` (the sequence's context) on reads sealed go back to the pool (``pool.settle``). One block
+        table of full attention: no block is released; returns 0."""
+        if position < self.allocator.context_len(seq_id):
+            raise ShapeMismatch(f"position {position} is before the sequence's context "
+                                f"({self.allocator.context_len(seq_id)}): its queries still read those rows")
+        self.pool.settle(self.allocator.block_table(seq_id), position)
+        return 0
+
+    def release_before(self, seq_id: SeqId, position: int) -> int:
+        raise refuse("releasing blocks before a position (page 0 holds the sinks every query reads)")
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        raise refuse("forking a sequence (copy-on-write of a page)")
+
+    def add_sequence_with_prefix(self, seq_id: SeqId, num_tokens: int, block_keys: Sequence[bytes]):
+        raise refuse("prefix caching")
+
+    def register_blocks(self, seq_id: SeqId, block_keys: Sequence[bytes]) -> int:
+        raise refuse("prefix caching")
+
+    # -- states and rows ------------------------------------------------------------------------------------
+    def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None):
+        raise refuse("exporting a sequence's state")
+
+    def import_state(self, seq_id: SeqId, state):
+        raise refuse("importing a state")
+
+    def write_state(self, seq_id: SeqId, start: int, state):
+        raise refuse("writing a state")
+
+    def write_rows(self, layer: int, slots: torch.Tensor, k, v) -> None:
+        raise refuse("writing rows by slot (the pool is written by step, with the plan)")
+
+    def read_rows(self, layer: int, slots: torch.Tensor):
+        raise refuse("reading rows by slot (pool.stored_form reads a sequence's stored form)")
