@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     ev.add_argument("--prompts", type=int, default=4, help="built-in prompts to generate from (0: none)")
     ev.add_argument("--no-fp8", action="store_true", help="skip transformers' fp8 QuantizedCache")
+    ev.add_argument("--kv-format", default=None, help=f"comma-separated Int8KvCache formats to score after the "
+                    f"float32 baseline (default: every registered one): {FORMAT_CHOICES}, {INT4_SINK_WINDOW_V1.name}")
     ev.add_argument("--json", metavar="PATH", help=JSON_HELP)
     ev.add_argument("--plot", metavar="PATH.png", help="perplexity change per cache type")
     _common(ev)
@@ -144,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _formats(text: str) -> list[KvStorageFormat]:
     out = []
     for name in text.split(","):
+        if name.strip() == INT4_SINK_WINDOW_V1.name and name.strip() not in {f.value for f in KvStorageFormat}:
+            raise CliError(f"{INT4_SINK_WINDOW_V1.name} is not a choice of this command yet (int8kv eval "
+                           "--kv-format takes it)")
         try:
             out.append(KvStorageFormat.parse(name.strip()))
         except ValueError:
@@ -356,11 +361,20 @@ def run_eval(args: argparse.Namespace) -> dict:
     check_minimums(args, {"ctx": MIN_CTX, "chunk": 1, "windows": 1, "gen_tokens": 1, "prompts": 0})
     if args.prompts > len(DEFAULT_PROMPTS):
         raise CliError(f"--prompts must be in [0, {len(DEFAULT_PROMPTS)}] (0: no greedy run), got {args.prompts}")
+    formats = None
+    if args.kv_format is not None:
+        from .hf.cache import resolve_format
+
+        try:
+            formats = [resolve_format(name.strip()) for name in args.kv_format.split(",")]
+        except ValueError as exc:
+            raise CliError(f"--kv-format: {exc}; or {INT4_SINK_WINDOW_V1.name}") from None
     text = read_text(args.text)
     model, tokenizer = _load(args)
     result = evaluate(
         model, tokenizer, text, ctx=args.ctx, chunk=args.chunk, max_windows=args.windows,
-        gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts], kinds=cache_kinds(not args.no_fp8),
+        gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts],
+        kinds=cache_kinds(not args.no_fp8, formats),
     )
     return {"weights": args.weights, **result}
 
