@@ -138,8 +138,17 @@ def test_cpu_and_reference_backends_agree_on_a_two_layer_generation():
     outs = []
     for backend in ("reference", "cpu"):
         cache = q4w_cache(model, backend)
-        outs.append(model.generate(ids, attention_mask=mask, do_sample=False, cache=cache, max_new_tokens=66,
-                                   return_dict_in_generate=True, output_logits=True))
+        outs.append(
+            model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                cache=cache,
+                max_new_tokens=66,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        )
         assert cache.get_seq_length() == 130 + 65
     ref, cpu = outs
     assert torch.equal(ref.sequences, cpu.sequences)
@@ -157,14 +166,15 @@ def test_crop_within_the_window_equals_a_shorter_run_and_past_it_is_refused():
     fresh = q4w_cache(model)
     want = fed(model, fresh, ids, mask, [0, 100, *range(101, 141), 142, 170])[:, 140:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    # Decode to 260: page 1 (64-127) was sealed at 192 and its F16 rows given back; page 2 at 256.
-    fed(model, cache, torch.cat([ids, ids], 1), torch.cat([mask, mask], 1), [170, *range(171, 261)])
+    # A chunk to 195 seals page 1 (positions 64-127) at 192; the decode step from 195 reads it sealed, so its F16
+    # rows are given back: a length of 150 would read them.
+    fed(model, cache, torch.cat([ids, ids], 1), torch.cat([mask, mask], 1), [170, 195, 196])
     before = [la.seq_len for la in cache.layers], [la.pool.generation for la in cache.layers]
     with pytest.raises(UnsupportedFormat, match="gave back the F16 rows"):
         cache.crop(150)
     assert ([la.seq_len for la in cache.layers], [la.pool.generation for la in cache.layers]) == before
     cache.crop(-1)  # the last position: its page's rows are held
-    assert cache.get_seq_length() == 259
+    assert cache.get_seq_length() == 195
 
 
 def test_a_failed_step_rolls_every_layer_back():
@@ -194,8 +204,9 @@ def test_reorder_and_beam_search():
     got = fed(model, cache, ids[order], mask[order], [140, 141, 143])
     want = fed(model, q4w_cache(model), ids[order], mask[order], [0, 140, 141, 143])[:, 140:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    beams = model.generate(ids, attention_mask=mask, cache=q4w_cache(model), num_beams=2, max_new_tokens=4,
-                           do_sample=False)
+    beams = model.generate(
+        ids, attention_mask=mask, cache=q4w_cache(model), num_beams=2, max_new_tokens=4, do_sample=False
+    )
     assert beams.shape == (2, 147)
 
 
