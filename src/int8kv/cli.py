@@ -322,8 +322,8 @@ def _demo_summary(result: dict) -> str:
     if "f16" in capacity and INT4_SINK_WINDOW_V1.name in capacity:
         more = capacity[INT4_SINK_WINDOW_V1.name] / capacity["f16"]
         lines.append(f"  4-bit      {more:.2f}x in {INT4_SINK_WINDOW_V1.name} (one sequence's stored form, F16 sinks "
-                     "and window included): a frozen format the CPU kernel reads, not yet a choice of the demo, "
-                     "the engine or the drop-in")
+                     "and window included): a frozen format the CPU kernel reads, a choice of the transformers "
+                     "drop-in and `int8kv eval --kv-format`, not yet of the demo or the engine")
     return "\n".join(lines)
 
 
