@@ -58,6 +58,7 @@ BAD_INPUT = [
     (["serve", "--kv-store-secret", "sixteen bytes ok"], "--kv-store-secret needs --kv-store", True),
     (["eval", "--text", "/nonexistent.txt"], "cannot read text file", True),
     (["eval", "--windows", "0"], "--windows", True),
+    (["eval", "--kv-format", "int3"], "unsupported KV cache dtype 'int3'", True),
     (["demo", "--bogus"], "unrecognized arguments: --bogus", True),
     (["demo", "--memory", "1e400"], "--memory: a memory size must be a finite number of bytes >= 0, got '1e400'", True),
     (["demo", "--memory=-5GiB"], "--memory: a memory size must be a finite number of bytes >= 0, got '-5GiB'", True),
@@ -125,6 +126,21 @@ def test_eval_small_run(capsys, tmp_path):
     assert abs(rows["int8kv f16"]["ppl_change_vs_baseline"]) < 0.01
     assert abs(rows["int8kv int8"]["ppl_change_vs_baseline"]) < 0.03
     assert "int8kv int8" in out and (tmp_path / "e.png").read_bytes().startswith(PNG)
+
+
+def test_eval_takes_the_4bit_format(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(open("/usr/share/common-licenses/Apache-2.0").read()[:3000])
+    code, _, err = run(
+        capsys, "eval", "--text", str(text), "--ctx", "160", "--chunk", "80", "--windows", "1", "--prompts", "0",
+        "--no-fp8", "--kv-format", f"f16,{Q4W.name}", "--json", str(tmp_path / "e.json"), "--quiet",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = {r["cache"]: r for r in json.loads((tmp_path / "e.json").read_text())["rows"]}
+    assert set(rows) == {"DynamicCache fp32 (baseline)", "int8kv f16", "int8kv int4"}
+    assert rows["int8kv int4"]["bytes_vs_f16"] == pytest.approx(Q4W.bytes_per_row(64) / 128)
+    # 80 scored tokens, page 0 sealed from position 127 on: within 5% of the float32 cache.
+    assert abs(rows["int8kv int4"]["ppl_change_vs_baseline"]) < 0.05
 
 
 def test_bench_codec_json(capsys, tmp_path):

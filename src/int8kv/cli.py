@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     ev.add_argument("--prompts", type=int, default=4, help="built-in prompts to generate from (0: none)")
     ev.add_argument("--no-fp8", action="store_true", help="skip transformers' fp8 QuantizedCache")
+    ev.add_argument("--kv-format", default=None, help=f"comma-separated Int8KvCache formats to score after the "
+                    f"float32 baseline (default: F16 and INT8): {FORMAT_CHOICES}")
     ev.add_argument("--json", metavar="PATH", help=JSON_HELP)
     ev.add_argument("--plot", metavar="PATH.png", help="perplexity change per cache type")
     _common(ev)
@@ -330,7 +332,8 @@ def _demo_summary(result: dict) -> str:
     if "f16" in capacity and INT4_SINK_WINDOW_V1.name in capacity:
         more = capacity[INT4_SINK_WINDOW_V1.name] / capacity["f16"]
         lines.append(f"  4-bit      {more:.2f}x in {INT4_SINK_WINDOW_V1.name} (one sequence's stored form, F16 sinks "
-                     "and window included): --formats f16,int8,int4 runs it in the engine")
+                     "and window included): --formats f16,int8,int4 runs it in the engine; the transformers "
+                     "drop-in and `int8kv eval --kv-format` take it too")
     return "\n".join(lines)
 
 
@@ -368,11 +371,20 @@ def run_eval(args: argparse.Namespace) -> dict:
     check_minimums(args, {"ctx": MIN_CTX, "chunk": 1, "windows": 1, "gen_tokens": 1, "prompts": 0})
     if args.prompts > len(DEFAULT_PROMPTS):
         raise CliError(f"--prompts must be in [0, {len(DEFAULT_PROMPTS)}] (0: no greedy run), got {args.prompts}")
+    formats = None
+    if args.kv_format is not None:
+        from .hf.cache import resolve_format
+
+        try:
+            formats = [resolve_format(name.strip()) for name in args.kv_format.split(",")]
+        except ValueError as exc:
+            raise CliError(f"--kv-format: {exc}") from None
     text = read_text(args.text)
     model, tokenizer = _load(args)
     result = evaluate(
         model, tokenizer, text, ctx=args.ctx, chunk=args.chunk, max_windows=args.windows,
-        gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts], kinds=cache_kinds(not args.no_fp8),
+        gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts],
+        kinds=cache_kinds(not args.no_fp8, formats),
     )
     return {"weights": args.weights, **result}
 

@@ -52,24 +52,29 @@ class EvalRow:
     greedy_common_prefix: float  # mean number of leading tokens equal to the baseline's
 
 
-def cache_kinds(include_fp8: bool = True) -> list[CacheKind]:
+def cache_kinds(include_fp8: bool = True, formats: list | tuple | None = None) -> list[CacheKind]:
+    """The float32 baseline, an :class:`~int8kv.hf.Int8KvCache` per format of ``formats`` (names or objects,
+    :func:`int8kv.hf.cache.resolve_format`: the 4-bit ``int4_kchan64_vtok_asym_sink4_win64_v1`` too; default:
+    every :class:`KvStorageFormat`) and, with ``include_fp8``, transformers' fp8 QuantizedCache."""
     from transformers import DynamicCache, QuantizedCache
 
     from .hf import Int8KvCache
+    from .hf.cache import resolve_format
 
     def per_elem(nbytes: float) -> Callable[[object], float]:
         return lambda cfg: 2 * math.prod(kv_dims(cfg)) * nbytes
 
-    def ours(fmt: KvStorageFormat) -> CacheKind:
+    def ours(fmt) -> CacheKind:
         return CacheKind(
-            f"int8kv {fmt.as_str().split('_')[0]}",
+            f"int8kv {fmt.value.split('_')[0]}",
             lambda cfg: Int8KvCache(cfg, format=fmt),
             lambda cfg: fmt.bytes_per_token(*kv_dims(cfg)),
         )
 
     kinds = [
         CacheKind("DynamicCache fp32 (baseline)", lambda cfg: DynamicCache(), per_elem(4)),
-        *(ours(fmt) for fmt in KvStorageFormat if not fmt.is_stateful),
+        *(ours(resolve_format(fmt)) for fmt in (
+            [f for f in KvStorageFormat if not f.is_stateful] if formats is None else formats)),
     ]
     if include_fp8:
         # transformers' fp8 backend: one float8_e4m3 scale per layer tensor, frozen after the first update.

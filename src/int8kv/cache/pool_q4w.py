@@ -26,8 +26,13 @@ own decode step would: :meth:`stored_form` of its prefix. The stored form of ``n
 Reads: the reference backend through :meth:`stored_form`; the CPU backend's kernel (int8kv.ops.cpu_q4w) in
 place, through :meth:`layer_pages` and :meth:`page_books`, after :meth:`check_reads`.
 
+Copies and cuts: :meth:`remapped` copies block ids into a new pool (more blocks, window pages or sink slots: the
+transformers drop-in's growth; rows picked in another order or twice: its beam search), and :meth:`truncate`
+cuts sequences back to a shorter length while the F16 rows that length reads are still held (refused by name
+once they were given back).
+
 Not implemented (refused by name, UnsupportedFormat): writes by slot without a plan, copy-on-write copies,
-export / import of rows, resizing; the Triton backend (no kernel for this format).
+export / import of rows; the Triton backend (no kernel for this format).
 """
 
 from __future__ import annotations
@@ -107,6 +112,15 @@ class Int4SinkWindowPool:
 
     def storage(self) -> tuple[torch.Tensor, ...]:
         return (*self._k, *self._v, self._k_win, self._v_win, self._k_sink, self._v_sink)
+
+    @property
+    def window_capacity(self) -> int:
+        """Window pages the pool holds (taken and given back by its writes)."""
+        return self._k_win.shape[1]
+
+    @property
+    def sink_capacity(self) -> int:
+        return self._k_sink.shape[1]
 
     def windows_held(self) -> int:
         return int((self._window_of >= 0).sum())
@@ -252,6 +266,68 @@ class Int4SinkWindowPool:
                     where[blk] = -1
             if not sinks_only:
                 self._f16_held[:, blk] = False
+
+    # -- copies and cuts ---------------------------------------------------------------------------------------
+    def remapped(self, sources, window_pages: int | None = None, sink_slots: int | None = None
+                 ) -> Int4SinkWindowPool:
+        """A new pool of ``len(sources)`` blocks whose block ``i`` is a copy of this pool's block ``sources[i]``
+        (-1: an empty block): its sealed pages and books, and its window page and sink slot (each copy takes its
+        own). ``window_pages`` / ``sink_slots`` default to this pool's, raised to what the copies hold. This pool
+        is unchanged (a failure, e.g. out of memory, leaves it as it was)."""
+        src = np.asarray(sources, np.int64).reshape(-1)
+        if src.size == 0 or (src < -1).any() or (src >= self.num_blocks).any():
+            raise ShapeMismatch(f"sources must be block ids in [-1, {self.num_blocks}), got {src.tolist()}")
+        keep = src >= 0
+        held_w = int((self._window_of[src[keep]] >= 0).sum())
+        held_s = int((self._sink_of[src[keep]] >= 0).sum())
+        new = Int4SinkWindowPool(
+            self.num_layers, self.num_kv_heads, self.head_dim, int(src.size),
+            max(held_w, 1, window_pages if window_pages is not None else self._k_win.shape[1]),
+            max(held_s, 1, sink_slots if sink_slots is not None else self._k_sink.shape[1]), self.device)
+        to, fro = torch.as_tensor(np.nonzero(keep)[0]), torch.as_tensor(src[keep])
+        for dst, s in zip(new._k + new._v, self._k + self._v, strict=True):
+            dst[:, to] = s[:, fro]
+        new._sealed[:, to.numpy()] = self._sealed[:, fro.numpy()]
+        new._f16_held[:, to.numpy()] = self._f16_held[:, fro.numpy()]
+        for i, b in zip(to.tolist(), fro.tolist(), strict=True):
+            for books, free, rows, old_books, old_rows in (
+                    (new._window_of, new._free_windows, (new._k_win, new._v_win), self._window_of,
+                     (self._k_win, self._v_win)),
+                    (new._sink_of, new._free_sinks, (new._k_sink, new._v_sink), self._sink_of,
+                     (self._k_sink, self._v_sink))):
+                if old_books[b] >= 0:
+                    books[i] = free.pop()
+                    for dst, s in zip(rows, old_rows, strict=True):
+                        dst[:, books[i]] = s[:, old_books[b]]
+        return new
+
+    def truncate(self, block_tables, length: int) -> None:
+        """Cut the sequences of ``block_tables`` (lists of block ids) back to their first ``length`` positions, so
+        that the next step writes from ``length`` on: the pages holding positions at or after ``length`` are no
+        longer sealed, those wholly after it give back their window pages (and, at ``length`` 0, the sink slot).
+        Refused (UnsupportedFormat, nothing changed) when the F16 rows a query at ``length`` reads were given
+        back (a page sealed since, whose positions the window of ``length + 1`` holds as F16 rows)."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ShapeMismatch(f"length must be an int >= 0, got {length!r}")
+        tables = [list(t) for t in block_tables]
+        lo, hi = max(0, (length + 1 - WINDOW) // PAGE), -(-length // PAGE)  # pages whose F16 rows length reads
+        for table in tables:
+            if len(table) < hi or any(self._window_of[table[t]] < 0 for t in range(lo, hi)) or (
+                    0 < length and self._sink_of[table[0]] < 0):
+                raise UnsupportedFormat(
+                    f"cannot cut back to {length} positions: the {self.format.name} pool gave back the F16 rows "
+                    "that length reads (the pages were sealed since)")
+        self.generation += 1
+        for table in tables:
+            if length == 0:
+                self.release(table)
+                self._sealed[:, table] = False
+                continue
+            for t in range(length // PAGE, len(table)):  # pages holding positions >= length
+                self._sealed[:, table[t]] = False
+            self.release(table[hi:])
+            for t in range(lo, hi):
+                self._f16_held[:, table[t]] = True
 
     # -- reads ------------------------------------------------------------------------------------------------
     def layer_pages(self, layer: int) -> tuple[torch.Tensor, ...]:

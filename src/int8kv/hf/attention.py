@@ -305,7 +305,7 @@ def int8kv_attention_forward(
         opts = attention_options(kwargs, layer.spec)
         batch, q_heads, n, dim = query.shape
         p = layer.pool
-        if p is None or batch != p.num_blocks or dim != p.head_dim or n > layer.held or q_heads % p.num_kv_heads:
+        if p is None or batch != layer.batch_size or dim != p.head_dim or n > layer.held or q_heads % p.num_kv_heads:
             raise UnsupportedAttention(
                 f"query {tuple(query.shape)} does not fit the cache ({layer!r}): the model's attention reads "
                 "K/V of another shape than it stores"
@@ -349,12 +349,14 @@ def _shared_plan(
 ) -> SharedPlan:
     p = layer.pool
     held = layer.held
-    key = (id(mask), batch, n, held, layer.offset, p.block_size, p.device, scaling, opts.window, opts.chunk)
+    key = (id(mask), batch, n, held, layer.offset, layer.capacity, p.device, scaling, opts.window, opts.chunk)
     shared = fw.plans.get(key)
     if shared is not None and shared.mask is mask:
         return shared
     kv_starts, valid = _padding_from_mask(mask, batch, n, held, opts)
     block_tables, context_lens = _batch_tables(batch, held, p.device)
+    paged = layer.block_tables()  # the 4-bit pool: row b's pages [b * P, (b + 1) * P)
+    block_tables = block_tables if paged is None else paged
     if kv_starts is not None:
         kv_starts = kv_starts.to(p.device)
     if valid is None:

@@ -20,6 +20,17 @@ current chunk's start, at a whole number of chunks from the true origin.
 
 Hybrid models keep their other layers as transformers keeps them: linear-attention, Mamba and conv layers are
 transformers' own layer classes, "hybrid" layers (a state and full K/V) an :class:`Int8KvHybridLayer`.
+
+The 4-bit format ``int4_kchan64_vtok_asym_sink4_win64_v1`` (:data:`~int8kv.formats.INT4_SINK_WINDOW_V1`, by
+name or object) stores each full-attention layer in an :class:`~int8kv.cache.pool_q4w.Int4SinkWindowPool`
+instead: pages of 64 positions, ``P`` per batch row (row ``b`` owns block ids ``[b * P, (b + 1) * P)``, so the
+kernels see ``block_tables [batch, P]``), written by step through the forward's write plan (one per forward,
+kept in the :class:`~int8kv.hf.attention.Book`) and sealed into 4-bit codes as 64 positions follow them. A
+left-padded row stores its padding as the INT8 path does (masked by ``kv_starts``), so its sinks are padding
+positions: a padded row's first real tokens are not held in F16. Growth copies the pool into a larger one
+(:meth:`~int8kv.cache.pool_q4w.Int4SinkWindowPool.remapped`); ``crop`` cuts back while the F16 rows the new
+length reads are still held (refused by name, UnsupportedFormat, once those pages were sealed and their rows
+given back). Refused by name: sliding-window, chunked and hybrid layers, export / import / save of the state.
 """
 
 from __future__ import annotations
@@ -38,10 +49,11 @@ from transformers.cache_utils import (
 )
 
 from ..cache.pool import KvPool
+from ..cache.pool_q4w import Int4SinkWindowPool
 from ..cache.state import GroupedKvState, KvLayout, KvState, as_format, group_layers
-from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention
-from ..formats import KvStorageFormat
-from ..ops import resolve_backend, write
+from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention, UnsupportedFormat
+from ..formats import INT4_SINK_WINDOW_V1, KvFormat, KvStorageFormat
+from ..ops import plan_attention, resolve_backend, write
 from .attention import ATTN_IMPLEMENTATION, Book, make_handle
 from .attention import attach as attach_config
 from .layers import LayerSpec, layer_specs
@@ -51,6 +63,26 @@ __all__ = ["Int8KvCache", "Int8KvHybridLayer", "Int8KvLayer"]
 _FULL = LayerSpec("full_attention", "full")
 
 _DEFAULT_CHUNK = 256
+_PAGE = INT4_SINK_WINDOW_V1.page
+
+
+def resolve_format(value: KvStorageFormat | KvFormat | str) -> KvStorageFormat | KvFormat:
+    """The drop-in's storage format from a :class:`KvStorageFormat`, a format object or a name / dtype alias:
+    the 4-bit format (:data:`INT4_SINK_WINDOW_V1`) matched by its name (``.value`` or ``.name``), so an enum
+    member of that name and the object both select it; any other one through :func:`as_format`."""
+    fmt = as_format(value.name if isinstance(value, KvFormat) else value)  # names and dtype aliases
+    return INT4_SINK_WINDOW_V1 if fmt.value == INT4_SINK_WINDOW_V1.name else fmt
+
+
+def is_4bit(fmt: Any) -> bool:
+    """Whether ``fmt`` (resolved by :func:`resolve_format`) is the 4-bit sink-and-window format."""
+    return fmt is INT4_SINK_WINDOW_V1
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(batch: int, pages: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[batch, pages]``: row ``b`` holds block ids ``[b * pages, (b + 1) * pages)``."""
+    return torch.arange(batch * pages, dtype=torch.int32).reshape(batch, pages).to(device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -88,7 +120,7 @@ class Int8KvLayer(CacheLayerMixin):
             raise ShapeMismatch(f"chunk_size must be > 0, got {chunk_size}")
         if max_cache_len is not None and max_cache_len <= 0:
             raise ShapeMismatch(f"max_cache_len must be > 0 (or None), got {max_cache_len}")
-        self.format = as_format(format)
+        self.format = resolve_format(format)
         self.chunk_size = int(chunk_size)
         self.max_cache_len = max_cache_len
         self.backend = backend
@@ -96,7 +128,8 @@ class Int8KvLayer(CacheLayerMixin):
         self.offset = 0  # positions dropped from the front (sliding window): row i holds position offset + i
         self.read_to = 0  # seq_len when the int8kv attention last read this layer
         self.attention_calls = 0  # int8kv kernel launches on this layer (counted by int8kv.hf.attention)
-        self.pool: KvPool | None = None
+        self.pool: KvPool | Int4SinkWindowPool | None = None
+        self.pages = 0  # 4-bit format: pages of 64 positions per batch row (row b owns [b * pages, (b + 1) * pages))
         self._handles: tuple | None = None  # (what they describe, K handle, V handle): see update()
         self.spec = spec
         self.layer_idx = layer_idx
@@ -110,6 +143,12 @@ class Int8KvLayer(CacheLayerMixin):
         # Rows dropped at once: a window's 1/16 (~6 % over the window at most; measured bound in test_hf), so a
         # decode step moves W / slack ~ 16 rows on average instead of W.
         self.slack = max(16, self.window // 16) if self.window else 0
+        self.paged = is_4bit(self.format)
+        if self.paged and (spec.kind != "full" or spec.state):
+            raise UnsupportedFormat(
+                f"the {self.format.name} format is implemented for full-attention layers only, not for a "
+                f"{spec.layer_type!r} layer ({spec.kind}{', with a state' if spec.state else ''})"
+            )
 
     def __repr__(self) -> str:
         kind = "" if self.spec.kind == "full" else f", {self.spec.kind} {self.spec.window or self.spec.chunk}"
@@ -117,8 +156,8 @@ class Int8KvLayer(CacheLayerMixin):
             return f"Int8KvLayer(format={self.format}{kind}, empty)"
         p = self.pool
         return (
-            f"Int8KvLayer(format={self.format}{kind}, batch={p.num_blocks}, seq_len={self.seq_len}, "
-            f"offset={self.offset}, capacity={p.block_size}, num_kv_heads={p.num_kv_heads}, head_dim={p.head_dim})"
+            f"Int8KvLayer(format={self.format.value}{kind}, batch={self.batch_size}, seq_len={self.seq_len}, "
+            f"offset={self.offset}, capacity={self.capacity}, num_kv_heads={p.num_kv_heads}, head_dim={p.head_dim})"
         )
 
     @property
@@ -136,11 +175,23 @@ class Int8KvLayer(CacheLayerMixin):
 
     @property
     def batch_size(self) -> int:
-        return self.pool.num_blocks if self.pool is not None else 0
+        if self.pool is None:
+            return 0
+        return self.pool.num_blocks // self.pages if self.paged else self.pool.num_blocks
 
     @property
     def capacity(self) -> int:
-        return self.pool.block_size if self.pool is not None else 0
+        """Positions each batch row has room for."""
+        if self.pool is None:
+            return 0
+        return self.pages * _PAGE if self.paged else self.pool.block_size
+
+    def block_tables(self) -> torch.Tensor | None:
+        """4-bit format: int32 ``[batch, pages]``, row ``b`` = block ids ``[b * pages, (b + 1) * pages)``; None for a
+        one-block-per-row pool (the attention's ``arange(batch)[:, None]``)."""
+        if not self.paged or self.pool is None:
+            return None
+        return _tables(self.batch_size, self.pages, self.pool.device)
 
     # -- allocation ------------------------------------------------------------------------------------
     def _round_up(self, n: int) -> int:
@@ -180,17 +231,45 @@ class Int8KvLayer(CacheLayerMixin):
         self.dtype = key_states.dtype
         self.seq_len = self.offset = self.read_to = 0
         # Sized for this first write (the prefill) and the steps after it, so update() does not reallocate.
-        self.pool = self._new_pool(batch, heads, dim, self._first_capacity(int(key_states.shape[2])), self.device)
+        n = int(key_states.shape[2])
+        self.pool = self._new_pool(batch, heads, dim, self._first_capacity(n), self.device, tokens=n)
         self.is_initialized = True
 
-    def _new_pool(self, batch: int, heads: int, dim: int, capacity: int, device: torch.device | str) -> KvPool:
+    def _new_pool(
+        self, batch: int, heads: int, dim: int, capacity: int, device: torch.device | str, tokens: int = 1
+    ) -> KvPool | Int4SinkWindowPool:
+        if self.paged:  # window pages for a step of `tokens` (the first one); more are added when a step needs them
+            self.pages = -(-capacity // _PAGE)
+            return Int4SinkWindowPool(1, heads, dim, batch * self.pages, self.windows_for(batch, tokens), batch, device)
         return KvPool(KvLayout(1, heads, dim, self.format), batch, capacity, device)
+
+    @staticmethod
+    def windows_for(batch: int, tokens: int) -> int:
+        """4-bit format: window pages a step of ``tokens`` positions per row needs at most (``ceil(tokens / 64)
+        + 2`` per row: cache.pool_q4w)."""
+        return batch * (-(-tokens // _PAGE) + 2)
+
+    def _reserve_4bit(self, needed: int, tokens: int) -> None:
+        """Room for ``needed`` positions per row and window pages for a step of ``tokens``: a copy of the pool
+        into a larger one (row b's pages first in its new range) when either falls short."""
+        p = self.pool
+        pages = self.pages if needed <= self.capacity else -(-self.capacity_for(needed) // _PAGE)
+        windows = self.windows_for(self.batch_size, tokens)
+        if pages == self.pages and windows <= p.window_capacity:
+            return
+        batch, old = self.batch_size, self.pages
+        sources = [b * old + t if t < old else -1 for b in range(batch) for t in range(pages)]
+        self.pool = p.remapped(sources, window_pages=max(windows, p.window_capacity))
+        self.pages = pages
 
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` stored rows (the stored ones are kept; the old storage survives a failure)."""
         p = self.pool
         if p is None:
             raise ShapeMismatch("the layer holds no storage yet")
+        if self.paged:
+            self._reserve_4bit(needed, 1)
+            return
         if needed <= p.block_size:
             return
         self.pool = p.resized(self.capacity_for(needed), self.held)
@@ -213,6 +292,8 @@ class Int8KvLayer(CacheLayerMixin):
     def storage_from(self, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...], head_dim: int) -> KvPool:
         """A pool holding K's and V's parts ``[batch, length, heads, *part.shape]`` with room to grow, on the
         tensors' device; the layer is unchanged until :meth:`adopt`."""
+        if self.paged:
+            raise UnsupportedFormat(f"importing a state into the {self.format.name} format is not implemented")
         batch, n, heads = (int(d) for d in k[0].shape[:3])
         pool = self._new_pool(batch, heads, head_dim, self._first_capacity(n), k[0].device)
         for dst, src in zip((*pool.layer_parts(0)[0], *pool.layer_parts(0)[1]), (*k, *v), strict=True):
@@ -239,7 +320,7 @@ class Int8KvLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         p = self.pool
         assert p is not None
-        expected = (p.num_blocks, p.num_kv_heads, p.head_dim)
+        expected = (self.batch_size, p.num_kv_heads, p.head_dim)
         for name, t in (("keys", key_states), ("values", value_states)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != expected:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -250,14 +331,22 @@ class Int8KvLayer(CacheLayerMixin):
         if value_states.shape[2] != n:
             raise ShapeMismatch(f"keys hold {n} tokens but values {value_states.shape[2]}")
         row = self.held
-        self.reserve(row + n)  # returns at once while the rows fit
+        if self.paged:
+            self._reserve_4bit(row + n, n)
+        else:
+            self.reserve(row + n)  # returns at once while the rows fit
         p = self.pool
         # [batch, heads, n, dim] -> rows [batch * n, heads, dim] in slot order (row b's block, rows row..).
         k = key_states.transpose(1, 2).reshape(-1, p.num_kv_heads, p.head_dim)
         v = value_states.transpose(1, 2).reshape(-1, p.num_kv_heads, p.head_dim)
-        slots = _slots(p.num_blocks, p.block_size, row, n, p.device)
-        # Raises (NonFiniteError, device, shape) before anything is stored: the layer stays as it was.
-        write.append_rows(p, 0, k, v, slots, backend=resolve_backend(p, self.backend))
+        if self.paged:
+            # By step, with the forward's write plan: rows [row, row + n) of every batch row (padding included).
+            # Raises (NonFiniteError, shape) before the pool changes: the layer stays as it was.
+            write.append_paged_kv(p, 0, k, v, plan=self._write_plan(n), backend=resolve_backend(p, self.backend))
+        else:
+            slots = _slots(p.num_blocks, p.block_size, row, n, p.device)
+            # Raises (NonFiniteError, device, shape) before anything is stored: the layer stays as it was.
+            write.append_rows(p, 0, k, v, slots, backend=resolve_backend(p, self.backend))
         self.seq_len += n
         # Empty handles only the int8kv attention may read (any other operation raises AttentionBypassed): they
         # hold nothing but shape, dtype, device and this layer, so one pair serves every step of that kind
@@ -268,11 +357,30 @@ class Int8KvLayer(CacheLayerMixin):
             handles = self._handles = (kind, make_handle(key_states, self), make_handle(value_states, self))
         return handles[1], handles[2]
 
+    def _write_plan(self, n: int) -> Any:
+        """The plan of a step appending ``n`` positions to every row: one per forward and shape, shared by the
+        layers (kept in the forward in progress when there is one)."""
+        batch, held, device = self.batch_size, self.held, self.pool.device
+        key = ("4-bit write", batch, n, held, self.pages, device)
+        fw = self.book.forward
+        plan = fw.plans.get(key) if fw is not None else None
+        if plan is None:
+            plan = plan_attention(
+                self.pool, _tables(batch, self.pages, device),
+                torch.full((batch,), held + n, dtype=torch.int32, device=device),
+                cu_seqlens_q=torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device),
+            )  # fmt: skip
+            if fw is not None:
+                fw.plans[key] = plan
+        return plan
+
     # -- reading ---------------------------------------------------------------------------------------
     def stored(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Views of the stored positions: K's and V's parts ``[batch, held, heads, *part.shape]``."""
         if self.pool is None:
             raise PositionOutOfRange("the layer holds no tokens yet")
+        if self.paged:
+            raise UnsupportedFormat(f"reading the {self.format.name} pool's rows as parts is not implemented")
         n = self.held
         k, v = self.pool.layer_parts(0)
         return tuple(t[:, :n] for t in k), tuple(t[:, :n] for t in v)
@@ -299,6 +407,10 @@ class Int8KvLayer(CacheLayerMixin):
                 f"cannot truncate to {n!r}: positions [{self.offset}, {self.seq_len}) are stored"
                 + (" (the window dropped the ones before)" if self.offset else "")
             )
+        if self.paged and n < self.seq_len:
+            # Refused (UnsupportedFormat, nothing changed) once the F16 rows length n reads were given back.
+            tables = self.block_tables().tolist()
+            self.pool.truncate(tables, n)
         self.seq_len = n
         self.read_to = min(self.read_to, n)
 
@@ -313,7 +425,9 @@ class Int8KvLayer(CacheLayerMixin):
             self.truncate(self.seq_len + tokens_to_remove)
 
     def reset(self) -> None:
-        # Storage is kept for reuse; only the lengths go back to zero.
+        # Storage is kept for reuse; only the lengths go back to zero (the 4-bit pool's pages given back).
+        if self.paged and self.pool is not None:
+            self.pool.truncate(self.block_tables().tolist(), 0)
         self.seq_len = self.offset = self.read_to = 0
 
     def _select_rows(self, index: torch.Tensor) -> None:
@@ -321,8 +435,16 @@ class Int8KvLayer(CacheLayerMixin):
         if p is None:
             return
         index = index.to(device=p.device, dtype=torch.long)
-        if index.dim() != 1 or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= p.num_blocks)):
-            raise ShapeMismatch(f"batch indices must be a 1-D tensor in [0, {p.num_blocks}), got {index.tolist()}")
+        batch = self.batch_size
+        if index.dim() != 1 or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= batch)):
+            raise ShapeMismatch(f"batch indices must be a 1-D tensor in [0, {batch}), got {index.tolist()}")
+        if self.paged:
+            if not index.numel():
+                raise ShapeMismatch("batch indices must select at least one row")
+            # Copies of row r's pages (its window pages and sink slot too): a row picked twice gives two rows.
+            rows = index.cpu()[:, None] * self.pages + torch.arange(self.pages)[None, :]
+            self.pool = p.remapped(rows.reshape(-1).tolist())
+            return
         # Copies: a row picked twice (beam search) gives two independent rows.
         self.pool = p.select_blocks(index)
 
@@ -348,6 +470,8 @@ class Int8KvLayer(CacheLayerMixin):
         p = self.pool
         if p is None:
             return 0
+        if self.paged:  # the stored form: sealed pages, the sinks and the window in F16
+            return self.batch_size * p.num_kv_heads * self.format.stored_bytes(self.held, p.head_dim)
         return p.num_blocks * self.held * p.layout.bytes_per_token
 
     def allocated_bytes(self) -> int:
@@ -423,7 +547,7 @@ class Int8KvCache(Cache):
         backend: str | None = None,
         attach: bool = True,
     ) -> None:
-        self.format = as_format(format)
+        self.format = resolve_format(format)
         self.backend = backend
         self.book = Book(strict=config is not None)
         make_layer = functools.partial(
@@ -553,6 +677,8 @@ class Int8KvCache(Cache):
         """Every layer's stored tokens (all batch rows) as a :class:`KvState` (CPU copies); for a model whose layers
         hold K/V of several shapes (Gemma 4) a :class:`GroupedKvState`, one section per shape in order of first
         use, with each section's model layers."""
+        if is_4bit(self.format):
+            raise UnsupportedFormat(f"exporting the state of the {self.format.name} format is not implemented")
         layers = list(self.layers)
         if not layers or not all(isinstance(la, Int8KvLayer) and la.is_initialized for la in layers):
             raise ShapeMismatch(
@@ -578,6 +704,8 @@ class Int8KvCache(Cache):
         GroupedKvState must record each section's model layers (:meth:`export_state` does; a paged cache's does
         not). Atomic: every new storage is allocated and filled before the first layer changes, so an error
         (a bad state, or running out of memory part-way) leaves every layer as it was."""
+        if is_4bit(self.format):
+            raise UnsupportedFormat(f"importing a state into the {self.format.name} format is not implemented")
         if isinstance(state, GroupedKvState):
             if state.layers is None:
                 raise ShapeMismatch(
