@@ -606,6 +606,8 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _split_chunk(kv_bound: int, splits: int, block_n: int) -> tuple[int, int]:
     """(splits, chunk) once the chunk is rounded up to whole key tiles; the split count may shrink."""
     chunk = triton.cdiv(triton.cdiv(kv_bound, max(1, splits)), block_n) * block_n
@@ -685,8 +687,6 @@ def _plan_launch(
         # thread's share. Untuned guess: gpu_check times the decode configurations, not prefill.
         num_warps = 8
     return LaunchShape(block_m, block_n, tokens_per_prog, m_blocks, num_splits, chunk, num_warps, num_stages)
-
-
 
 
 def attention(
@@ -797,8 +797,9 @@ def attention(
         **launch_opts,
     )  # fmt: skip
     if split:
-        merge_splits(part, ml, out, context_lens if sinks is None else sinks, launch.num_splits, head_dim,
-                     sinks is not None)
+        merge_splits(
+            part, ml, out, context_lens if sinks is None else sinks, launch.num_splits, head_dim, sinks is not None
+        )
     return out
 
 

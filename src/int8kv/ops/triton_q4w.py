@@ -180,10 +180,12 @@ def _q4w_kernel(
             s_sealed = _dot2(qf_hi, qf_lo, k_codes, HILO) * qf_max[:, None] + bias[:, None]
             s = tl.where(sealed, s_sealed * qk_scale, s)
         if use_f16:
-            k16 = tl.load(kw_ptr + win_rows[None, :] + d[:, None] * stride_wd, mask=in_win[None, :] & d_ok[:, None],
-                          other=0.0)
-            k16 += tl.load(ksk_ptr + sink_rows[None, :] + d[:, None] * stride_sd,
-                           mask=in_sink[None, :] & d_ok[:, None], other=0.0)
+            k16 = tl.load(
+                kw_ptr + win_rows[None, :] + d[:, None] * stride_wd, mask=in_win[None, :] & d_ok[:, None], other=0.0
+            )
+            k16 += tl.load(
+                ksk_ptr + sink_rows[None, :] + d[:, None] * stride_sd, mask=in_sink[None, :] & d_ok[:, None], other=0.0
+            )
             s_f16 = _dot2(q_hi, q_lo, k16, HILO) * row_scale[:, None]
             s = tl.where(sealed, s, s_f16)
         if SOFTCAP:  # base-2 units, as the INT8 kernel's
@@ -219,10 +221,12 @@ def _q4w_kernel(
             pw = tl.where(sealed, 0.0, p) * 16384.0
             pw_hi = pw.to(tl.float16)
             pw_lo = (pw - pw_hi.to(tl.float32)).to(tl.float16)
-            v16 = tl.load(vw_ptr + win_rows[:, None] + d[None, :] * stride_wd, mask=in_win[:, None] & d_ok[None, :],
-                          other=0.0)
-            v16 += tl.load(vsk_ptr + sink_rows[:, None] + d[None, :] * stride_sd,
-                           mask=in_sink[:, None] & d_ok[None, :], other=0.0)
+            v16 = tl.load(
+                vw_ptr + win_rows[:, None] + d[None, :] * stride_wd, mask=in_win[:, None] & d_ok[None, :], other=0.0
+            )
+            v16 += tl.load(
+                vsk_ptr + sink_rows[:, None] + d[None, :] * stride_sd, mask=in_sink[:, None] & d_ok[None, :], other=0.0
+            )
             pv += _dot2(pw_hi, pw_lo, v16, HILO) * (1.0 / 16384.0)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -307,8 +311,11 @@ def attention(
         pool.check_reads(layer, *reads)
         checked[layer] = (pool, pool.generation)
     kc, ks, km, vc, vs, vm, kw, vw, ksk, vsk = pool.layer_pages(layer)
-    if kc.stride() != vc.stride() or ks.stride() != km.stride() or vs.stride() != vm.stride() or (
-        kw.stride() != vw.stride() or ksk.stride() != vsk.stride()
+    if (
+        kc.stride() != vc.stride()
+        or ks.stride() != km.stride()
+        or vs.stride() != vm.stride()
+        or (kw.stride() != vw.stride() or ksk.stride() != vsk.stride())
     ):
         raise ShapeMismatch("K and V pages of one layer must share strides")
     window_of, sink_of = _books(pool)
