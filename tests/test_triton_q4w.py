@@ -62,14 +62,20 @@ class Batch:
         bt = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
         starts = None if self.starts is None else torch.tensor(self.starts, dtype=torch.int32)
-        return plan_attention(self.pool, bt.to(DEVICE), torch.tensor(self.lens, dtype=torch.int32).to(DEVICE),
-                              cu_seqlens_q=cu.to(DEVICE), kv_starts=None if starts is None else starts.to(DEVICE))
+        return plan_attention(
+            self.pool,
+            bt.to(DEVICE),
+            torch.tensor(self.lens, dtype=torch.int32).to(DEVICE),
+            cu_seqlens_q=cu.to(DEVICE),
+            kv_starts=None if starts is None else starts.to(DEVICE),
+        )
 
     def write(self, plan, layer, new):
         rows = plan.num_queries
         k = torch.randn(rows, self.heads, self.dim, generator=self.gen) + self.offsets
-        v = torch.randn(rows, self.heads, self.dim, generator=self.gen) * torch.rand(rows, self.heads, 1,
-                                                                                     generator=self.gen).add(0.2)
+        v = torch.randn(rows, self.heads, self.dim, generator=self.gen) * torch.rand(
+            rows, self.heads, 1, generator=self.gen
+        ).add(0.2)
         ops.append_paged_kv(self.pool, layer, k.to(DEVICE), v.to(DEVICE), plan=plan, backend="triton")
         if layer == 0:
             at = np.concatenate([[0], np.cumsum(new)])
