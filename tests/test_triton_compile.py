@@ -50,7 +50,7 @@ def test_every_kernel_and_switch_compiles(report):
     seen = {(r["case"], r["arch"]) for r in data["results"]}
     assert seen == {(c, a) for c in cases for a in ARCHS}
     kernels = {r["kernel"] for r in data["results"]}
-    assert kernels == {"_append_kernel", "_attention_kernel", "_merge_kernel"}
+    assert kernels == {"_append_kernel", "_attention_kernel", "_merge_kernel", "_q4w_kernel"}
     for r in data["results"]:
         assert 0 < r["regs"] <= 255 and r["sass"] > 0, r
 

@@ -263,7 +263,7 @@ def _books(pool) -> tuple[torch.Tensor, torch.Tensor]:
     if pool.device.type == "cpu":
         books = torch.from_numpy(window_of), torch.from_numpy(sink_of)
     else:
-        books = tuple(torch.from_numpy(a.astype(np.int32)).to(pool.device) for a in (window_of, sink_of))
+        books = tuple(torch.from_numpy(a).to(pool.device) for a in (window_of, sink_of))  # int64, as on the CPU
     _BOOKS[pool] = (pool.generation, *books)
     return books
 
@@ -336,6 +336,11 @@ def attention(
         window, att_chunk = variant.window or 0, variant.chunk or 0
         softcap = 0.0 if variant.softcap is None else variant.softcap * _LOG2E
         sinks = variant.sinks
+    if block_n is None:
+        # 32-key tiles on a GPU too: compiled for sm_90 at SHAPE of bench/gpu_compile.py (decode, group 4, head_dim
+        # 128, 4 warps) 64-key tiles spill (255 registers, a 992 B stack, 526 local loads / stores in the SASS),
+        # 32-key tiles far less (144 B, 85; sm_80: 8 B, 5). Not timed on a GPU yet.
+        block_n = 32
     launch = tk.launch_plan(
         device, batch=batch, num_kv_heads=num_kv_heads, group=group, max_q=plan.max_query_len, kv_bound=kv_bound,
         is_int8=True, block_m=block_m, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
