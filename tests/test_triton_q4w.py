@@ -2,7 +2,7 @@
 Triton interpreter on CPU tensors (compiled on a GPU), against the float64 reference over the same pool
 (int8kv.ops.reference_q4w): ragged batches written step by step through the write path with the triton backend,
 prefill chunks and decode rows across several seals (past 192 positions), chunks whose rows read one page in
-both forms, GQA, head_dim 16 and 32, every key tile width, KV splits, windows, chunks, softcap, sinks, kv_starts;
+both forms, GQA, head_dim 16, 24 and 32, every key tile width, KV splits, windows, chunks, softcap, sinks, kv_starts;
 and its refusals. The interpreter runs each program in Python: the shapes are small and each case proves one
 thing (the module takes ~15 s on the 2-core VM)."""
 
@@ -115,7 +115,7 @@ def test_steps_across_seals_match_the_float64_reference():
     # whose rows read page 1 in F16 before position 191 and sealed from it), 193 / 193 (a 125-row chunk sealing
     # pages 0 and 1 beside a decode row, 64-key tiles), 194 / 194.
     batch = Batch(2, 2, 32, [260, 200], seeded("steps"), layers=2)
-    batch.step([3, 130])
+    batch.step([3, 130], block_m=64)
     batch.step([1, 1])
     batch.step([64, 61], block_m=64)
     batch.step([125, 1], block_m=64, block_n=64)
@@ -134,19 +134,19 @@ def test_long_decode_split_into_key_ranges_with_sinks():
 
 
 @pytest.mark.parametrize(
-    "variant",
+    ("dim", "variant"),
     [
-        {"starts": [3, 90], "window": 50, "softcap": 5.0},  # left padding: rows below 90 see nothing (zeros)
-        {"starts": [0, 7], "chunk": 70, "sinks": torch.tensor([1.0, -0.5])},
+        (16, {"starts": [3, 90], "window": 50, "softcap": 5.0}),  # left padding: rows below 90 see nothing
+        (24, {"starts": [0, 7], "chunk": 70, "sinks": torch.tensor([1.0, -0.5])}),  # a head_dim of masked lanes
     ],
     ids=str,
 )
-def test_variants_and_kv_starts(variant):
+def test_variants_and_kv_starts(dim, variant):
     variant = dict(variant)
     starts = variant.pop("starts")
-    batch = Batch(1, 2, 16, [210, 200], seeded("variant", str(variant)), starts=starts, **variant)
+    batch = Batch(1, 2, dim, [210, 200], seeded("variant", dim, str(variant)), starts=starts, **variant)
     batch.step([140, 130], block_m=64, block_n=64)
-    batch.step([1, 62], block_m=64)
+    batch.step([1, 62])  # the dispatcher's launch: 16-row query blocks, 32-key tiles
     batch.step([1, 1])
 
 
