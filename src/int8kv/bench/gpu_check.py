@@ -412,7 +412,8 @@ Q4W_STEPS = {"full": ((700, 1000), (1, 1), (299, 62), (1, 1)), "smoke": ((3, 130
 Q4W_SWITCHES = {
     "default": ({}, TOL),
     "4 splits": ({"num_splits": 4}, TOL),
-    "block_n 32": ({"block_n": 32}, TOL),
+    "block_n 64": ({"block_n": 64}, TOL),
+    "block_n 16": ({"block_n": 16}, TOL),
     "no hilo": ({"hilo": False}, 2e-3),
 }
 
@@ -443,6 +444,9 @@ def check_q4w(rep: Report, sh: Shapes, device) -> None:
     lens = [0, 0]
     worst: dict[str, float] = {}
     for new in steps:
+        if rep.left() < 150:
+            rep.say("  (budget: remaining q4w steps skipped)")
+            break
         lens = [n + m for n, m in zip(lens, new, strict=True)]
         cu = torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32, device=device)
         ctx = torch.tensor(lens, dtype=torch.int32, device=device)
