@@ -23,6 +23,7 @@ SECTIONS = [
     "== append: bit-exact V1 quantize",
     "== decode vs float64 reference, every shape and switch",
     "== prefill chunk vs float64 reference",
+    "== 4-bit sink-and-window pool vs float64 reference",
     "== decode benchmark",
     "== prefill benchmark",
     "== pytest tests/test_ops_triton.py",
@@ -49,6 +50,7 @@ def test_smoke_runs_end_to_end_under_the_interpreter(tmp_path):
     assert positions == sorted(positions)
     assert "FAIL" not in text and text.rstrip().endswith("gpu_check: all passed")
     assert "bit-exact vs quantize_int8" in text and "worst rel err: default=" in text
+    assert "q4w pool, lengths [4, 131]: worst rel err: default=" in text
     assert "sdpa bf16 flash" in text and "prefill chunk 24: triton int8" in text
     # The pytest section ran its selection in two shards and both passed.
     assert text.count("| shard") == 2 and text.count("1 passed") == 2
@@ -73,7 +75,7 @@ def test_failures_are_collected_and_later_sections_still_run(tmp_path):
         "g.compile_smoke = boom\n"
         "g.check_append = bad_case\n"
         "g.Workload = lambda *a, **k: None\n"
-        "g.check_attention = g.check_prefill = ok\n"
+        "g.check_attention = g.check_prefill = g.check_q4w = ok\n"
         "sys.exit(g.main(sys.argv[1:]))\n"
     )
     log = tmp_path / "check.log"
@@ -81,5 +83,5 @@ def test_failures_are_collected_and_later_sections_still_run(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     text = log.read_text()
     assert "RuntimeError: planted" in text
-    assert text.count("stand-in ran") == 2
+    assert text.count("stand-in ran") == 3
     assert "2 failed:" in text and "  - compile smoke" in text and "  - planted case" in text

@@ -8,8 +8,9 @@ every line printed also goes to ``--out``.
 1. compile smoke: every kernel and switch launched once on a tiny batch (a compile error shows in seconds);
 2. correctness: quantize-append bit for bit against the V1 codec, and attention (decode with the default
    split plan, forced 1 split and many splits, every switch; a 2k prefill chunk) against the float64
-   reference at every benchmark shape, plus a pool of more than 2^31 elements per tensor. Every failure is
-   collected; none stops the run;
+   reference at every benchmark shape, the 4-bit sink-and-window pool's kernel (prefill chunks and decode
+   rows across seals, its switches, a window with softcap and sinks) against its float64 reference, plus a
+   pool of more than 2^31 elements per tensor. Every failure is collected; none stops the run;
 3. benchmark: decode at batch 1, 8 and 32 and contexts 4k-32k, Triton INT8 vs Triton F16 vs torch SDPA on a
    contiguous bf16 cache pinned to the flash backend; each Triton variant timed as plain launches and as a
    CUDA-graph replay, and its output checked; one 2k prefill chunk against causal flash SDPA. Each call is
@@ -403,6 +404,84 @@ def check_prefill(rep: Report, sh: Shapes, device) -> None:
                 rep.fail(f"prefill {fmt_name} {switch}")
 
 
+# Steps of the 4-bit pool's check: new positions per sequence of a batch of two. Full: lengths 700 / 1000 (prefill),
+# 701 / 1001, 1000 / 1063 (chunks whose first rows read their last pages in F16 and later rows sealed), 1001 / 1064.
+# Smoke (the interpreter, 64-row query blocks for its prefill as on a GPU: a quarter of the programs): 3 / 130
+# (the second's page 0 sealed by its last rows), 4 / 131.
+Q4W_STEPS = {"full": ((700, 1000), (1, 1), (299, 62), (1, 1)), "smoke": ((3, 130), (1, 1))}
+Q4W_SWITCHES = {
+    "default": ({}, TOL),
+    "4 splits": ({"num_splits": 4}, TOL),
+    "block_n 64": ({"block_n": 64}, TOL),
+    "block_n 16": ({"block_n": 16}, TOL),
+    "no hilo": ({"hilo": False}, 2e-3),
+}
+
+
+def check_q4w(rep: Report, sh: Shapes, device) -> None:
+    """The 4-bit sink-and-window pool (int8kv.ops.triton_q4w): a batch of two written step by step through the
+    write path, prefill chunks and decode rows across several seals, each step's attention against the float64
+    reference over the same pool (ops.reference_q4w), per switch, and once with a window, softcap and sinks."""
+    import torch
+
+    from int8kv import ops
+    from int8kv.cache.pool_q4w import Int4SinkWindowPool
+    from int8kv.ops import triton as tk
+    from int8kv.ops.plan import check_variant
+
+    smoke = sh is SMOKE
+    steps = Q4W_STEPS["smoke" if smoke else "full"]
+    switches = {k: v for k, v in Q4W_SWITCHES.items() if not smoke or k in ("default", "4 splits")}
+    final = [sum(s[b] for s in steps) for b in range(2)]
+    pages = [-(-n // 64) for n in final]
+    pool = Int4SinkWindowPool(1, sh.kv_heads, sh.head_dim, sum(pages), sum(pages), 2, device)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randperm(sum(pages), generator=gen).tolist()
+    width = max(pages)
+    rows = [ids[: pages[0]], ids[pages[0] :]]
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int32, device=device)
+    sinks = torch.linspace(-1.0, 1.0, sh.q_heads, device=device)
+    lens = [0, 0]
+    worst: dict[str, float] = {}
+    for new in steps:
+        if rep.left() < 150:
+            rep.say("  (budget: remaining q4w steps skipped)")
+            break
+        lens = [n + m for n, m in zip(lens, new, strict=True)]
+        cu = torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32, device=device)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+        plan = _plan(pool, tables, ctx, cu, num_queries=sum(new))
+        k = (torch.randn((sum(new), sh.kv_heads, sh.head_dim), generator=gen) + 2.0).to(device)
+        v = torch.randn((sum(new), sh.kv_heads, sh.head_dim), generator=gen).to(device)
+        q = torch.randn((sum(new), sh.q_heads, sh.head_dim), generator=gen).to(device)
+        ops.append_paged_kv(pool, 0, k, v, plan=plan, backend="triton")
+        want = ops.attention(pool, 0, q, plan, backend="reference")
+        prefill = smoke and max(new) > 1
+        for switch, (opts, tol) in switches.items():
+            if prefill and opts:
+                continue  # the interpreter: the switches on decode rows only
+            opts = {"block_m": 64, **opts} if prefill else opts
+            try:
+                err = rel_err(tk.attention(pool, 0, q, plan, **opts).cpu(), want.cpu())
+                worst[switch] = max(worst.get(switch, 0.0), err)
+                if not err < tol:
+                    rep.fail(f"q4w lengths {lens} {switch}", f"relative error {err:.2e} >= {tol:.0e}")
+            except Exception:
+                rep.fail(f"q4w lengths {lens} {switch}")
+        variant = {"window": 100, "softcap": 30.0, "sinks": sinks}
+        try:
+            checked = check_variant(pool, sh.q_heads, **variant)
+            got = tk.attention(pool, 0, q, plan, variant=checked, **({"block_m": 64} if prefill else {}))
+            err = rel_err(got.cpu(), ops.attention(pool, 0, q, plan, backend="reference", **variant).cpu())
+            worst["window softcap sinks"] = max(worst.get("window softcap sinks", 0.0), err)
+            if not err < TOL:
+                rep.fail(f"q4w lengths {lens} window softcap sinks", f"relative error {err:.2e} >= {TOL:.0e}")
+        except Exception:
+            rep.fail(f"q4w lengths {lens} window softcap sinks")
+    errs = " ".join(f"{s}={e:.1e}" for s, e in worst.items())
+    rep.say(f"  q4w pool, lengths {lens}: worst rel err: {errs}")
+
+
 def check_large_pool(rep: Report, sh: Shapes, device) -> None:
     """A pool whose code tensors hold more than 2^31 elements, the sequence in its top blocks."""
     import torch
@@ -678,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         ("building the benchmark pools", build),
         ("decode vs float64 reference, every shape and switch", lambda: check_attention(rep, work)),
         ("prefill chunk vs float64 reference", lambda: check_prefill(rep, sh, device)),
+        ("4-bit sink-and-window pool vs float64 reference", lambda: check_q4w(rep, sh, device)),
     ]
     if sh.large_pool:
         sections.append(("pool over 2^31 elements", lambda: check_large_pool(rep, sh, device)))

@@ -2,7 +2,8 @@
 
     python -m int8kv.bench.gpu_compile [--arch 90 80] [--only NAME ...] [--json PATH]
 
-Each case is one call of the host wrappers (``int8kv.ops.triton``) on small CPU tensors with launches
+Each case is one call of the host wrappers (``int8kv.ops.triton``, and through it ``int8kv.ops.triton_q4w``
+for the 4-bit sink-and-window pool, written on the CPU first) on small CPU tensors with launches
 recorded, not run (``record_launches``); every recorded launch is then compiled with ``triton.compile`` for
 each target, specialised as Triton's JIT would specialise it (ints equal to 1 become constants, pointers
 and multiples of 16 get the divisibility hint). So what compiles here is what a GPU would launch, with the
@@ -66,6 +67,16 @@ def _cases() -> dict[str, tuple[str, str, dict]]:
             "int8", "prefill", {"variant": {"window": 128, "chunk": 512, "softcap": 30.0, "sinks": 1}},
         ),
         "prefill f16 chunk": ("f16", "prefill", {"variant": {"chunk": 128}}),
+        # the 4-bit sink-and-window pool's kernel (ops/triton_q4w.py) over 1024 positions (15 pages sealed); four
+        # cases reach its every switch (8 compiles: ~5 s of CPU each)
+        "decode q4w": ("q4w", "decode", {}),
+        "decode q4w no hilo block_n 64": ("q4w", "decode", {"hilo": False, "block_n": 64}),
+        "decode q4w kv_starts split window sinks": (
+            "q4w", "decode_starts", {"num_splits": 4, "variant": {"window": 1000, "sinks": 1}},
+        ),
+        "prefill q4w window chunk softcap sinks": (
+            "q4w", "prefill", {"variant": {"window": 128, "chunk": 512, "softcap": 30.0, "sinks": 1}},
+        ),
     }
 
 
@@ -95,14 +106,17 @@ def record_case(fmt_name: str, kind: str, options: dict):
     from int8kv.ops import triton as tk
     from int8kv.ops.plan import check_variant, plan_attention
 
-    fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1 if fmt_name == "int8" else KvStorageFormat.F16
     batch, hq, hkv, dim, page, ctx = (
         SHAPE[k] for k in ("batch", "q_heads", "kv_heads", "head_dim", "block_size", "context")
     )
-    width = ctx // page
-    cache = PagedKvCache(batch * width, page, 1, hkv, dim, fmt, "cpu")
-    tables = torch.arange(batch * width, dtype=torch.int32).reshape(batch, width)
     lens = torch.full((batch,), ctx, dtype=torch.int32)
+    if fmt_name == "q4w":
+        cache, tables = _q4w_pool(batch, hkv, dim, ctx)
+    else:
+        fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1 if fmt_name == "int8" else KvStorageFormat.F16
+        width = ctx // page
+        cache = PagedKvCache(batch * width, page, 1, hkv, dim, fmt, "cpu")
+        tables = torch.arange(batch * width, dtype=torch.int32).reshape(batch, width)
     options = dict(options)
     variant = options.pop("variant", None)
     if variant is not None:
@@ -128,11 +142,31 @@ def record_case(fmt_name: str, kind: str, options: dict):
     return launches
 
 
+def _q4w_pool(batch: int, heads: int, dim: int, ctx: int):
+    """A one-layer 4-bit sink-and-window pool (int8kv.cache.pool_q4w) holding ``ctx`` positions of ``batch``
+    sequences, written as one prefill step (its pages sealed, its window rows held); (pool, block_tables)."""
+    import torch
+
+    from int8kv import ops
+    from int8kv.cache.pool_q4w import Int4SinkWindowPool
+    from int8kv.ops.plan import plan_attention
+
+    width = -(-ctx // 64)
+    pool = Int4SinkWindowPool(1, heads, dim, batch * width, batch * width, batch, "cpu")
+    tables = torch.arange(batch * width, dtype=torch.int32).reshape(batch, width)
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    cu = torch.arange(batch + 1, dtype=torch.int32) * ctx
+    rows = torch.randn((batch * ctx, heads, dim), generator=torch.Generator().manual_seed(0))
+    ops.append_paged_kv(pool, 0, rows, rows, plan=plan_attention(pool, tables, lens, cu_seqlens_q=cu))
+    return pool, tables
+
+
 _DTYPES = {
     torch.float32: "fp32",
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
     torch.int8: "i8",
+    torch.uint8: "u8",
     torch.int32: "i32",
     torch.int64: "i64",
 }

@@ -23,8 +23,10 @@ at the start of the sequence's next step, before any window page is taken), so e
 own decode step would: :meth:`stored_form` of its prefix. The stored form of ``n`` positions is therefore
 ``quant4w.encode_sequence`` of them, whatever chunks wrote them (tests/test_pool_q4w.py).
 
-Reads: the reference backend through :meth:`stored_form`; the CPU backend's kernel (int8kv.ops.cpu_q4w) in
-place, through :meth:`layer_pages` and :meth:`page_books`, after :meth:`check_reads`.
+Reads: the reference backend through :meth:`stored_form`; the CPU and Triton backends' kernels
+(int8kv.ops.cpu_q4w, int8kv.ops.triton_q4w) in place, through :meth:`layer_pages` and :meth:`page_books`, after
+:meth:`check_reads`. The writes are torch code on the pool's device (sealing goes through numpy on the host), so
+the write path serves this pool the same way under every backend.
 
 Copies and cuts: :meth:`remapped` copies block ids into a new pool (more blocks, window pages or sink slots: the
 transformers drop-in's growth; rows picked in another order or twice: its beam search), and :meth:`truncate`
@@ -32,7 +34,7 @@ cuts sequences back to a shorter length while the F16 rows that length reads are
 once they were given back).
 
 Not implemented (refused by name, UnsupportedFormat): writes by slot without a plan, copy-on-write copies,
-export / import of rows; the Triton backend (no kernel for this format).
+export / import of rows.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def as_pool(cache: PagedKvCache | KvPool) -> KvPool:
         return cache.pool
     if isinstance(cache, KvPool):
         return cache
-    if getattr(cache, "writes_by_step", False):  # cache.pool_q4w's pool (the reference and cpu backends)
+    if getattr(cache, "writes_by_step", False):  # cache.pool_q4w's pool (every backend has a kernel for it)
         return cache
     raise ShapeMismatch(f"expected a PagedKvCache or a KvPool, got {type(cache).__name__}")
 

@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from ..errors import LayerOutOfRange, ShapeMismatch, UnsupportedFormat
-from .parts import KERNELS, codes_and_scales, int8_codes
+from .parts import KERNELS as PARTS_KERNELS
+from .parts import codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant, require_unit_stride
 
 __all__ = [
@@ -57,6 +58,9 @@ __all__ = [
     "store_rows",
 ]
 
+#: The formats' ``kernel`` values read here: F16 and INT8 pages, and the 4-bit sink-and-window pool's
+#: (ops/triton_q4w.py, dispatched by :func:`attention`).
+KERNELS = PARTS_KERNELS | {"int4_sink_window"}
 _LOG2E = 1.4426950408889634
 _MIN_CHUNK = 256  # shortest KV range worth a split: below it the merge costs more than it saves
 _MAX_SPLITS = 64
@@ -425,6 +429,10 @@ def _with_sink(l_sum, m, z):
     return l_sum * f + tl.exp2(z - big), f
 
 
+# The kernels' shared steps, for the 4-bit kernel (ops/triton_q4w.py).
+key_low, tanh, kv_range, with_sink = _key_low, _tanh, _kv_range, _with_sink
+
+
 @triton.jit
 def _merge_kernel(
     part_ptr,
@@ -510,6 +518,12 @@ def _launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """Launch ``kernel[grid](*args, **kwargs)``, or record it inside :func:`record_launches` (for the kernels of
+    other modules of this backend: ops/triton_q4w.py)."""
+    _launch(kernel, grid, *args, **kwargs)
+
+
 def is_compiled() -> bool:
     """Whether this module's kernels were bound to the compiler (False: ``TRITON_INTERPRET=1`` at first import)."""
     return type(_attention_kernel).__name__ == "JITFunction"
@@ -517,6 +531,9 @@ def is_compiled() -> bool:
 
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(max(1, int(n))))
+
+
+pow2 = _pow2  # the block sizes' rule, for ops/triton_q4w.py
 
 
 def _layer_tensors(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -589,6 +606,8 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _split_chunk(kv_bound: int, splits: int, block_n: int) -> tuple[int, int]:
     """(splits, chunk) once the chunk is rounded up to whole key tiles; the split count may shrink."""
     chunk = triton.cdiv(triton.cdiv(kv_bound, max(1, splits)), block_n) * block_n
@@ -670,8 +689,6 @@ def _plan_launch(
     return LaunchShape(block_m, block_n, tokens_per_prog, m_blocks, num_splits, chunk, num_warps, num_stages)
 
 
-
-
 def attention(
     cache,
     layer: int,
@@ -698,7 +715,18 @@ def attention(
     whatever the device (default: the device's kind). The other options override :func:`launch_plan`'s choice.
     ``variant``: the call's window, chunk, softcap and sinks (checked by the dispatcher); a window or chunk
     also bounds each program's key range, so the split count follows it rather than the context.
+    A pool that ``writes_by_step`` (int8kv.cache.pool_q4w) goes to its own kernel (ops/triton_q4w.py), with
+    these options but ``magic`` (no int8 codes there).
     """
+    if getattr(cache, "writes_by_step", False):
+        if magic:
+            raise UnsupportedFormat(f"magic converts int8 codes; the {cache.format.name} pool holds none")
+        from .triton_q4w import attention as attention_q4w
+
+        return attention_q4w(
+            cache, layer, q, plan, kv_bound=kv_bound, num_splits=num_splits, block_m=block_m, block_n=block_n,
+            num_warps=num_warps, num_stages=num_stages, hilo=hilo, gpu=gpu, variant=variant,
+        )  # fmt: skip
     kc, vc, ks, vs = _layer_tensors(cache, layer)
     device = kc.device
     block_tables, context_lens, kv_starts = plan.block_tables, plan.context_lens, plan.kv_starts
@@ -769,15 +797,24 @@ def attention(
         **launch_opts,
     )  # fmt: skip
     if split:
-        _launch(
-            _merge_kernel, (total, num_q_heads),
-            part, *part.stride()[:3],
-            ml, *ml.stride()[:3],
-            out, *out.stride()[:2], context_lens if sinks is None else sinks,
-            launch.num_splits, head_dim,
-            BLOCK_S=_pow2(launch.num_splits), BLOCK_D=_pow2(head_dim), HAS_SINKS=sinks is not None,
-        )  # fmt: skip
+        merge_splits(
+            part, ml, out, context_lens if sinks is None else sinks, launch.num_splits, head_dim, sinks is not None
+        )
     return out
+
+
+def merge_splits(part, ml, out, sinks, num_splits: int, head_dim: int, has_sinks: bool) -> None:
+    """Merge the KV splits' unnormalised partials ``part [splits, tokens, Hq, d]`` and their ``ml [splits, tokens,
+    Hq, 2]`` (max, sum) into ``out [tokens, Hq, d]``, with the ``sinks`` logits when ``has_sinks``."""
+    total, num_q_heads = out.shape[:2]
+    _launch(
+        _merge_kernel, (total, num_q_heads),
+        part, *part.stride()[:3],
+        ml, *ml.stride()[:3],
+        out, *out.stride()[:2], sinks,
+        num_splits, head_dim,
+        BLOCK_S=_pow2(num_splits), BLOCK_D=_pow2(head_dim), HAS_SINKS=has_sinks,
+    )  # fmt: skip
 
 
 def attend(cache, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
