@@ -231,6 +231,103 @@ def _codes_to_f16(x, IS_INT8: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(
+    q_ptr, stride_qt, stride_qh, stride_qd, cu_ptr, ctx_ptr, start_ptr, b, kvh, pid_m, head_dim,
+    GROUP: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_START: tl.constexpr,
+):  # fmt: skip
+    """A program's query tile, shared by the attention kernels: sequence ``b``'s query count ``n_q``, its context
+    length ``ctx`` and first visible key ``kv_lo``; row r of the tile is query token ``t0 + r // GROUP`` (of the
+    sequence: ``t_local``; of the batch: ``token``), query head ``qh = kvh * GROUP + r % GROUP``; ``row_ok``,
+    ``d`` / ``d_ok`` (the head_dim lanes) and the rows of q, float32 ``[BLOCK_M, BLOCK_D]`` (0 outside)."""
+    # Metadata may come as int64; positions fit int32 and the loop bounds must share one type.
+    q_begin = tl.load(cu_ptr + b).to(tl.int32)
+    n_q = tl.load(cu_ptr + b + 1).to(tl.int32) - q_begin
+    ctx = tl.load(ctx_ptr + b).to(tl.int32)
+    kv_lo = 0
+    if HAS_START:
+        kv_lo = tl.load(start_ptr + b).to(tl.int32)
+    t0 = pid_m * TOKENS
+    r = tl.arange(0, BLOCK_M)
+    t_local = t0 + r // GROUP
+    qh = kvh * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (t_local < n_q)
+    token = (q_begin + t_local).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    return n_q, ctx, kv_lo, t0, t_local, qh, row_ok, token, d, d_ok, q
+
+
+@triton.jit
+def _split16(x):
+    """float32 ``x`` [M, K] scaled per row to max |x| = 1, as float16 high and low parts, and the row scales.
+
+    Tensor cores take float16 at twice the TF32 rate, and int8 codes, 4-bit codes and F16 values are exact in
+    float16, so only the other operand needs care: it is carried as two float16 parts (hi + lo, about 22
+    significant bits), each row first scaled to max |x| = 1 so neither part can overflow and the low part keeps
+    clear of float16 subnormals. The row's scale goes back in after the product."""
+    x_max = tl.max(tl.abs(x), axis=1)
+    x_max = tl.where(x_max > 0.0, x_max, 1.0)
+    x = x / x_max[:, None]
+    x_hi = x.to(tl.float16)
+    x_lo = (x - x_hi.to(tl.float32)).to(tl.float16)
+    return x_hi, x_lo, x_max
+
+
+@triton.jit
+def _dot2(a_hi, a_lo, b, HILO: tl.constexpr):
+    """``(a_hi + a_lo) @ b`` in float32 (float16 tensor-core products; ``a_hi @ b`` alone without HILO)."""
+    if HILO:
+        out = tl.dot(a_lo, b)
+        out = tl.dot(a_hi, b, out)
+    else:
+        out = tl.dot(a_hi, b)
+    return out
+
+
+@triton.jit
+def _online_step(m_i, l_i, s):
+    """One tile of the online softmax (base 2): scores ``s`` [M, N] (-inf where masked) against the running max
+    ``m_i`` and sum ``l_i`` [M] -> ``(m_new, alpha, p, l_new)``: the accumulator is rescaled by ``alpha`` before
+    ``p``'s products join it."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # A row with every key masked so far keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _store_tile(
+    out_ptr, stride_os, stride_ot, stride_oh, ml_ptr, stride_mls, stride_mlt, stride_mlh, sinks_ptr,
+    acc, m_i, l_i, pid_s, token, qh, row_ok, d, d_ok, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    """A program's result: with SPLIT the unnormalised partials and their (m, l) for the merge kernel, which
+    rescales them to a common max; else ``acc / l`` with the sinks (per query head logits) in the denominator."""
+    out_rows = pid_s.to(tl.int64) * stride_os + token * stride_ot + qh * stride_oh
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc, mask=out_mask)
+        ml_rows = pid_s.to(tl.int64) * stride_mls + token * stride_mlt + qh * stride_mlh
+        tl.store(ml_ptr + ml_rows, m_i, mask=row_ok)
+        tl.store(ml_ptr + ml_rows + 1, l_i, mask=row_ok)
+    else:
+        if HAS_SINKS:
+            z = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0) * 1.4426950408889634
+            l_i, f = _with_sink(l_i, m_i, z)
+            acc = acc * f[:, None]
+        # No visible key (kv_start at or past the limit) gives zeros rather than NaN.
+        denom = tl.where(l_i > 0.0, l_i, 1.0)
+        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc / denom[:, None], mask=out_mask)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     stride_qt,
@@ -295,38 +392,11 @@ def _attention_kernel(
     b = pid_bh // num_kv_heads
     kvh = pid_bh % num_kv_heads
 
-    # Metadata may come as int64; positions fit int32 and the loop bounds must share one type.
-    q_begin = tl.load(cu_ptr + b).to(tl.int32)
-    n_q = tl.load(cu_ptr + b + 1).to(tl.int32) - q_begin
-    ctx = tl.load(ctx_ptr + b).to(tl.int32)
-    kv_lo = 0
-    if HAS_START:
-        kv_lo = tl.load(start_ptr + b).to(tl.int32)
-
-    # Row r of the tile is query token t0 + r // GROUP, query head kvh * GROUP + r % GROUP.
-    t0 = pid_m * TOKENS
-    r = tl.arange(0, BLOCK_M)
-    t_local = t0 + r // GROUP
-    qh = kvh * GROUP + r % GROUP
-    row_ok = (r < TOKENS * GROUP) & (t_local < n_q)
-    token = (q_begin + t_local).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    # Tensor cores take float16 at twice the TF32 rate, and int8 codes and F16 values are exact in float16,
-    # so only q needs care: it is carried as two float16 parts (hi + lo, about 22 significant bits), each
-    # row first scaled to max |q| = 1 so neither part can overflow and the low part keeps clear of
-    # float16 subnormals. The row's scale goes back in with the softmax scale.
-    q_max = tl.max(tl.abs(q), axis=1)
-    q_max = tl.where(q_max > 0.0, q_max, 1.0)
-    q = q / q_max[:, None]
-    q_hi = q.to(tl.float16)
-    q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    n_q, ctx, kv_lo, t0, t_local, qh, row_ok, token, d, d_ok, q = _query_tile(
+        q_ptr, stride_qt, stride_qh, stride_qd, cu_ptr, ctx_ptr, start_ptr, b, kvh, pid_m, head_dim,
+        GROUP, TOKENS, BLOCK_M, BLOCK_D, HAS_START,
+    )  # fmt: skip
+    q_hi, q_lo, q_max = _split16(q)
     row_scale = q_max * qk_scale
 
     # The queries are the last n_q positions: row token i sees keys < ctx - n_q + i + 1, from its key_low.
@@ -354,12 +424,7 @@ def _attention_kernel(
 
         k_t = tl.load(k_ptr + row_off[None, :] + d[:, None] * stride_kd, mask=n_ok[None, :] & d_ok[:, None], other=0)
         k_t = _codes_to_f16(k_t, IS_INT8, MAGIC)
-        if HILO:
-            s = tl.dot(q_lo, k_t)
-            s = tl.dot(q_hi, k_t, s)
-        else:
-            s = tl.dot(q_hi, k_t)
-        s = s * row_scale[:, None]
+        s = _dot2(q_hi, q_lo, k_t, HILO) * row_scale[:, None]
         if IS_INT8:
             s_k = tl.load(ks_ptr + page * stride_sb + off * stride_so + scale_head_off, mask=n_ok, other=0.0)
             s = s * s_k[None, :]
@@ -370,12 +435,7 @@ def _attention_kernel(
             seen = seen & (n[None, :] >= row_low[:, None])
         s = tl.where(seen, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with every key masked so far keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = _online_step(m_i, l_i, s)
 
         v = tl.load(v_ptr + row_off[:, None] + d[None, :] * stride_kd, mask=n_ok[:, None] & d_ok[None, :], other=0)
         v = _codes_to_f16(v, IS_INT8, MAGIC)
@@ -401,22 +461,10 @@ def _attention_kernel(
         acc = acc * alpha[:, None] + pv * pv_scale
         m_i = m_new
 
-    out_rows = pid_s.to(tl.int64) * stride_os + token * stride_ot + qh * stride_oh
-    out_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        # Unnormalised partials; the merge kernel rescales them to a common max.
-        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc, mask=out_mask)
-        ml_rows = pid_s.to(tl.int64) * stride_mls + token * stride_mlt + qh * stride_mlh
-        tl.store(ml_ptr + ml_rows, m_i, mask=row_ok)
-        tl.store(ml_ptr + ml_rows + 1, l_i, mask=row_ok)
-    else:
-        if HAS_SINKS:
-            z = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0) * 1.4426950408889634
-            l_i, f = _with_sink(l_i, m_i, z)
-            acc = acc * f[:, None]
-        # No visible key (kv_start at or past the limit) gives zeros rather than NaN.
-        denom = tl.where(l_i > 0.0, l_i, 1.0)
-        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc / denom[:, None], mask=out_mask)
+    _store_tile(
+        out_ptr, stride_os, stride_ot, stride_oh, ml_ptr, stride_mls, stride_mlt, stride_mlh, sinks_ptr,
+        acc, m_i, l_i, pid_s, token, qh, row_ok, d, d_ok, SPLIT, HAS_SINKS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -431,6 +479,7 @@ def _with_sink(l_sum, m, z):
 
 # The kernels' shared steps, for the 4-bit kernel (ops/triton_q4w.py).
 key_low, tanh, kv_range, with_sink = _key_low, _tanh, _kv_range, _with_sink
+query_tile, split16, dot2, online_step, store_tile = _query_tile, _split16, _dot2, _online_step, _store_tile
 
 
 @triton.jit
@@ -689,6 +738,33 @@ def _plan_launch(
     return LaunchShape(block_m, block_n, tokens_per_prog, m_blocks, num_splits, chunk, num_warps, num_stages)
 
 
+def _variant_args(plan: AttentionPlan, variant: AttentionVariant | None, kv_bound: int):
+    """A call's variant as the kernels take it: ``(kv_bound, window, att_chunk, softcap, sinks)``, the window and
+    chunk 0 and the softcap 0.0 when unset (the softcap in base-2 units, as the kernels' scores), ``sinks`` the
+    per-head logits or None, and ``kv_bound`` lowered to the most keys a program reads under a window or chunk."""
+    if variant is None:
+        return kv_bound, 0, 0, 0.0, None
+    # A program's keys start at its first query's low: at most window (or chunk) + its queries - 1 of them.
+    for span in (variant.window, variant.chunk):
+        if span is not None:
+            kv_bound = min(kv_bound, span + max(plan.max_query_len, 1) - 1)
+    softcap = 0.0 if variant.softcap is None else variant.softcap * _LOG2E  # scores are in base 2
+    return kv_bound, variant.window or 0, variant.chunk or 0, softcap, variant.sinks
+
+
+def _output_buffers(num_splits: int, shape: torch.Size, device: torch.device):
+    """``(out, part, ml, dst, dst_strides, ml_strides)`` for a launch of ``num_splits`` KV splits over queries of
+    ``shape`` ``[tokens, Hq, d]``: ``out`` float32 of that shape; with splits the kernel writes the partials
+    ``part [splits, tokens, Hq, d]`` and their (max, sum) ``ml [splits, tokens, Hq, 2]`` for :func:`merge_splits`,
+    without it ``out`` directly (``part`` None, ``ml`` an unused stand-in)."""
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    if num_splits > 1:
+        part = torch.empty((num_splits, *shape), dtype=torch.float32, device=device)
+        ml = torch.empty((num_splits, *shape[:2], 2), dtype=torch.float32, device=device)
+        return out, part, ml, part, part.stride()[:3], ml.stride()[:3]
+    return out, None, out, out, (0, *out.stride()[:2]), (0, 0, 0)  # ml: never touched without a split
+
+
 def attention(
     cache,
     layer: int,
@@ -739,17 +815,7 @@ def attention(
     # Without a host read the block table's width is the only bound on any sequence's KV range.
     width_bound = int(block_tables.shape[1]) * page
     kv_bound = width_bound if kv_bound is None else min(int(kv_bound), width_bound)
-    window = att_chunk = 0
-    softcap = 0.0
-    sinks = None
-    if variant is not None:
-        # A program's keys start at its first query's low: at most window (or chunk) + its queries - 1 of them.
-        for span in (variant.window, variant.chunk):
-            if span is not None:
-                kv_bound = min(kv_bound, span + max(plan.max_query_len, 1) - 1)
-        window, att_chunk = variant.window or 0, variant.chunk or 0
-        softcap = 0.0 if variant.softcap is None else variant.softcap * _LOG2E  # scores are in base 2
-        sinks = variant.sinks
+    kv_bound, window, att_chunk, softcap, sinks = _variant_args(plan, variant, kv_bound)
     launch = _plan_launch(
         device, batch=batch, num_kv_heads=num_kv_heads, group=group, max_q=plan.max_query_len, kv_bound=kv_bound,
         is_int8=is_int8, block_m=block_m, block_n=block_n, num_splits=num_splits,
@@ -757,16 +823,9 @@ def attention(
     )  # fmt: skip
     split = launch.num_splits > 1
 
-    out = torch.empty((total, num_q_heads, head_dim), dtype=torch.float32, device=device)
     if total == 0 or batch == 0:
-        return out.zero_()
-    if split:
-        part = torch.empty((launch.num_splits, total, num_q_heads, head_dim), dtype=torch.float32, device=device)
-        ml = torch.empty((launch.num_splits, total, num_q_heads, 2), dtype=torch.float32, device=device)
-        dst, dst_strides, ml_strides = part, part.stride()[:3], ml.stride()[:3]
-    else:
-        ml = out  # never touched without a split
-        dst, dst_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0, 0)
+        return torch.zeros((total, num_q_heads, head_dim), dtype=torch.float32, device=device)
+    out, part, ml, dst, dst_strides, ml_strides = _output_buffers(launch.num_splits, q.shape, device)
 
     sk = ks if is_int8 else kc
     sv = vs if is_int8 else vc
@@ -801,6 +860,9 @@ def attention(
             part, ml, out, context_lens if sinks is None else sinks, launch.num_splits, head_dim, sinks is not None
         )
     return out
+
+
+variant_args, output_buffers = _variant_args, _output_buffers  # the host side's, for ops/triton_q4w.py
 
 
 def merge_splits(part, ml, out, sinks, num_splits: int, head_dim: int, has_sinks: bool) -> None:

@@ -55,28 +55,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split16(x):
-    """float32 ``x`` [M, K] scaled per row to max |x| = 1, as float16 high and low parts, and the row scales."""
-    x_max = tl.max(tl.abs(x), axis=1)
-    x_max = tl.where(x_max > 0.0, x_max, 1.0)
-    x = x / x_max[:, None]
-    x_hi = x.to(tl.float16)
-    x_lo = (x - x_hi.to(tl.float32)).to(tl.float16)
-    return x_hi, x_lo, x_max
-
-
-@triton.jit
-def _dot2(a_hi, a_lo, b, HILO: tl.constexpr):
-    """``(a_hi + a_lo) @ b`` in float32 (float16 tensor-core products)."""
-    if HILO:
-        out = tl.dot(a_lo, b)
-        out = tl.dot(a_hi, b, out)
-    else:
-        out = tl.dot(a_hi, b)
-    return out
-
-
-@triton.jit
 def _q4w_kernel(
     q_ptr, stride_qt, stride_qh, stride_qd,
     out_ptr, stride_os, stride_ot, stride_oh,
@@ -111,28 +89,12 @@ def _q4w_kernel(
     b = pid_bh // num_kv_heads
     kvh = pid_bh % num_kv_heads
 
-    q_begin = tl.load(cu_ptr + b).to(tl.int32)
-    n_q = tl.load(cu_ptr + b + 1).to(tl.int32) - q_begin
-    ctx = tl.load(ctx_ptr + b).to(tl.int32)
-    kv_lo = 0
-    if HAS_START:
-        kv_lo = tl.load(start_ptr + b).to(tl.int32)
-
     # Row r of the tile is query token t0 + r // GROUP, query head kvh * GROUP + r % GROUP (as the INT8 kernel).
-    t0 = pid_m * TOKENS
-    r = tl.arange(0, BLOCK_M)
-    t_local = t0 + r // GROUP
-    qh = kvh * GROUP + r % GROUP
-    row_ok = (r < TOKENS * GROUP) & (t_local < n_q)
-    token = (q_begin + t_local).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < head_dim
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    q_hi, q_lo, q_max = _split16(q)
+    n_q, ctx, kv_lo, t0, t_local, qh, row_ok, token, d, d_ok, q = tk.query_tile(
+        q_ptr, stride_qt, stride_qh, stride_qd, cu_ptr, ctx_ptr, start_ptr, b, kvh, pid_m, head_dim,
+        GROUP, TOKENS, BLOCK_M, BLOCK_D, HAS_START,
+    )  # fmt: skip
+    q_hi, q_lo, q_max = tk.split16(q)
     row_scale = q_max * qk_scale
 
     row_limit = ctx - n_q + t_local + 1  # a row at position p sees keys < p + 1
@@ -174,10 +136,10 @@ def _q4w_kernel(
             k_scale = tl.load(ks_ptr + blk * stride_kb + kvh * stride_kh + d * stride_kd, mask=d_ok, other=0.0)
             k_min = tl.load(km_ptr + blk * stride_kb + kvh * stride_kh + d * stride_kd, mask=d_ok, other=0.0)
             bias = tl.sum(q * k_min.to(tl.float32)[None, :], axis=1)
-            qf_hi, qf_lo, qf_max = _split16(q * k_scale.to(tl.float32)[None, :])
+            qf_hi, qf_lo, qf_max = tk.split16(q * k_scale.to(tl.float32)[None, :])
             kb = tl.load(kc_ptr + code_rows[None, :] + byte_col[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0)
             k_codes = ((kb.to(tl.int32) >> nibble[:, None]) & 15).to(tl.float16)
-            s_sealed = _dot2(qf_hi, qf_lo, k_codes, HILO) * qf_max[:, None] + bias[:, None]
+            s_sealed = tk.dot2(qf_hi, qf_lo, k_codes, HILO) * qf_max[:, None] + bias[:, None]
             s = tl.where(sealed, s_sealed * qk_scale, s)
         if use_f16:
             k16 = tl.load(
@@ -186,7 +148,7 @@ def _q4w_kernel(
             k16 += tl.load(
                 ksk_ptr + sink_rows[None, :] + d[:, None] * stride_sd, mask=in_sink[None, :] & d_ok[:, None], other=0.0
             )
-            s_f16 = _dot2(q_hi, q_lo, k16, HILO) * row_scale[:, None]
+            s_f16 = tk.dot2(q_hi, q_lo, k16, HILO) * row_scale[:, None]
             s = tl.where(sealed, s, s_f16)
         if SOFTCAP:  # base-2 units, as the INT8 kernel's
             s = softcap * tk.tanh(s / softcap)
@@ -195,11 +157,7 @@ def _q4w_kernel(
             seen = seen & (n[None, :] >= row_low[:, None])
         s = tl.where(seen, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = tk.online_step(m_i, l_i, s)
 
         pv = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         if use_sealed:
@@ -215,7 +173,7 @@ def _q4w_kernel(
             pw_lo = (pw - pw_hi.to(tl.float32)).to(tl.float16)
             vb = tl.load(vc_ptr + code_rows[:, None] + byte_col[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0)
             v_codes = ((vb.to(tl.int32) >> nibble[None, :]) & 15).to(tl.float16)
-            pv += _dot2(pw_hi, pw_lo, v_codes, HILO) * (sv_max / 16384.0)
+            pv += tk.dot2(pw_hi, pw_lo, v_codes, HILO) * (sv_max / 16384.0)
             pv += tl.sum(p_sealed * v_min.to(tl.float32)[None, :], axis=1)[:, None]
         if use_f16:
             pw = tl.where(sealed, 0.0, p) * 16384.0
@@ -227,24 +185,14 @@ def _q4w_kernel(
             v16 += tl.load(
                 vsk_ptr + sink_rows[:, None] + d[None, :] * stride_sd, mask=in_sink[:, None] & d_ok[None, :], other=0.0
             )
-            pv += _dot2(pw_hi, pw_lo, v16, HILO) * (1.0 / 16384.0)
+            pv += tk.dot2(pw_hi, pw_lo, v16, HILO) * (1.0 / 16384.0)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out_rows = pid_s.to(tl.int64) * stride_os + token * stride_ot + qh * stride_oh
-    out_mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT:
-        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc, mask=out_mask)
-        ml_rows = pid_s.to(tl.int64) * stride_mls + token * stride_mlt + qh * stride_mlh
-        tl.store(ml_ptr + ml_rows, m_i, mask=row_ok)
-        tl.store(ml_ptr + ml_rows + 1, l_i, mask=row_ok)
-    else:
-        if HAS_SINKS:
-            z = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0) * 1.4426950408889634
-            l_i, f = tk.with_sink(l_i, m_i, z)
-            acc = acc * f[:, None]
-        denom = tl.where(l_i > 0.0, l_i, 1.0)
-        tl.store(out_ptr + out_rows[:, None] + d[None, :], acc / denom[:, None], mask=out_mask)
+    tk.store_tile(
+        out_ptr, stride_os, stride_ot, stride_oh, ml_ptr, stride_mls, stride_mlt, stride_mlh, sinks_ptr,
+        acc, m_i, l_i, pid_s, token, qh, row_ok, d, d_ok, SPLIT, HAS_SINKS,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -326,16 +274,7 @@ def attention(
     batch = plan.batch
     width_bound = int(plan.block_tables.shape[1]) * PAGE
     kv_bound = width_bound if kv_bound is None else min(int(kv_bound), width_bound)
-    window = att_chunk = 0
-    softcap = 0.0
-    sinks = None
-    if variant is not None:
-        for span in (variant.window, variant.chunk):
-            if span is not None:
-                kv_bound = min(kv_bound, span + max(plan.max_query_len, 1) - 1)
-        window, att_chunk = variant.window or 0, variant.chunk or 0
-        softcap = 0.0 if variant.softcap is None else variant.softcap * _LOG2E
-        sinks = variant.sinks
+    kv_bound, window, att_chunk, softcap, sinks = tk.variant_args(plan, variant, kv_bound)
     if block_n is None:
         # 32-key tiles on a GPU too: compiled for sm_90 at SHAPE of bench/gpu_compile.py (decode, group 4, head_dim
         # 128, 4 warps) 64-key tiles spill (255 registers, a 992 B stack, 526 local loads / stores in the SASS),
@@ -349,16 +288,9 @@ def attention(
     if launch.block_n > PAGE:
         raise ShapeMismatch(f"block_n must be at most {PAGE} (a key tile lies in one page), got {launch.block_n}")
     split = launch.num_splits > 1
-    out = torch.empty((total, num_q_heads, head_dim), dtype=torch.float32, device=device)
     if total == 0 or batch == 0:
-        return out.zero_()
-    if split:
-        part = torch.empty((launch.num_splits, total, num_q_heads, head_dim), dtype=torch.float32, device=device)
-        ml = torch.empty((launch.num_splits, total, num_q_heads, 2), dtype=torch.float32, device=device)
-        dst, dst_strides, ml_strides = part, part.stride()[:3], ml.stride()[:3]
-    else:
-        ml = out
-        dst, dst_strides, ml_strides = out, (0, *out.stride()[:2]), (0, 0, 0)
+        return torch.zeros((total, num_q_heads, head_dim), dtype=torch.float32, device=device)
+    out, part, ml, dst, dst_strides, ml_strides = tk.output_buffers(launch.num_splits, q.shape, device)
     has_start = plan.kv_starts is not None
     starts = plan.kv_starts if has_start else plan.context_lens
     opts = {k: v for k, v in (("num_warps", launch.num_warps), ("num_stages", launch.num_stages)) if v is not None}
