@@ -9,12 +9,10 @@ for head_dim 80)."""
 
 from __future__ import annotations
 
-import zlib
-
 import numba
-import numpy as np
 import pytest
 import torch
+from q4w_helpers import PoolBatch, rel_err, seeded
 
 from int8kv import ops
 from int8kv.cache.pool_q4w import Int4SinkWindowPool
@@ -37,51 +35,19 @@ def one_thread():
     torch.set_num_threads(torch_threads)
 
 
-def seeded(*key: object) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
-
-
-class Batch:
-    """Sequences written step by step into a pool (block ids a random permutation), each step attended by the
-    cpu and reference backends on every layer."""
+class Batch(PoolBatch):
+    """Sequences written step by step into a pool, each step attended by the cpu and reference backends on every
+    layer."""
 
     def __init__(self, heads, group, dim, capacity, gen, starts=None, **variant):
-        pages = [-(-n // 64) for n in capacity]
-        self.pool = Int4SinkWindowPool(LAYERS, heads, dim, sum(pages), sum(pages), len(capacity))
-        ids = torch.randperm(sum(pages), generator=gen).tolist()
-        self.tables = [ids[sum(pages[:b]) : sum(pages[: b + 1])] for b in range(len(pages))]
-        self.lens = [0] * len(capacity)
-        self.heads, self.group, self.dim, self.gen, self.starts, self.variant = heads, group, dim, gen, starts, variant
-        self.offsets = torch.randn(heads, dim, generator=gen) * 3  # per-channel key offsets, as real keys have
-
-    def plan(self, new):
-        self.lens = [n + m for n, m in zip(self.lens, new, strict=True)]
-        width = max(map(len, self.tables))
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
-        starts = None if self.starts is None else torch.tensor(self.starts, dtype=torch.int32)
-        return plan_attention(self.pool, bt, torch.tensor(self.lens, dtype=torch.int32), cu_seqlens_q=cu,
-                              kv_starts=starts)
-
-    def write(self, plan, layer):
-        rows = plan.num_queries
-        k = torch.randn(rows, self.heads, self.dim, generator=self.gen) + self.offsets
-        v = torch.randn(rows, self.heads, self.dim, generator=self.gen) * torch.rand(rows, self.heads, 1,
-                                                                                     generator=self.gen).add(0.2)
-        ops.append_paged_kv(self.pool, layer, k, v, plan=plan)
+        super().__init__(heads, group, dim, capacity, gen, LAYERS, starts, **variant)
 
     def step(self, new, tol=TOL):
         plan = self.plan(new)
         for layer in range(LAYERS):
             self.write(plan, layer)
         for layer in range(LAYERS):
-            q = torch.randn(plan.num_queries, self.heads * self.group, self.dim, generator=self.gen)
+            q = self.query(plan)
             got = ops.attention(self.pool, layer, q, plan, backend="cpu", **self.variant)
             want = ops.attention(self.pool, layer, q, plan, backend="reference", **self.variant)
             assert rel_err(got, want) < tol, (new, self.lens, layer)

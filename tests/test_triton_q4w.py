@@ -9,7 +9,6 @@ thing (the module takes ~15 s on the 2-core VM)."""
 from __future__ import annotations
 
 import os
-import zlib
 
 import numpy as np
 import pytest
@@ -20,63 +19,28 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from q4w_helpers import PoolBatch, rel_err, seeded  # noqa: E402
+
 from int8kv import ops  # noqa: E402
-from int8kv.cache.pool_q4w import Int4SinkWindowPool  # noqa: E402
 from int8kv.errors import ShapeMismatch, UnsupportedFormat  # noqa: E402
 from int8kv.ops import triton as tk  # noqa: E402
-from int8kv.ops.plan import check_variant, plan_attention  # noqa: E402
+from int8kv.ops.plan import check_variant  # noqa: E402
 from int8kv.quant4w import encode_sequence  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = 1e-5  # the INT8 kernel's: max |error| / max |reference|
 
 
-def seeded(*key: object) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    return float((out.double().cpu() - ref.double().cpu()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
-
-
-class Batch:
-    """Sequences written step by step into a pool on DEVICE (block ids a random permutation) through the write
-    path with the triton backend; each step attended by the triton and reference backends."""
+class Batch(PoolBatch):
+    """Sequences written step by step into a pool on DEVICE through the write path with the triton backend; each
+    step attended by the triton and reference backends."""
 
     def __init__(self, heads, group, dim, capacity, gen, layers=1, starts=None, **variant):
-        pages = [-(-n // 64) for n in capacity]
-        self.pool = Int4SinkWindowPool(layers, heads, dim, sum(pages), sum(pages), len(capacity), DEVICE)
-        ids = torch.randperm(sum(pages), generator=gen).tolist()
-        self.tables = [ids[sum(pages[:b]) : sum(pages[: b + 1])] for b in range(len(pages))]
-        self.lens = [0] * len(capacity)
+        super().__init__(heads, group, dim, capacity, gen, layers, starts, DEVICE, **variant)
         self.rows = [[] for _ in capacity]  # the (k, v) written, per sequence
-        self.heads, self.group, self.dim, self.gen, self.starts, self.variant = heads, group, dim, gen, starts, variant
-        self.layers = layers
-        self.offsets = torch.randn(heads, dim, generator=gen) * 3  # per-channel key offsets, as real keys have
 
-    def plan(self, new):
-        self.lens = [n + m for n, m in zip(self.lens, new, strict=True)]
-        width = max(map(len, self.tables))
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
-        starts = None if self.starts is None else torch.tensor(self.starts, dtype=torch.int32)
-        return plan_attention(
-            self.pool,
-            bt.to(DEVICE),
-            torch.tensor(self.lens, dtype=torch.int32).to(DEVICE),
-            cu_seqlens_q=cu.to(DEVICE),
-            kv_starts=None if starts is None else starts.to(DEVICE),
-        )
-
-    def write(self, plan, layer, new):
-        rows = plan.num_queries
-        k = torch.randn(rows, self.heads, self.dim, generator=self.gen) + self.offsets
-        v = torch.randn(rows, self.heads, self.dim, generator=self.gen) * torch.rand(
-            rows, self.heads, 1, generator=self.gen
-        ).add(0.2)
-        ops.append_paged_kv(self.pool, layer, k.to(DEVICE), v.to(DEVICE), plan=plan, backend="triton")
+    def write_layer(self, plan, layer, new):
+        k, v = self.write(plan, layer, backend="triton")
         if layer == 0:
             at = np.concatenate([[0], np.cumsum(new)])
             for b in range(len(new)):
@@ -87,9 +51,9 @@ class Batch:
         (``options``: the triton launcher's, through ``ops.triton.attention``)."""
         plan = self.plan(new)
         for layer in range(self.layers):
-            self.write(plan, layer, new)
+            self.write_layer(plan, layer, new)
         for layer in range(self.layers):
-            q = torch.randn(plan.num_queries, self.heads * self.group, self.dim, generator=self.gen).to(DEVICE)
+            q = self.query(plan)
             if options:
                 variant = check_variant(self.pool, q.shape[1], **self.variant) if self.variant else None
                 got = tk.attention(self.pool, layer, q, plan, variant=variant, **options)
@@ -153,7 +117,7 @@ def test_variants_and_kv_starts(dim, variant):
 def test_refusals_and_reads_checked_per_generation():
     batch = Batch(1, 2, 16, [200], seeded("refuse"), layers=2)
     plan = batch.plan([130])
-    batch.write(plan, 0, [130])
+    batch.write_layer(plan, 0, [130])
     q = torch.zeros(130, 2, 16, device=DEVICE)
     ops.attention(batch.pool, 0, q, plan, backend="triton")  # layer 0 is written and sealed
     with pytest.raises(UnsupportedFormat, match="layer 1 has not sealed"):  # layer 1 is not written yet

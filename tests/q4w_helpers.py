@@ -1,0 +1,69 @@
+"""What the kernel tests of the 4-bit sink-and-window pool share (tests/test_cpu_q4w.py, tests/test_triton_q4w.py):
+seeded generators, the relative error against the reference, and a ragged batch of sequences written into a pool
+step by step, each backend's test attending it its own way."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+from int8kv import ops
+from int8kv.cache.pool_q4w import Int4SinkWindowPool
+from int8kv.ops.plan import AttentionPlan, plan_attention
+
+
+def seeded(*key: object) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (float32 ``out``, finite, of ``ref``'s shape; either on any device)."""
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert torch.isfinite(out).all()
+    return float((out.double().cpu() - ref.double().cpu()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
+
+
+class PoolBatch:
+    """Sequences of up to ``capacity[b]`` positions in an Int4SinkWindowPool of ``layers`` layers on ``device``
+    (block ids a random permutation), ``heads`` KV heads of ``heads * group`` query heads x ``dim``; ``starts``:
+    kv_starts, ``variant``: the attention variant each step's attention takes."""
+
+    def __init__(self, heads, group, dim, capacity, gen, layers, starts=None, device="cpu", **variant):
+        pages = [-(-n // 64) for n in capacity]
+        self.device = torch.device(device)
+        self.pool = Int4SinkWindowPool(layers, heads, dim, sum(pages), sum(pages), len(capacity), self.device)
+        ids = torch.randperm(sum(pages), generator=gen).tolist()
+        self.tables = [ids[sum(pages[:b]) : sum(pages[: b + 1])] for b in range(len(pages))]
+        self.lens = [0] * len(capacity)
+        self.heads, self.group, self.dim, self.gen, self.starts, self.variant = heads, group, dim, gen, starts, variant
+        self.layers = layers
+        self.offsets = torch.randn(heads, dim, generator=gen) * 3  # per-channel key offsets, as real keys have
+
+    def plan(self, new: list[int]) -> AttentionPlan:
+        """The plan of a step that adds ``new[b]`` positions to sequence ``b`` (the lengths advanced)."""
+        self.lens = [n + m for n, m in zip(self.lens, new, strict=True)]
+        width = max(map(len, self.tables))
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(new)]), dtype=torch.int32)
+        starts = None if self.starts is None else torch.tensor(self.starts, dtype=torch.int32).to(self.device)
+        lens = torch.tensor(self.lens, dtype=torch.int32)
+        return plan_attention(self.pool, bt.to(self.device), lens.to(self.device), cu_seqlens_q=cu.to(self.device),
+                              kv_starts=starts)  # fmt: skip
+
+    def write(self, plan: AttentionPlan, layer: int, **options) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh K/V rows ``[num_queries, heads, dim]`` (CPU, float32) for ``layer``, written through the write path
+        (``options``: append_paged_kv's, e.g. the backend); returned for the caller's own checks."""
+        rows = plan.num_queries
+        k = torch.randn(rows, self.heads, self.dim, generator=self.gen) + self.offsets
+        v = torch.randn(rows, self.heads, self.dim, generator=self.gen) * torch.rand(
+            rows, self.heads, 1, generator=self.gen
+        ).add(0.2)
+        ops.append_paged_kv(self.pool, layer, k.to(self.device), v.to(self.device), plan=plan, **options)
+        return k, v
+
+    def query(self, plan: AttentionPlan) -> torch.Tensor:
+        """Fresh query rows ``[num_queries, heads * group, dim]`` on the pool's device."""
+        q = torch.randn(plan.num_queries, self.heads * self.group, self.dim, generator=self.gen)
+        return q.to(self.device)
