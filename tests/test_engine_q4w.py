@@ -142,6 +142,8 @@ def test_refused_by_name(model, prompts, tmp_path):
     for kwargs in ({"prefix_caching": True}, {"kv_store": str(tmp_path / "store")}):
         with pytest.raises(UnsupportedFormat, match=NAME):
             LLM(model, kv_format=NAME, **kwargs)
+    with pytest.raises(UnsupportedFormat, match=f"{NAME} format on the triton backend"):
+        LLM(model, kv_format=NAME, backend="triton")
     llm = engine(model, blocks=8)
     assert llm.scheduler.hasher is None  # prefix caching off by default for this format
     with pytest.raises(UnsupportedFormat, match=f"n=2 .*{NAME}"):

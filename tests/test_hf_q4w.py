@@ -232,7 +232,8 @@ def test_refusals_by_name_leave_the_cache_unchanged(tmp_path):
     with pytest.raises(SaveError, match=FMT.name):
         save_kv(str(tmp_path / "x.int8kv"), cache)
     assert not list(tmp_path.iterdir()) and cache.get_seq_length() == 20
-    # The triton backend (a CUDA cache) has no kernel for this pool: refused by the format's name.
+    # A backend whose KERNELS lack this pool's (a stand-in named triton, with the INT8 and F16 kernels only) refuses
+    # it by the format's name.
     triton = SimpleNamespace(__name__="int8kv.ops.triton", KERNELS=PARTS_KERNELS)
     with pytest.raises(UnsupportedFormat, match=f"triton backend has no kernels for the {FMT.name}"):
         check_kernels(triton, cache.layers[0].pool)

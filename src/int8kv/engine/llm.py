@@ -317,7 +317,7 @@ class LLM:
         except (RuntimeError, MemoryError) as e:  # the allocator refused (memory taken by other processes)
             raise InvalidEngineConfig(f"cannot allocate the pool for memory budget {memory!r}: {e}") from None
         if stateful and resolve_backend(self.cache.pool, backend) == "triton":  # a CUDA model, backend None
-            raise UnsupportedFormat(f"the triton backend has no kernels for the {self.format.value} format")
+            raise UnsupportedFormat(f"the engine does not run the {self.format.value} format on the triton backend")
         hasher, tier, self.fingerprint = None, None, None
         if prefix_caching:
             from ..store import model_fingerprint
@@ -346,7 +346,9 @@ class LLM:
                          backend: str | None) -> bool:
         """The 4-bit format's engine settings, refused by name before the model loads: its block size (a page of
         64), prefix caching and the block store (a cached page's F16 rows and sinks are given back with its
-        sequence), the Triton backend (no kernel). Prefix caching is then off (logged when not asked about)."""
+        sequence), the Triton backend (its kernel, ops/triton_q4w.py, is checked against the reference on its own;
+        the engine's steps over this pool, whose writes seal pages on the host, have not run on a GPU). Prefix
+        caching is then off (logged when not asked about)."""
         name = self.format.value
         if block_size != PAGE:
             raise InvalidEngineConfig(f"the {name} format stores blocks of {PAGE} positions; block_size={block_size}")
@@ -354,7 +356,7 @@ class LLM:
             what = "prefix_caching=True" if prefix_caching else "kv_store (which needs prefix caching)"
             raise UnsupportedFormat(f"{what} is not implemented for the {name} format (cache/paged_q4w.py)")
         if backend == "triton":
-            raise UnsupportedFormat(f"the triton backend has no kernels for the {name} format")
+            raise UnsupportedFormat(f"the engine does not run the {name} format on the triton backend")
         if prefix_caching is None:
             logger.info("prefix caching is off: not implemented for the %s format", name)
         return False
