@@ -100,8 +100,8 @@ class Int4SinkWindowPool:
 
     def __repr__(self) -> str:
         return (f"Int4SinkWindowPool({self.num_layers} layers, {self.num_kv_heads} x {self.head_dim}, "
-                f"num_blocks={self.num_blocks}, window_pages={self._k_win.shape[1]}, "
-                f"sink_slots={self._k_sink.shape[1]}, device={self.device})")
+                f"num_blocks={self.num_blocks}, window_pages={self.window_pages}, sink_slots={self.sink_slots}, "
+                f"device={self.device})")
 
     # -- sizes ------------------------------------------------------------------------------------------------
     @property
@@ -115,15 +115,6 @@ class Int4SinkWindowPool:
     def storage(self) -> tuple[torch.Tensor, ...]:
         return (*self._k, *self._v, self._k_win, self._v_win, self._k_sink, self._v_sink)
 
-    @property
-    def window_capacity(self) -> int:
-        """Window pages the pool holds (taken and given back by its writes)."""
-        return self._k_win.shape[1]
-
-    @property
-    def sink_capacity(self) -> int:
-        return self._k_sink.shape[1]
-
     def windows_held(self) -> int:
         return int((self._window_of >= 0).sum())
 
@@ -132,10 +123,12 @@ class Int4SinkWindowPool:
 
     @property
     def window_pages(self) -> int:
+        """Window pages the pool holds (taken and given back by its writes)."""
         return int(self._k_win.shape[1])
 
     @property
     def sink_slots(self) -> int:
+        """Sink slots the pool holds (taken and given back by its writes)."""
         return int(self._k_sink.shape[1])
 
     def check_layer(self, layer: int) -> int:
@@ -192,9 +185,7 @@ class Int4SinkWindowPool:
                     f"the step needs {len(need_w)} window pages and {len(need_s)} sink slots; "
                     f"{free_w} and {len(self._free_sinks)} are free")
             for blk in done:
-                self._f16_held[:, blk] = False
-                self._free_windows.append(int(self._window_of[blk]))
-                self._window_of[blk] = -1
+                self._give_back_window(blk)
             for blk in fresh:
                 self._sealed[:, blk] = False
                 self._f16_held[:, blk] = False
@@ -240,6 +231,12 @@ class Int4SinkWindowPool:
                         self._free_windows.append(int(self._window_of[blk]))
                         self._window_of[blk] = -1
 
+    def _give_back_window(self, blk: int) -> None:
+        """Block ``blk``'s window page back to the free list, its F16 rows no longer held in any layer."""
+        self._f16_held[:, blk] = False
+        self._free_windows.append(int(self._window_of[blk]))
+        self._window_of[blk] = -1
+
     def settle(self, block_table, length: int) -> int:
         """Give back the window pages of a sequence's pages that every query at positions ``>= length`` reads
         sealed (``length >= 64 b + 128``, sealed in every layer), as its next step would before taking any:
@@ -249,9 +246,7 @@ class Int4SinkWindowPool:
         back = 0
         for blk in block_table[: max(0, (length - WINDOW) // PAGE)]:
             if self._window_of[blk] >= 0 and self._sealed[:, blk].all():
-                self._f16_held[:, blk] = False
-                self._free_windows.append(int(self._window_of[blk]))
-                self._window_of[blk] = -1
+                self._give_back_window(blk)
                 back += 1
         return back
 
@@ -284,8 +279,8 @@ class Int4SinkWindowPool:
         held_s = int((self._sink_of[src[keep]] >= 0).sum())
         new = Int4SinkWindowPool(
             self.num_layers, self.num_kv_heads, self.head_dim, int(src.size),
-            max(held_w, 1, window_pages if window_pages is not None else self._k_win.shape[1]),
-            max(held_s, 1, sink_slots if sink_slots is not None else self._k_sink.shape[1]), self.device)
+            max(held_w, 1, window_pages if window_pages is not None else self.window_pages),
+            max(held_s, 1, sink_slots if sink_slots is not None else self.sink_slots), self.device)
         to, fro = torch.as_tensor(np.nonzero(keep)[0]), torch.as_tensor(src[keep])
         for dst, s in zip(new._k + new._v, self._k + self._v, strict=True):
             dst[:, to] = s[:, fro]

@@ -255,11 +255,11 @@ class Int8KvLayer(CacheLayerMixin):
         p = self.pool
         pages = self.pages if needed <= self.capacity else -(-self.capacity_for(needed) // _PAGE)
         windows = self.windows_for(self.batch_size, tokens)
-        if pages == self.pages and windows <= p.window_capacity:
+        if pages == self.pages and windows <= p.window_pages:
             return
         batch, old = self.batch_size, self.pages
         sources = [b * old + t if t < old else -1 for b in range(batch) for t in range(pages)]
-        self.pool = p.remapped(sources, window_pages=max(windows, p.window_capacity))
+        self.pool = p.remapped(sources, window_pages=max(windows, p.window_pages))
         self.pages = pages
 
     def reserve(self, needed: int) -> None:
