@@ -55,7 +55,8 @@ class EvalRow:
 def cache_kinds(include_fp8: bool = True, formats: list | tuple | None = None) -> list[CacheKind]:
     """The float32 baseline, an :class:`~int8kv.hf.Int8KvCache` per format of ``formats`` (names or objects,
     :func:`int8kv.hf.cache.resolve_format`: the 4-bit ``int4_kchan64_vtok_asym_sink4_win64_v1`` too; default:
-    every :class:`KvStorageFormat`) and, with ``include_fp8``, transformers' fp8 QuantizedCache."""
+    the :class:`KvStorageFormat` members that are not stateful, F16 and INT8) and, with ``include_fp8``,
+    transformers' fp8 QuantizedCache."""
     from transformers import DynamicCache, QuantizedCache
 
     from .hf import Int8KvCache

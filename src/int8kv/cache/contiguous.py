@@ -210,8 +210,7 @@ class QuantizedKvCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.format = KvStorageFormat(format)
-        self.format.spec.refuse_stateful("the contiguous cache")
-        self.layers = [
+        self.layers = [  # each layer refuses a stateful format (refuse_stateful) before it allocates
             QuantizedKvLayer(capacity, num_kv_heads, head_dim, self.format, device) for _ in range(num_layers)
         ]
 
