@@ -1,6 +1,7 @@
-"""What the kernel tests of the 4-bit sink-and-window pool share (tests/test_cpu_q4w.py, tests/test_triton_q4w.py):
-seeded generators, the relative error against the reference, and a ragged batch of sequences written into a pool
-step by step, each backend's test attending it its own way."""
+"""What the tests of the 4-bit sink-and-window pool share: for its kernels (tests/test_cpu_q4w.py,
+tests/test_triton_q4w.py) seeded generators, the relative error against the reference, and a ragged batch of
+sequences written into a pool step by step, each backend's test attending it its own way; for the engine over it
+(tests/test_engine_q4w*.py) a tiny random Llama whose greedy choices do not hinge on rounding."""
 
 from __future__ import annotations
 
@@ -8,10 +9,27 @@ import zlib
 
 import numpy as np
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from int8kv import ops
 from int8kv.cache.pool_q4w import Int4SinkWindowPool
 from int8kv.ops.plan import AttentionPlan, plan_attention
+
+# 2 layers, 2 KV heads of head_dim 64 (the cpu kernel reads the codes in place).
+LLAMA = dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=0)
+
+
+def sharp_llama(seed: int) -> LlamaForCausalLM:
+    """A random Llama of ``LLAMA``'s shape with norms away from 1 and a sharp output layer (logits x 30)."""
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(LlamaConfig(**LLAMA, rope_theta=10000.0, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+        m.lm_head.weight.mul_(30)
+    return m
 
 
 def seeded(*key: object) -> torch.Generator:

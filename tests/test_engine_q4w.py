@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from q4w_helpers import LLAMA, sharp_llama
+from transformers import LlamaForCausalLM
 from transformers.modeling_utils import AttentionInterface
 
 from int8kv import KvPoolExhausted, KvStorageFormat, QuantizedKvCache
@@ -27,8 +28,7 @@ from int8kv.quant4w import encode_sequence
 
 Q4W = KvStorageFormat.INT4_SINK_WINDOW_V1
 NAME = "int4_kchan64_vtok_asym_sink4_win64_v1"
-CFG = dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=0)
+CFG = LLAMA
 SEQS, BUDGET = 4, 64  # max_num_seqs, max_num_batched_tokens: prefills run in chunks of at most 64 tokens
 # Ragged prompts: below the sinks, within the first page, across the first seal (64 + 64) and past it; each
 # generates 40 tokens, so the longest ends at 240 positions (pages sealed at 128 and 192).
@@ -38,14 +38,7 @@ GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(**CFG, rope_theta=10000.0, tie_word_embeddings=False)).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-        m.lm_head.weight.mul_(30)
-    return m
+    return sharp_llama(0)
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +135,6 @@ def test_refused_by_name(model, prompts, tmp_path):
     for kwargs in ({"prefix_caching": True}, {"kv_store": str(tmp_path / "store")}):
         with pytest.raises(UnsupportedFormat, match=NAME):
             LLM(model, kv_format=NAME, **kwargs)
-    with pytest.raises(UnsupportedFormat, match=f"{NAME} format on the triton backend"):
-        LLM(model, kv_format=NAME, backend="triton")
     llm = engine(model, blocks=8)
     assert llm.scheduler.hasher is None  # prefix caching off by default for this format
     with pytest.raises(UnsupportedFormat, match=f"n=2 .*{NAME}"):

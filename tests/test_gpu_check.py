@@ -26,7 +26,7 @@ SECTIONS = [
     "== 4-bit sink-and-window pool vs float64 reference",
     "== decode benchmark",
     "== prefill benchmark",
-    "== pytest tests/test_ops_triton.py",
+    "== pytest the Triton tests",
 ]
 
 

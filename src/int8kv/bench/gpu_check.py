@@ -16,7 +16,8 @@ every line printed also goes to ``--out``.
    CUDA-graph replay, and its output checked; one 2k prefill chunk against causal flash SDPA. Each call is
    timed alone with CUDA events after an L2 flush (median). Bandwidth is bytes a call must read over its
    time, against the measured read-only floor (``torch.sum`` of a 2 GiB tensor);
-4. the GPU test subset (tests/test_ops_triton.py) in parallel shards, without ``-x``, with what time is left.
+4. the GPU test subset (tests/test_ops_triton.py, test_triton_q4w.py, test_engine_q4w_triton.py) in parallel
+   shards, without ``-x``, with what time is left.
 
 Exit status: 0 all passed, 1 something failed, 3 skipped (no CUDA device and no TRITON_INTERPRET=1). Without
 a GPU but with TRITON_INTERPRET=1 it runs the same sections on the CPU interpreter on a small shape
@@ -656,17 +657,21 @@ def bench_prefill(rep: Report, sh: Shapes, device, timer: Timer) -> None:
         rep.fail("bench prefill sdpa")
 
 
+# The suite's Triton tests: the INT8 / F16 kernels, the 4-bit pool's kernel, the engine's 4-bit steps on triton.
+TRITON_TESTS = ("test_ops_triton.py", "test_triton_q4w.py", "test_engine_q4w_triton.py")
+
+
 def run_pytest(rep: Report, sh: Shapes, interpret: bool) -> None:
-    test_file = ROOT / "tests" / "test_ops_triton.py"
-    if not test_file.exists():
-        rep.say(f"  {test_file} not found (installed package?): skipped")
+    files = [ROOT / "tests" / name for name in TRITON_TESTS]
+    if not all(f.exists() for f in files):
+        rep.say(f"  {', '.join(TRITON_TESTS)} not found in {ROOT / 'tests'} (installed package?): skipped")
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     select = ["-k", sh.pytest_k] if sh.pytest_k else []
-    collect = [sys.executable, "-m", "pytest", str(test_file), *select, "--collect-only", "-q"]
+    collect = [sys.executable, "-m", "pytest", *map(str, files), *select, "--collect-only", "-q"]
     listed = subprocess.run(collect, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     ids = [line for line in listed.stdout.splitlines() if "::" in line]
     if not ids:
@@ -767,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             ("prefill benchmark", lambda: bench_prefill(rep, sh, device, timer)),
         ]
     if not args.skip_pytest:
-        sections.append(("pytest tests/test_ops_triton.py", lambda: run_pytest(rep, sh, interpret)))
+        sections.append(("pytest the Triton tests", lambda: run_pytest(rep, sh, interpret)))
 
     for name, fn in sections:
         rep.say(f"\n== {name}")

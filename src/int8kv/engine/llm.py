@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..formats import KvStorageFormat
 from ..models.weights import check_weights, convert_weights
-from ..ops import BACKENDS, resolve_backend
+from ..ops import BACKENDS
 from .chat import chat_prompt_ids
 from .model import DecoderModel
 from .runner import ModelRunner
@@ -259,7 +259,7 @@ class LLM:
             block_size = PAGE if stateful else 16
         block_size = positive_int(block_size, "block_size", InvalidEngineConfig)
         if stateful:
-            prefix_caching = self._stateful_checks(block_size, prefix_caching, kv_store, backend)
+            prefix_caching = self._stateful_checks(block_size, prefix_caching, kv_store)
         if isinstance(model, torch.nn.Module):
             hf_model = model
         else:
@@ -316,8 +316,6 @@ class LLM:
             raise
         except (RuntimeError, MemoryError) as e:  # the allocator refused (memory taken by other processes)
             raise InvalidEngineConfig(f"cannot allocate the pool for memory budget {memory!r}: {e}") from None
-        if stateful and resolve_backend(self.cache.pool, backend) == "triton":  # a CUDA model, backend None
-            raise UnsupportedFormat(f"the engine does not run the {self.format.value} format on the triton backend")
         hasher, tier, self.fingerprint = None, None, None
         if prefix_caching:
             from ..store import model_fingerprint
@@ -342,21 +340,16 @@ class LLM:
         self._lock = threading.RLock()
         self._live: dict[int, _Live] = {}  # online requests (add_request) whose last update is not yet popped
 
-    def _stateful_checks(self, block_size: int, prefix_caching: bool | None, kv_store: Any,
-                         backend: str | None) -> bool:
+    def _stateful_checks(self, block_size: int, prefix_caching: bool | None, kv_store: Any) -> bool:
         """The 4-bit format's engine settings, refused by name before the model loads: its block size (a page of
         64), prefix caching and the block store (a cached page's F16 rows and sinks are given back with its
-        sequence), the Triton backend (its kernel, ops/triton_q4w.py, is checked against the reference on its own;
-        the engine's steps over this pool, whose writes seal pages on the host, have not run on a GPU). Prefix
-        caching is then off (logged when not asked about)."""
+        sequence). Prefix caching is then off (logged when not asked about)."""
         name = self.format.value
         if block_size != PAGE:
             raise InvalidEngineConfig(f"the {name} format stores blocks of {PAGE} positions; block_size={block_size}")
         if prefix_caching or (kv_store is not None and kv_store is not False):
             what = "prefix_caching=True" if prefix_caching else "kv_store (which needs prefix caching)"
             raise UnsupportedFormat(f"{what} is not implemented for the {name} format (cache/paged_q4w.py)")
-        if backend == "triton":
-            raise UnsupportedFormat(f"the engine does not run the {name} format on the triton backend")
         if prefix_caching is None:
             logger.info("prefix caching is off: not implemented for the %s format", name)
         return False
