@@ -204,3 +204,17 @@ def test_kv4_attention_refuses_threads_numba_lacks():
     for bad in ("0", str(numba.config.NUMBA_NUM_THREADS + 1)):
         with pytest.raises(CliError, match="--threads"):
             kv4_attention.main(["--threads", bad, "--repeat", "1"])
+
+
+def test_q4w_attention_takes_a_context_and_refuses_a_bad_one():
+    from int8kv.bench import q4w_attention
+    from int8kv.cli_common import CliError
+
+    with pytest.raises(CliError, match="--context"):
+        q4w_attention.main(["--context", "0", "--repeat", "1"])
+    # 200 positions: one sealed page, the sinks and a window of 72 F16 rows; all three kernels called
+    result = q4w_attention.main(["--preset", "smollm2", "--context", "200", "--repeat", "1"])
+    (row,) = result["rows"]
+    assert row["context"] == 200 and row["calls"]["q4w"] == row["calls"]["int8_paged"] == row["calls"]["f16_paged"] >= 1
+    assert row["bytes_read"]["q4w"] < row["bytes_read"]["int8_paged"]
+    assert 0 < row["max_rel_diff_vs_f16"]["q4w"] < 0.2

@@ -52,8 +52,9 @@ def q4_layout(batch: int, heads: int, d: int, context: int, r: np.random.Generat
     }  # fmt: skip
 
 
-def run_shape(name: str, repeat: int, seed: int = 0) -> dict[str, Any]:
-    batch, hq, heads, d, context = PRESETS[name]
+def run_shape(name: str, repeat: int, seed: int = 0, context: int | None = None) -> dict[str, Any]:
+    batch, hq, heads, d, preset_context = PRESETS[name]
+    context = context or preset_context
     gen = torch.Generator().manual_seed(seed)
     ns = argparse.Namespace(batch=batch, block_size=16, kv_heads=heads, head_dim=d)
     int8, tables, lens = paged_cache(ns, context, KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, gen)
@@ -79,16 +80,17 @@ def run_shape(name: str, repeat: int, seed: int = 0) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_rows(run_shape, shapes: tuple[str, ...], repeat: int) -> dict[str, Any]:
-    """``run_shape(shape, repeat)`` for each shape, with the threads and the load they ran under."""
+def run_rows(run_shape, shapes: tuple[str, ...], repeat: int, context: int | None = None) -> dict[str, Any]:
+    """``run_shape(shape, repeat, context=context)`` for each shape (``context`` None: the preset's), with the
+    threads and the load they ran under."""
     return {
         "numba_threads": numba.get_num_threads(), "torch_threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()), "rows": [run_shape(s, repeat) for s in shapes],
+        "load_average": list(os.getloadavg()), "rows": [run_shape(s, repeat, context=context) for s in shapes],
     }
 
 
-def run(shapes: tuple[str, ...] = SHAPES, repeat: int = 20) -> dict[str, Any]:
-    return run_rows(run_shape, shapes, repeat)
+def run(shapes: tuple[str, ...] = SHAPES, repeat: int = 20, context: int | None = None) -> dict[str, Any]:
+    return run_rows(run_shape, shapes, repeat, context)
 
 
 def heading(result: dict) -> str:
@@ -119,8 +121,9 @@ def decode_args(name: str, description: str, repeat: int, argv: list[str] | None
     parser.add_argument("--preset", choices=(*SHAPES, "all"), default="all", help="shape(s) to time")
     parser.add_argument("--repeat", type=int, default=repeat, help="timed calls per kernel")
     parser.add_argument("--threads", type=int, default=None, help="numba threads (default: numba's)")
+    parser.add_argument("--context", type=int, default=None, help="positions per sequence (default: the preset's)")
     args = parser.parse_args(argv)
-    check_minimums(args, {"repeat": 1})
+    check_minimums(args, {"repeat": 1} | ({"context": 1} if args.context is not None else {}))
     if args.threads is not None:
         check_minimums(args, {"threads": 1})
         if args.threads > numba.config.NUMBA_NUM_THREADS:
@@ -131,7 +134,7 @@ def decode_args(name: str, description: str, repeat: int, argv: list[str] | None
 
 def main(argv: list[str] | None = None) -> dict:
     args, shapes = decode_args("kv4_attention", __doc__.split("\n")[0], 20, argv)
-    result = run(shapes, args.repeat)
+    result = run(shapes, args.repeat, args.context)
     return emit(result, report(result), args.json)
 
 

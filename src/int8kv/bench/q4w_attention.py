@@ -1,7 +1,8 @@
 """CPU decode attention over int4_kchan64_vtok_asym_sink4_win64_v1 (ops.cpu_q4w) against the INT8 and F16 paged
 kernels, same rows, same queries, same run.
 
-    python -m int8kv.bench q4w_attention [--preset batch8|smollm2|all] [--repeat 30] [--threads N] [--json PATH]
+    python -m int8kv.bench q4w_attention [--preset batch8|smollm2|all] [--context N] [--repeat 30] [--threads N]
+        [--json PATH]
 
 One decode step (one query token per sequence) through ``ops.attention(..., backend="cpu")``. The same random
 K/V rows (keys with per-channel offsets, as real keys have) are written through the write path into an INT8
@@ -10,7 +11,7 @@ and an F16 paged cache (16-position blocks) and into an :class:`~int8kv.cache.po
 sequence), block tables a random permutation. The kernels take turns (bench attention's interleaved bursts) and
 each reports its best and median call; each picks one thread or all of numba's (``--threads``, default all) by
 what it measured (cpu.ThreadChoice). Shapes: batch8 = 8 sequences, 32 query / 8 KV heads x 128, 4,096
-positions; smollm2 = 1 sequence, 9 / 3 x 64, 7,000 positions.
+positions; smollm2 = 1 sequence, 9 / 3 x 64, 7,000 positions; ``--context N``: N positions per sequence instead.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def _caches(batch: int, heads: int, d: int, context: int, gen: torch.Generator) 
     return out
 
 
-def run_shape(name: str, repeat: int, seed: int = 0) -> dict[str, Any]:
-    batch, hq, heads, d, context = PRESETS[name]
+def run_shape(name: str, repeat: int, seed: int = 0, context: int | None = None) -> dict[str, Any]:
+    batch, hq, heads, d, preset_context = PRESETS[name]
+    context = context or preset_context
     gen = torch.Generator().manual_seed(seed)
     caches = _caches(batch, heads, d, context, gen)
     q = torch.randn(batch, hq, d, generator=gen)
@@ -89,8 +91,8 @@ def run_shape(name: str, repeat: int, seed: int = 0) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run(shapes: tuple[str, ...] = SHAPES, repeat: int = 30) -> dict[str, Any]:
-    return run_rows(run_shape, shapes, repeat)
+def run(shapes: tuple[str, ...] = SHAPES, repeat: int = 30, context: int | None = None) -> dict[str, Any]:
+    return run_rows(run_shape, shapes, repeat, context)
 
 
 def report(result: dict) -> str:
@@ -112,7 +114,7 @@ def report(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args, shapes = decode_args("q4w_attention", __doc__.split("\n")[0], 30, argv)
-    result = run(shapes, args.repeat)
+    result = run(shapes, args.repeat, args.context)
     return emit(result, report(result), args.json)
 
 
