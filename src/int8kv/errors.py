@@ -80,6 +80,11 @@ class UnsupportedFormat(KvCacheError, NotImplementedError):
     """A storage format a backend has no kernels for (int8kv.formats: its ``kernel`` name), refused by name."""
 
 
+class InvalidKvState(KvCacheError, ValueError):
+    """A stored form a format's encoder never writes (a NaN, inf or negative scale, a non-finite F16 row, bytes
+    where the format stores zeros): refused when a state is built, so no cache ever holds it."""
+
+
 class UnknownBackend(KvCacheError, ValueError):
     """A kernel backend name that is not one of int8kv.ops.BACKENDS."""
 

@@ -14,8 +14,12 @@ window pages for it, a running sequence between its steps at most 2, so ``ceil(m
 sequence) mean an admitted request never meets KvPoolExhausted mid-step: admission and preemption count blocks
 only, as for the other formats.
 
-Refused by name (UnsupportedFormat): copy-on-write (forks), prefix keys and hits, exported / imported states
-(KV files and the block store), releasing blocks before a position (sliding tables: page 0 holds the sinks
+States: :meth:`export_state` gives a sequence's stored form as a :class:`~int8kv.cache.state_q4w.Q4WState`
+(``save_kv(path, cache, seq_id=)`` writes it as a KV file) and :meth:`import_state` creates a sequence holding
+one (``load_kv(path, cache, seq_id=)``); the sequence then continues exactly as the exported one would have.
+
+Refused by name (UnsupportedFormat): copy-on-write (forks), prefix keys and hits, slices of a state and writes of
+one into a sequence (the block store), releasing blocks before a position (sliding tables: page 0 holds the sinks
 every query reads), several K/V shapes or block tables.
 """
 
@@ -32,6 +36,7 @@ from .allocator import BlockAllocator, SeqId
 from .paged import PagedKvCache
 from .pool_q4w import PAGE, SINKS, Int4SinkWindowPool
 from .state import KvLayout
+from .state_q4w import Q4WState
 
 Q4W = KvStorageFormat.INT4_SINK_WINDOW_V1
 NAME = INT4_SINK_WINDOW_V1.name
@@ -117,7 +122,7 @@ class Int4SinkWindowCache(PagedKvCache):
 
     @property
     def state_layouts(self) -> tuple[KvLayout, ...]:
-        raise refuse("exporting states (prefix keys, block values, KV files)")
+        raise refuse("per-row states (prefix keys, block values)")
 
     def set_table_layers(self, table_layers: Sequence[int]) -> None:
         if tuple(table_layers) != (self.num_layers,):
@@ -154,14 +159,38 @@ class Int4SinkWindowCache(PagedKvCache):
         raise refuse("prefix caching")
 
     # -- states and rows ------------------------------------------------------------------------------------
-    def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None):
-        raise refuse("exporting a sequence's state")
+    def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> Q4WState:
+        """A sequence's stored form (every layer) as a batch-1 :class:`~int8kv.cache.state_q4w.Q4WState` (numpy
+        copies). Only the whole sequence: a slice ``[start, end)`` other than ``[0, context)`` is no stored form
+        of this format (refused by name, UnsupportedFormat)."""
+        n = self.allocator.context_len(seq_id)
+        if start != 0 or (end is not None and end != n):
+            raise refuse(f"exporting positions [{start!r}, {end!r}) of a {n}-position sequence (a state is the "
+                         "stored form of a whole sequence: [0, context))")
+        rows = self.pool.export_sequence(self.allocator.block_table(seq_id), n)
+        return Q4WState.of(self.layout, [[r] for r in rows])
 
-    def import_state(self, seq_id: SeqId, state):
-        raise refuse("importing a state")
+    def import_state(self, seq_id: SeqId, state: Q4WState) -> torch.Tensor:
+        """Create sequence ``seq_id`` holding a batch-1 ``state`` of this cache's layout (its sealed pages, window
+        pages and sink slot written by ``pool.import_sequence``); returns its slots. Atomic: on any error (the
+        state, an existing id, too few free blocks, window pages or sink slots) nothing is allocated or written."""
+        if not isinstance(state, Q4WState):
+            raise ShapeMismatch(f"a {NAME} cache imports a Q4WState, got {type(state).__name__}")
+        if state.layout != self.layout:
+            raise ShapeMismatch(f"the state's layout {state.layout} differs from the cache's {self.layout}")
+        if state.batch != 1:
+            raise ShapeMismatch(f"a paged sequence holds one sequence; the state holds {state.batch}")
+        rows = state.sequence(0)
+        slots = self.add_sequence(seq_id, state.length)  # raises before allocating if it cannot
+        try:
+            self.pool.import_sequence(self.allocator.block_table(seq_id), rows)
+        except BaseException:
+            self.free(seq_id)  # import_sequence took nothing: the blocks go back as they came
+            raise
+        return slots
 
     def write_state(self, seq_id: SeqId, start: int, state):
-        raise refuse("writing a state")
+        raise refuse("writing a state into positions a sequence already holds (prefix hits)")
 
     def write_rows(self, layer: int, slots: torch.Tensor, k, v) -> None:
         raise refuse("writing rows by slot (the pool is written by step, with the plan)")

@@ -33,8 +33,13 @@ transformers drop-in's growth; rows picked in another order or twice: its beam s
 cuts sequences back to a shorter length while the F16 rows that length reads are still held (refused by name
 once they were given back).
 
+States: :meth:`export_sequence` (a sequence's :meth:`stored_form` in every layer) and :meth:`import_sequence`
+(that stored form written back into fresh pages: sealed pages, window pages and a sink slot, as a pool holds
+them between steps), so that a sequence exported at ``n`` positions and imported into another pool continues
+exactly as it would have (int8kv.cache.state_q4w).
+
 Not implemented (refused by name, UnsupportedFormat): writes by slot without a plan, copy-on-write copies,
-export / import of rows.
+export / import of rows by slot.
 """
 
 from __future__ import annotations
@@ -378,3 +383,80 @@ class Int4SinkWindowPool:
             k_window=f16(self._k_win, self._k_sink, window, False), v_codes=v[0], v_scale=v[1], v_min=v[2],
             v_sink=f16(self._v_win, self._v_sink, sinks, True), v_window=f16(self._v_win, self._v_sink, window, False),
         )
+
+    # -- states -------------------------------------------------------------------------------------------------
+    def export_sequence(self, block_table, length: int) -> tuple[Q4WRows, ...]:
+        """The stored form of a sequence's first ``length`` positions in every layer (:meth:`stored_form` of
+        each): what a state of the sequence holds. Refused (UnsupportedFormat) as :meth:`stored_form` refuses,
+        and when the sequence's first page holds no sink slot."""
+        table = [int(b) for b in block_table]
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0 or len(table) < -(-length // PAGE):
+            raise ShapeMismatch(f"length must be an int in [0, {len(table) * PAGE}] (the table's pages), got "
+                                f"{length!r}")
+        if length and self._sink_of[table[0]] < 0:
+            raise UnsupportedFormat(f"the {self.format.name} pool holds no sink rows for this sequence")
+        return tuple(self.stored_form(layer, table, length) for layer in range(self.num_layers))
+
+    def import_sequence(self, block_table, rows) -> None:
+        """Store a sequence's stored form (``rows``: one :class:`Q4WRows` per layer, one length ``n``, values
+        checked by the caller: a :class:`~int8kv.cache.state_q4w.Q4WState`'s) in the pages of ``block_table``
+        (block ids the owner allocated for ``n`` positions): its sealed blocks as sealed pages, the window's F16
+        rows in window pages (one per page from the last sealed one on) and the sinks in a sink slot, as a
+        native pool holds them between steps (:meth:`settle`d). The pages' earlier window pages and sink slot
+        come back first. Refused (ShapeMismatch, KvPoolExhausted) with nothing taken or written."""
+        from .state_q4w import row_shapes
+
+        rows = tuple(rows)
+        if len(rows) != self.num_layers or not all(isinstance(r, Q4WRows) for r in rows):
+            raise ShapeMismatch(f"rows must hold one Q4WRows per layer ({self.num_layers})")
+        n = len(rows[0])
+        want = row_shapes(n, self.num_kv_heads, self.head_dim)
+        for layer, r in enumerate(rows):
+            for name, (dtype, shape) in want.items():
+                a = getattr(r, name)
+                if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != shape:
+                    raise ShapeMismatch(f"layer {layer}: {name} of {n} positions must be {dtype} {shape}")
+        pages = -(-n // PAGE)
+        table = [int(b) for b in block_table][:pages]
+        if len(table) < pages or len(set(table)) != pages or any(not 0 <= b < self.num_blocks for b in table):
+            raise ShapeMismatch(f"{n} positions need {pages} distinct block ids in [0, {self.num_blocks}), got "
+                                f"{list(block_table)}")
+        c = max(0, (n - WINDOW) // PAGE)
+        need_w, need_s = pages - c, 1 if n else 0
+        own_w = int((self._window_of[table] >= 0).sum())
+        own_s = int((self._sink_of[table] >= 0).sum())
+        if need_w > len(self._free_windows) + own_w or need_s > len(self._free_sinks) + own_s:
+            raise KvPoolExhausted(
+                f"the state needs {need_w} window pages and {need_s} sink slot; {len(self._free_windows) + own_w} "
+                f"and {len(self._free_sinks) + own_s} are free")
+        self.release(table)  # bumps the generation
+        self._sealed[:, table] = False
+        sealed, f16 = table[:c], table[c:]
+        self._sealed[:, sealed] = True
+        for blk in f16:
+            self._window_of[blk] = self._free_windows.pop()
+        self._f16_held[:, f16] = True
+        if n:
+            self._sink_of[table[0]] = self._free_sinks.pop()
+        sinks, window = f16_positions(n)
+        dev = self.device
+
+        def put(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.array(x)).to(dev)
+
+        blocks = torch.as_tensor(sealed, dtype=torch.long, device=dev)
+        pos = np.arange(window.start, window.stop)
+        win = torch.as_tensor(self._window_of[[table[p // PAGE] for p in pos]], dtype=torch.long, device=dev)
+        off = torch.as_tensor(pos % PAGE, dtype=torch.long, device=dev)
+        for layer, r in enumerate(rows):
+            for dst, parts in ((self._k, (r.k_codes, r.k_scale, r.k_min)), (self._v, (r.v_codes, r.v_scale, r.v_min))):
+                for tensor, part in zip(dst, parts, strict=True):
+                    tensor[layer, blocks] = put(part)
+            for rows_t, sink_t, sink_rows, window_rows in ((self._k_win, self._k_sink, r.k_sink, r.k_window),
+                                                           (self._v_win, self._v_sink, r.v_sink, r.v_window)):
+                rows_t[layer, win, off] = put(window_rows)
+                if n:
+                    s = put(sink_rows)
+                    sink_t[layer, int(self._sink_of[table[0]]), : len(sinks)] = s
+                    if not c:  # the first page's F16 rows hold the sinks too, as a write puts them there
+                        rows_t[layer, int(self._window_of[table[0]]), : len(sinks)] = s
