@@ -273,7 +273,7 @@ class Int4SinkWindowFormat(KvFormat):
             mn = values if part == "min" else np.zeros(0, np.float16)
             problem = scale_problem(np.ascontiguousarray(scale), np.ascontiguousarray(mn))
             return None if problem is None else f"{tensor}: {problem}"
-        if part == "rows":
+        if part in ("rows", "sink", "window"):  # F16 rows: the pool's, a state's sinks and window
             return F16.value_problem(tensor, values)
         if part == "codes":
             return None if values.dtype == np.uint8 else f"{tensor} must be uint8, got {values.dtype}"

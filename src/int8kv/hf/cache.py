@@ -30,7 +30,9 @@ left-padded row stores its padding as the INT8 path does (masked by ``kv_starts`
 positions: a padded row's first real tokens are not held in F16. Growth copies the pool into a larger one
 (:meth:`~int8kv.cache.pool_q4w.Int4SinkWindowPool.remapped`); ``crop`` cuts back while the F16 rows the new
 length reads are still held (refused by name, UnsupportedFormat, once those pages were sealed and their rows
-given back). Refused by name: sliding-window, chunked and hybrid layers, export / import / save of the state.
+given back). ``export_state`` gives every row's stored form as a :class:`~int8kv.cache.state_q4w.Q4WState`
+(``save_kv`` writes it) and ``import_state`` builds each layer's pool from one, so that a restored cache continues
+exactly as the exported one. Refused by name: sliding-window, chunked and hybrid layers.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ from transformers.cache_utils import (
 from ..cache.pool import KvPool
 from ..cache.pool_q4w import Int4SinkWindowPool
 from ..cache.state import GroupedKvState, KvLayout, KvState, as_format, group_layers
+from ..cache.state_q4w import Q4WState
 from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention, UnsupportedFormat
 from ..formats import INT4_SINK_WINDOW_V1, KvFormat, KvStorageFormat
 from ..ops import plan_attention, resolve_backend, write
+from ..quant4w import Q4WRows
 from .attention import ATTN_IMPLEMENTATION, Book, make_handle
 from .attention import attach as attach_config
 from .layers import LayerSpec, layer_specs
@@ -300,8 +304,28 @@ class Int8KvLayer(CacheLayerMixin):
             dst[:, :n] = src
         return pool
 
-    def adopt(self, pool: KvPool, length: int) -> None:
-        """Take ``pool`` (from :meth:`storage_from`) holding ``length`` positions as this layer's storage."""
+    def stored_forms(self) -> list[Q4WRows]:
+        """4-bit format: each batch row's stored form of the positions held (``pool.export_sequence``)."""
+        if not self.paged or self.pool is None:
+            raise ShapeMismatch("stored forms are the 4-bit format's, of a layer that holds rows")
+        return [self.pool.export_sequence(t, self.held)[0] for t in self.block_tables().tolist()]
+
+    def storage_from_forms(self, forms: list[Q4WRows], device: torch.device | str) -> Int4SinkWindowPool:
+        """4-bit format: a pool holding each batch row's stored form ``forms[b]`` (one length ``n``, checked by
+        the caller's Q4WState) with room to grow, on ``device``; the layer is unchanged until :meth:`adopt`."""
+        n, batch = len(forms[0]), len(forms)
+        pages = -(-self._first_capacity(max(n, 1)) // _PAGE)
+        heads, dim = forms[0].k_window.shape[1:] if forms[0].k_window.size else forms[0].k_sink.shape[1:]
+        pool = Int4SinkWindowPool(1, int(heads), int(dim), batch * pages, self.windows_for(batch, 1), batch, device)
+        for b, rows in enumerate(forms):  # a row between steps holds at most 2 window pages: windows_for's 3 suffice
+            pool.import_sequence(range(b * pages, (b + 1) * pages), [rows])
+        return pool
+
+    def adopt(self, pool: KvPool | Int4SinkWindowPool, length: int) -> None:
+        """Take ``pool`` (from :meth:`storage_from` / :meth:`storage_from_forms`) holding ``length`` positions as
+        this layer's storage."""
+        if self.paged:
+            self.pages = pool.num_blocks // pool.sink_slots  # storage_from_forms: one sink slot per batch row
         self.pool = pool
         self.device = pool.device
         if not self.is_initialized:
@@ -677,8 +701,6 @@ class Int8KvCache(Cache):
         """Every layer's stored tokens (all batch rows) as a :class:`KvState` (CPU copies); for a model whose layers
         hold K/V of several shapes (Gemma 4) a :class:`GroupedKvState`, one section per shape in order of first
         use, with each section's model layers."""
-        if is_4bit(self.format):
-            raise UnsupportedFormat(f"exporting the state of the {self.format.name} format is not implemented")
         layers = list(self.layers)
         if not layers or not all(isinstance(la, Int8KvLayer) and la.is_initialized for la in layers):
             raise ShapeMismatch(
@@ -688,10 +710,16 @@ class Int8KvCache(Cache):
         if any(la.offset or type(la) is not Int8KvLayer for la in layers):
             raise ShapeMismatch("a sliding-window layer has dropped its oldest tokens: the state is not exportable")
         lengths = {la.seq_len for la in layers}
-        batches = {la.pool.num_blocks for la in layers}
+        batches = {la.batch_size for la in layers}
         if len(lengths) != 1 or len(batches) != 1:
             raise ShapeMismatch(f"the layers disagree (lengths {sorted(lengths)}, batch sizes {sorted(batches)})")
         shapes = [(la.pool.num_kv_heads, la.pool.head_dim) for la in layers]
+        if is_4bit(self.format):
+            if len(set(shapes)) != 1:
+                raise UnsupportedFormat(f"a state of several K/V shapes {sorted(set(shapes))} in the "
+                                        f"{self.format.name} format is not implemented")
+            layout = KvLayout(len(layers), *shapes[0], KvStorageFormat.INT4_SINK_WINDOW_V1)
+            return Q4WState.of(layout, [la.stored_forms() for la in layers])
         groups = group_layers(shapes)
         sections = [
             KvState.from_layers(KvLayout(len(g), *shapes[g[0]], self.format), [layers[i].stored() for i in g])
@@ -704,8 +732,9 @@ class Int8KvCache(Cache):
         GroupedKvState must record each section's model layers (:meth:`export_state` does; a paged cache's does
         not). Atomic: every new storage is allocated and filled before the first layer changes, so an error
         (a bad state, or running out of memory part-way) leaves every layer as it was."""
-        if is_4bit(self.format):
-            raise UnsupportedFormat(f"importing a state into the {self.format.name} format is not implemented")
+        if is_4bit(self.format) or isinstance(state, Q4WState):
+            self._import_forms(state, device)
+            return
         if isinstance(state, GroupedKvState):
             if state.layers is None:
                 raise ShapeMismatch(
@@ -744,6 +773,36 @@ class Int8KvCache(Cache):
             pools.append(la.storage_from(k, v, section.layout.head_dim))
         # Every pool exists: adopting them allocates nothing and cannot fail part-way.
         for la, pool in zip(layers, pools, strict=True):
+            la.adopt(pool, state.length)
+        if created:
+            self.layers.extend(layers)
+
+    def _import_forms(self, state: Q4WState, device: torch.device | str | None) -> None:
+        """:meth:`import_state` of the 4-bit format: each layer's new pool built from the state's stored forms
+        before the first layer changes."""
+        if not is_4bit(self.format) or not isinstance(state, Q4WState):
+            got = state.format.value if isinstance(state, (KvState, GroupedKvState, Q4WState)) else type(state).__name__
+            raise ShapeMismatch(f"the state stores {got} but the cache holds {self.format.value}")
+        layout = state.layout
+        created = not self.layers
+        if created and getattr(self, "layer_class_to_replicate", None) is None:
+            raise ShapeMismatch("the Int8KvCache has no layers and cannot create any")
+        layers = [self._next_layer(i) for i in range(layout.num_layers)] if created else list(self.layers)
+        if len(layers) != layout.num_layers:
+            raise ShapeMismatch(f"the state holds {layout.num_layers} layers but the cache has {len(layers)}")
+        for i, la in enumerate(layers):
+            if not isinstance(la, Int8KvLayer) or not la.paged:
+                raise ShapeMismatch(f"layer {i} is not an Int8KvLayer of format {self.format.value}")
+            if la.is_initialized and (la.pool.num_kv_heads, la.pool.head_dim) != (layout.num_kv_heads, layout.head_dim):
+                raise ShapeMismatch(
+                    f"the state holds {layout.num_kv_heads} kv heads of {layout.head_dim}, layer {i} holds "
+                    f"{la.pool.num_kv_heads} of {la.pool.head_dim}"
+                )
+        pools = []
+        for i, la in enumerate(layers):
+            dev = torch.device(device) if device is not None else (la.device if la.is_initialized else "cpu")
+            pools.append(la.storage_from_forms([state.rows(i, b) for b in range(state.batch)], dev))
+        for la, pool in zip(layers, pools, strict=True):  # every pool exists: nothing below can fail part-way
             la.adopt(pool, state.length)
         if created:
             self.layers.extend(layers)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..cache.state import GroupedKvState, KvLayout, KvState, layer_map_problem
+from ..cache.state_q4w import Q4WState, row_shapes
 from ..formats import KvStorageFormat
 from ._util import HEX64, MAX_DIM, canonical, is_int, raw_bytes, short
 from .errors import (
@@ -75,6 +76,7 @@ _NUMPY = {
     torch.uint8: np.dtype("u1"),
     torch.float16: np.dtype("<f2"),
 }
+_TORCH = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float16): torch.float16}
 DIM_KEYS = ("num_layers", "batch", "seq_len", "num_kv_heads", "head_dim")
 _META_KEYS = frozenset(
     {
@@ -198,10 +200,14 @@ def encode(
     parts: list[tuple[str, torch.dtype, list[int], tuple[torch.Tensor, ...]]] = []
     if token_ids is not None:
         parts.append(("token_ids", torch.int64, [B, T], (token_ids,)))
-    parts += [
-        (name, dtype, list(shape), state.sections[g].groups[_part_name(name)])
-        for name, dtype, shape, g in _tensors(fmt, state.layouts, B, T, grouped)
-    ]
+    if isinstance(state, Q4WState):  # its arrays, one tensor per layer
+        parts += [(name, dtype, list(shape), state.layer_tensors(name))
+                  for name, dtype, shape, _ in _tensors(fmt, state.layouts, B, T, False)]
+    else:
+        parts += [
+            (name, dtype, list(shape), state.sections[g].groups[_part_name(name)])
+            for name, dtype, shape, g in _tensors(fmt, state.layouts, B, T, grouped)
+        ]
 
     chunks = [chunk for _, _, _, group in parts for chunk in group]
     data_digest = hashlib.sha256()
@@ -307,8 +313,9 @@ def parse_header(body: bytes) -> Header:
         fmt = KvStorageFormat.parse(meta["storage_format"])
     except ValueError as exc:
         raise UnsupportedKvFile(str(exc)) from None
-    if fmt.is_stateful:
-        raise UnsupportedKvFile(f"a KV file of the {fmt.value} format, which KV files do not hold")
+    if fmt.is_stateful and grouped:
+        raise UnsupportedKvFile(f"a version-{FORMAT_VERSION} KV file (several K/V shapes) of the {fmt.value} format, "
+                                "which int8kv does not implement")
     dims = {}
     for key in ("batch", "seq_len") if grouped else DIM_KEYS:
         if not _UINT.fullmatch(meta[key]) or int(meta[key]) >= MAX_DIM:
@@ -529,7 +536,12 @@ def _tensors(
 ) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
     """(file name, dtype, shape, group) of the format's tensors in file order: ``[L, B, T, H, *part.shape(D)]``
     each; version 2 (``grouped``) has each tensor once per group, ``<name>.<group>``, tensor-major (so every
-    tensor stays aligned to its element size)."""
+    tensor stays aligned to its element size). The 4-bit format with sinks and a window: its stored form's
+    ten arrays, ``[L, B, *shape]`` with the shapes a sequence of ``T`` positions stores (cache/state_q4w.py)."""
+    if fmt.is_stateful:
+        (la,) = layouts
+        return [(name, _TORCH[dtype], (la.num_layers, B, *shape), 0)
+                for name, (dtype, shape) in row_shapes(T, la.num_kv_heads, la.head_dim).items()]
     out = []
     for name in fmt.spec.tensor_names():
         part = fmt.spec.part(name[2:])

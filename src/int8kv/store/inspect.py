@@ -54,7 +54,9 @@ def describe(header: Header, path: Path, file_bytes: int, token_ids: torch.Tenso
         "num_kv_heads": None if header.grouped else header.num_kv_heads,
         "head_dim": None if header.grouped else header.head_dim,
         "groups": groups,
-        "kv_bytes": tokens * sum(la.bytes_per_token for la in header.layouts),
+        # A stateful format's bytes depend on the length (its sinks and window): the tensors' own.
+        "kv_bytes": sum(t.nbytes for t in header.tensors if t.name != "token_ids") if header.fmt.is_stateful
+        else tokens * sum(la.bytes_per_token for la in header.layouts),
         "f16_kv_bytes": tokens * sum(la.with_format(KvStorageFormat.F16).bytes_per_token for la in header.layouts),
         "model": None if header.model is None else header.model.to_dict(),
         "model_digest": None if header.model is None else header.model.digest,

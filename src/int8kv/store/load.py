@@ -12,6 +12,7 @@ import torch
 from ..cache.contiguous import QuantizedKvCache
 from ..cache.paged import PagedKvCache
 from ..cache.state import GroupedKvState, KvState
+from ..cache.state_q4w import TENSOR_NAMES, Q4WState
 from ..errors import KvCacheError, KvPoolExhausted
 from ..formats import KvStorageFormat
 from ._util import int8kv_cache_class
@@ -89,10 +90,14 @@ def _check_model(header: Header, expected: ModelFingerprint) -> None:
         raise ModelMismatch("the KV state was computed by another model (file != model): " + "; ".join(diffs))
 
 
-def _to_state(header: Header, t: dict[str, torch.Tensor]) -> KvState | GroupedKvState:
+def _to_state(header: Header, t: dict[str, torch.Tensor]) -> KvState | GroupedKvState | Q4WState:
     """The checked tensors as a KvState (a GroupedKvState for a version-2 file): per layer
-    ``[batch, seq_len, heads, ...]`` parts (views, no copy)."""
+    ``[batch, seq_len, heads, ...]`` parts (views, no copy); a Q4WState for the 4-bit format with sinks and a
+    window (copies, every sequence's stored form checked)."""
     try:
+        if header.fmt.is_stateful:  # its stored form's arrays (values checked: rows_problem per sequence)
+            return Q4WState.from_arrays(header.layouts[0], header.batch, header.seq_len,
+                                        {name: t[name] for name in TENSOR_NAMES})
         names = header.fmt.spec.tensor_names()
         suffix = [f".{g}" if header.grouped else "" for g in range(len(header.layouts))]
         sections = [
@@ -123,6 +128,10 @@ def _plan(header: Header, cache: Any, seq_id: Any, device: torch.device | str | 
     with the store's own errors."""
     if seq_id is not None and not isinstance(cache, PagedKvCache):
         raise IncompatibleCache("seq_id is only meaningful when loading into a PagedKvCache")
+    if header.fmt.is_stateful and (cache is None or isinstance(cache, QuantizedKvCache)):
+        raise IncompatibleCache(
+            f"the file stores the {header.fmt.value} format, which a QuantizedKvCache does not hold: load it into "
+            "the engine's cache of that format (seq_id=) or an Int8KvCache(config, format='int4')")
     if cache is None or isinstance(cache, QuantizedKvCache):
         if header.batch != 1:
             raise IncompatibleCache(f"the file holds a batch of {header.batch}; load it into an Int8KvCache")
@@ -153,7 +162,7 @@ def _plan(header: Header, cache: Any, seq_id: Any, device: torch.device | str | 
         return lambda state: _imported(cache, cache.import_state, seq_id, state)
     hf_cache = int8kv_cache_class()
     if hf_cache is not None and isinstance(cache, hf_cache):
-        if cache.format != header.fmt:
+        if cache.format.value != header.fmt.value:  # the 4-bit format is a format object there, not a member
             raise IncompatibleCache(
                 f"the file stores {header.fmt.value} but the Int8KvCache holds {cache.format.value}"
             )
