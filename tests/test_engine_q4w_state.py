@@ -121,7 +121,8 @@ def test_bad_states_and_files_are_refused_and_change_nothing(model, prompts, tmp
     arrays = {n: state.arrays[n] for n in TENSOR_NAMES}
     codes, scales = [torch.zeros(1, 3, 2, 64, dtype=torch.int8)] * 2, [torch.ones(1, 3, 2)] * 2
     int8 = KvState.build(KvLayout(2, 2, 64), codes, codes, scales, scales)
-    pair = Q4WState.from_arrays(state.layout, 2, state.length, {n: np.concatenate([a, a], 1) for n, a in arrays.items()})
+    pair = Q4WState.from_arrays(state.layout, 2, state.length, {n: np.concatenate([a, a], 1)
+                                                                 for n, a in arrays.items()})
     for bad, match in (("not a state", "imports a Q4WState"), (int8, "imports a Q4WState"),
                        (with_layers(state, 1), "layout"), (pair, "holds 2")):
         with pytest.raises(ShapeMismatch, match=match):
