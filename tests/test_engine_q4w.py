@@ -142,8 +142,9 @@ def test_refused_by_name(model, prompts, tmp_path):
     assert not llm.scheduler.has_work()
     cache = llm.cache
     cache.add_sequence("s", 5)
-    for call in (lambda: cache.export_state("s"), lambda: cache.fork("s", "t"), lambda: cache.release_before("s", 64),
-                 lambda: cache.read_rows(0, torch.zeros(1, dtype=torch.int64)), lambda: cache.state_layouts):
+    for call in (lambda: cache.export_state("s", 1), lambda: cache.fork("s", "t"),
+                 lambda: cache.release_before("s", 64), lambda: cache.read_rows(0, torch.zeros(1, dtype=torch.int64)),
+                 lambda: cache.state_layouts):
         with pytest.raises(UnsupportedFormat, match=NAME):
             call()
     cache.free("s")
