@@ -214,9 +214,11 @@ class Int4SinkWindowFormat(KvFormat):
     per-channel key scales (:meth:`seal`) once 64 positions follow them. A stateful format: its pool is
     :class:`int8kv.cache.pool_q4w.Int4SinkWindowPool`, whose writes take the step's plan.
 
-    Registered (``KvStorageFormat.INT4_SINK_WINDOW_V1``) and ``stateful``: only that pool and the engine's
-    cache over it (int8kv.cache.paged_q4w) hold it; every other consumer of a member (the plain pool, states,
-    the contiguous cache, KV files, block values) refuses it by name (UnsupportedFormat)."""
+    Registered (``KvStorageFormat.INT4_SINK_WINDOW_V1``) and ``stateful``: only that pool and its owners (the
+    engine's cache, int8kv.cache.paged_q4w; the transformers drop-in) hold it, its states are
+    :class:`int8kv.cache.state_q4w.Q4WState` (whole sequences' stored forms, which KV files hold); every row-by-row
+    consumer of a member (the plain pool, ``KvState``, the contiguous cache, block values) refuses it by name
+    (UnsupportedFormat)."""
 
     name = "int4_kchan64_vtok_asym_sink4_win64_v1"
     version = 1

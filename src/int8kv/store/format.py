@@ -2,7 +2,8 @@
 state into header + data, and reading them back with every check.
 
 The specification is docs/kv_file_format.md; this module is its only implementation. Nothing here knows a
-cache: the writer takes a :class:`~int8kv.cache.state.KvState`, the reader gives back plain tensors.
+cache: the writer takes a :class:`~int8kv.cache.state.KvState` (or the 4-bit format's
+:class:`~int8kv.cache.state_q4w.Q4WState`), the reader gives back plain tensors.
 """
 
 from __future__ import annotations
