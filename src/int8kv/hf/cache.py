@@ -697,10 +697,11 @@ class Int8KvCache(Cache):
         return [la for la in self.layers if isinstance(la, Int8KvLayer)]
 
     # -- state (see int8kv/cache/state.py) ----------------------------------------------------------------
-    def export_state(self) -> KvState | GroupedKvState:
+    def export_state(self) -> KvState | GroupedKvState | Q4WState:
         """Every layer's stored tokens (all batch rows) as a :class:`KvState` (CPU copies); for a model whose layers
         hold K/V of several shapes (Gemma 4) a :class:`GroupedKvState`, one section per shape in order of first
-        use, with each section's model layers."""
+        use, with each section's model layers. The 4-bit format: every row's stored form as a :class:`Q4WState`
+        (one K/V shape only; several refused by name)."""
         layers = list(self.layers)
         if not layers or not all(isinstance(la, Int8KvLayer) and la.is_initialized for la in layers):
             raise ShapeMismatch(
@@ -727,11 +728,13 @@ class Int8KvCache(Cache):
         ]
         return sections[0] if len(sections) == 1 else GroupedKvState.of(sections, groups)
 
-    def import_state(self, state: KvState | GroupedKvState, device: torch.device | str | None = None) -> None:
+    def import_state(self, state: KvState | GroupedKvState | Q4WState, device: torch.device | str | None = None
+                     ) -> None:
         """Replace every layer's contents with ``state`` (creating the layers if the cache has none yet); a
         GroupedKvState must record each section's model layers (:meth:`export_state` does; a paged cache's does
-        not). Atomic: every new storage is allocated and filled before the first layer changes, so an error
-        (a bad state, or running out of memory part-way) leaves every layer as it was."""
+        not); the 4-bit format takes a :class:`Q4WState` (each layer's pool built from its stored forms). Atomic:
+        every new storage is allocated and filled before the first layer changes, so an error (a bad state, or
+        running out of memory part-way) leaves every layer as it was."""
         if is_4bit(self.format) or isinstance(state, Q4WState):
             self._import_forms(state, device)
             return

@@ -4,7 +4,8 @@
     state = load_kv("prompt.kv", Int8KvCache(model.config), model=model)
     model.generate(torch.cat([state.token_ids, rest], 1), cache=state.cache)   # the prefix is not recomputed
 
-The stored rows are the cache's own bytes (INT8 codes + float32 scales, or float16 values), taken and given
+The stored rows are the cache's own bytes (INT8 codes + float32 scales, or float16 values; for the 4-bit format
+with sinks and a window its stored form: sealed 4-bit pages and the F16 sinks and window), taken and given
 back through each cache's public ``export_state`` / ``import_state``, so a round trip is bit-exact and never
 re-encodes. The file is a valid safetensors file, read here by hand with ``struct`` + ``json``: nothing in it
 is trusted, executed or allocated for before it has been checked. The file format is specified in

@@ -53,7 +53,8 @@ def load_kv(
         cache: where to load. A :class:`QuantizedKvCache` or an ``int8kv.hf.Int8KvCache`` is overwritten
             with the file's state (its previous tokens are dropped). A :class:`PagedKvCache` gets a new
             sequence ``seq_id`` holding the state, in freshly allocated blocks. None: a new
-            :class:`QuantizedKvCache` of exactly the file's length is created on ``device``.
+            :class:`QuantizedKvCache` of exactly the file's length is created on ``device`` (a file of the 4-bit
+            format with sinks and a window, which that cache does not hold, is refused by name).
         model: the model (or config, or :class:`ModelFingerprint`) the state is loaded for; the file's
             fingerprint must equal it field by field. None skips the check (the target's shapes are still
             checked). Pass a precomputed fingerprint to avoid re-hashing the weights on every load.
