@@ -65,7 +65,14 @@ def books(llm):
 @pytest.mark.parametrize(("which", "generated"), [(1, 20), (2, 3)])  # state at 89 (no seal) / 132 (page 0 sealed)
 def test_export_import_into_a_new_engine_continues_exactly(model, prompts, tmp_path, which, generated):  # noqa: F811
     prompt = prompts[which]
-    whole = engine(model).generate([prompt], SamplingParams(max_tokens=TOTAL, ignore_eos=True))[0].token_ids
+    fresh = engine(model)  # uninterrupted: its stored form before the last token is fed, and its tokens
+    ref = run_until(fresh, prompt, TOTAL - 1)
+    last = fresh.cache.export_state(ref.seq_id)
+    while fresh.step():
+        pass
+    whole = ref.output
+    assert len(whole) == TOTAL and ref.finish_reason == "length"
+    assert_all_given_back(fresh)
     one = engine(model)
     seq = run_until(one, prompt, generated)
     state = one.cache.export_state(seq.seq_id)
@@ -74,8 +81,6 @@ def test_export_import_into_a_new_engine_continues_exactly(model, prompts, tmp_p
     path = tmp_path / "seq.kv"
     info = save_kv(path, one.cache, seq_id=seq.seq_id, token_ids=seq.tokens[:n], model=model)
     assert info["storage_format"] == NAME and info["seq_len"] == n
-    fresh = engine(model)  # the stored form a fresh engine holds for the tokens before the last one
-    last = fresh.cache.export_state(run_until(fresh, prompt, TOTAL - 1).seq_id)
     for route in ("state", "file"):
         other = engine(model)
         copy = Sequence(list(seq.tokens), SamplingParams(max_tokens=TOTAL - generated, ignore_eos=True))

@@ -315,7 +315,7 @@ class Int8KvLayer(CacheLayerMixin):
         the caller's Q4WState) with room to grow, on ``device``; the layer is unchanged until :meth:`adopt`."""
         n, batch = len(forms[0]), len(forms)
         pages = -(-self._first_capacity(max(n, 1)) // _PAGE)
-        heads, dim = forms[0].k_window.shape[1:] if forms[0].k_window.size else forms[0].k_sink.shape[1:]
+        heads, dim = forms[0].k_window.shape[1:]  # [r, H, d], r = 0 included
         pool = Int4SinkWindowPool(1, int(heads), int(dim), batch * pages, self.windows_for(batch, 1), batch, device)
         for b, rows in enumerate(forms):  # a row between steps holds at most 2 window pages: windows_for's 3 suffice
             pool.import_sequence(range(b * pages, (b + 1) * pages), [rows])
