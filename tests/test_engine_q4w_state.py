@@ -29,7 +29,7 @@ from int8kv.store.errors import (
     TruncatedKvFile,
 )
 
-TOTAL = 80  # tokens generated: prompt 70 ends at 149 (page 0 sealed at 128), prompt 130 at 209 (page 1 at 192)
+TOTAL = 64  # tokens generated: prompt 70 ends at 133 (page 0 sealed at 128), prompt 130 at 193 (page 1 at 192)
 
 
 def run_until(llm, prompt, generated: int):
