@@ -38,6 +38,11 @@ GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
+    return tiny_model()
+
+
+def tiny_model() -> LlamaForCausalLM:
+    """The tiny random Llama of the module docs (seeded: every call builds the same weights)."""
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(**CFG, rope_theta=10000.0, tie_word_embeddings=False)).eval()
     with torch.no_grad():

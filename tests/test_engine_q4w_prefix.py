@@ -20,8 +20,8 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_engine_q4w import BUDGET, NAME, SEQS, engine, model  # noqa: F401 (model: the fixture)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_engine_q4w import NAME, engine, tiny_model
 
 from int8kv import ops, quant4w
 from int8kv.cache.paged_q4w import Int4SinkWindowCache, plan_sizes
@@ -36,6 +36,11 @@ from int8kv.ops.plan import plan_attention
 
 FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "k_sink", "v_sink", "k_window", "v_window")
 VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -217,7 +222,8 @@ def rows(toks: list[int], start: int, end: int, layer: int) -> tuple[np.ndarray,
         if p >= start:
             if (h, layer) not in _ROWS:
                 g = np.random.default_rng([h, layer])
-                _ROWS[h, layer] = (g.standard_normal((HEADS, DIM)) + np.arange(DIM) * 0.5, g.standard_normal((HEADS, DIM)))
+                keys = g.standard_normal((HEADS, DIM)) + np.arange(DIM) * 0.5
+                _ROWS[h, layer] = (keys, g.standard_normal((HEADS, DIM)))
             ks.append(_ROWS[h, layer][0])
             vs.append(_ROWS[h, layer][1])
     shape = (0, HEADS, DIM)
@@ -232,23 +238,24 @@ class PrefixMachine(RuleBasedStateMachine):
 
     SEATS, BUDGET = 3, 64
 
-    def __init__(self) -> None:
-        super().__init__()
+    @initialize(blocks=st.sampled_from([8, 30]))
+    def start(self, blocks):
+        """8 pages: preemption and eviction; 30: many cached pages keeping window pages, taken back."""
         layout = KvLayout(LAYERS, HEADS, DIM, KvStorageFormat.INT4_SINK_WINDOW_V1)
         _, windows, sinks = plan_sizes(0, layout, self.SEATS, self.BUDGET)
-        self.cache = Int4SinkWindowCache(10, LAYERS, HEADS, DIM, windows, sinks)
+        self.cache = Int4SinkWindowCache(blocks, LAYERS, HEADS, DIM, windows, sinks)
         self.scheduler = Scheduler(self.cache, self.SEATS, self.BUDGET, PrefixHasher([layout], "rows", 64))
         self.texts = [tokens(320, 100 + i) for i in range(3)]
         self.finished: list[list[int]] = []
         self.live: list[Sequence] = []
 
-    @rule(text=st.integers(0, 2), shared=st.integers(0, 320), tail=st.integers(0, 40), new=st.integers(1, 30),
+    @rule(text=st.integers(0, 2), shared=st.integers(0, 320), tail=st.integers(0, 40), new=st.integers(1, 12),
           turn=st.booleans())  # fmt: skip
     def add(self, text, shared, tail, new, turn):
         prompt = self.texts[text][:shared]
         if turn and self.finished:
             prompt = self.finished[shared % len(self.finished)]
-        prompt = (prompt + tokens(tail, shared * 41 + tail))[:330] or [7]
+        prompt = (prompt + tokens(tail, shared * 41 + tail))[:300] or [7]
         seq = Sequence(prompt, SamplingParams(max_tokens=new, ignore_eos=True))
         try:
             self.scheduler.add([seq])
@@ -257,7 +264,12 @@ class PrefixMachine(RuleBasedStateMachine):
         self.live.append(seq)
 
     @precondition(lambda self: self.scheduler.has_work())
-    @rule()
+    @rule(steps=st.integers(1, 8))
+    def steps(self, steps):
+        for _ in range(steps):
+            if self.scheduler.has_work():
+                self.step()
+
     def step(self):
         batch = self.scheduler.schedule()
         assert batch
@@ -315,4 +327,4 @@ class PrefixMachine(RuleBasedStateMachine):
 
 
 TestPrefixMachine = PrefixMachine.TestCase
-TestPrefixMachine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestPrefixMachine.settings = settings(max_examples=40, stateful_step_count=50, deadline=None)
