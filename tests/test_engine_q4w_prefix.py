@@ -22,6 +22,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_engine_q4w import NAME, engine, tiny_model
+from test_pool_q4w import Sequences
 
 from int8kv import ops, quant4w
 from int8kv.cache.paged_q4w import Int4SinkWindowCache, plan_sizes
@@ -30,7 +31,8 @@ from int8kv.cache.state import KvLayout
 from int8kv.engine import LLM, SamplingParams
 from int8kv.engine.scheduler import Scheduler
 from int8kv.engine.sequence import Sequence
-from int8kv.errors import KvPoolExhausted, UnsupportedFormat
+from int8kv.cache.pool_q4w import Int4SinkWindowPool
+from int8kv.errors import KvPoolExhausted, ShapeMismatch, UnsupportedFormat
 from int8kv.formats import KvStorageFormat
 from int8kv.ops.plan import plan_attention
 
@@ -204,6 +206,38 @@ def test_what_stays_refused_is_refused_by_name(model, tmp_path):
         cache.export_state("s")
     cache.free("s")
     assert_clean(llm)
+
+
+def test_pool_pins_usable_prefixes_and_kept_rows():
+    """The pool's books for sharing, on one sequence's pages [3, 1, 6, 0]: a usable prefix ends at a page holding
+    its F16 rows after sealed pages; a pin keeps a page's F16 rows past settle; kept rows are taken back, least
+    recently kept first, by a step short of window pages and sink slots."""
+    pool = Int4SinkWindowPool(2, 2, 16, 8, 4, 1)
+    first = Sequences(pool, [[3, 1, 6, 0]], seed=1)
+    first.step([150], check_reads=False)
+    pool.settle([3, 1, 6, 0], 150)  # page 0 sealed, its F16 rows given back; pages 1 and 2 still F16
+    assert [pool.usable_prefix([3, 1, 6][:k]) for k in (1, 2, 3)] == [0, 2, 2]
+    pool.pin([1])  # a sharer that hit pages [3, 1] reads page 1 in F16
+    first.step([50], check_reads=False)
+    pool.settle([3, 1, 6, 0], 200)  # page 1 sealed now, but pinned: its F16 rows stay
+    assert pool.pins(1) == 1 and [pool.usable_prefix([3, 1, 6][:k]) for k in (2, 3)] == [2, 3]
+    want = first.encoded(0, 0, 128)
+    got = pool.stored_form(0, [3, 1], 128)  # what the sharer's next query reads
+    assert all(getattr(got, f).tobytes() == getattr(want, f).tobytes() for f in FIELDS)
+    with pytest.raises(ShapeMismatch, match="pinned"):
+        pool.keep([1])
+    pool.unpin([1])
+    with pytest.raises(ShapeMismatch, match="not pinned"):
+        pool.unpin([1])
+    assert pool.settle([3, 1, 6, 0], 200) == 1 and pool.usable_prefix([3, 1]) == 0
+    # The sequence ends; its pages 0-2 stay cached: page 2 keeps its window page, page 0 its sink slot.
+    pool.release([0])
+    pool.keep([3, 1, 6])
+    assert pool.kept() == (1, 1) and (pool.windows_held(), pool.sinks_held()) == (1, 1)
+    second = Sequences(pool, [[2, 4, 5, 7]], seed=2)
+    second.step([256], check_reads=False)  # 4 window pages and a sink slot: 3 and 0 free, the rest kept
+    second.check_stored()
+    assert pool.kept() == (0, 0) and pool.usable_prefix([3, 1, 6]) == 0
 
 
 # -- the scheduler over the cache, without a model --------------------------------------------------------------
