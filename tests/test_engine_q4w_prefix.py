@@ -26,12 +26,12 @@ from test_pool_q4w import Sequences
 
 from int8kv import ops, quant4w
 from int8kv.cache.paged_q4w import Int4SinkWindowCache, plan_sizes
+from int8kv.cache.pool_q4w import Int4SinkWindowPool
 from int8kv.cache.prefix import PrefixHasher
 from int8kv.cache.state import KvLayout
 from int8kv.engine import LLM, SamplingParams
 from int8kv.engine.scheduler import Scheduler
 from int8kv.engine.sequence import Sequence
-from int8kv.cache.pool_q4w import Int4SinkWindowPool
 from int8kv.errors import KvPoolExhausted, ShapeMismatch, UnsupportedFormat
 from int8kv.formats import KvStorageFormat
 from int8kv.ops.plan import plan_attention
