@@ -62,8 +62,12 @@ def engine(model, backend="cpu", blocks=64, **kw) -> LLM:
 
 
 def assert_all_given_back(llm: LLM) -> None:
+    """Every block free or cached; what the pool holds is only what cached pages keep for prefix hits, and
+    nothing once the prefix cache is cleared."""
     cache = llm.cache
     assert cache.num_free_blocks == cache.num_blocks and len(cache.allocator) == 0
+    assert (cache.pool.windows_held(), cache.pool.sinks_held()) == cache.pool.kept()
+    cache.clear_prefix_cache()
     assert cache.pool.windows_held() == 0 and cache.pool.sinks_held() == 0
 
 
@@ -132,11 +136,11 @@ def test_a_request_that_cannot_fit_is_refused_and_the_engine_goes_on(model, prom
 def test_refused_by_name(model, prompts, tmp_path):
     with pytest.raises(InvalidEngineConfig, match=f"{NAME}.*block_size=16"):
         LLM(model, kv_format=NAME, block_size=16)
-    for kwargs in ({"prefix_caching": True}, {"kv_store": str(tmp_path / "store")}):
-        with pytest.raises(UnsupportedFormat, match=NAME):
+    for kwargs in ({"kv_store": str(tmp_path / "store")}, {"kv_store": True, "prefix_caching": True}):
+        with pytest.raises(UnsupportedFormat, match=f"kv_store .*{NAME}"):
             LLM(model, kv_format=NAME, **kwargs)
     llm = engine(model, blocks=8)
-    assert llm.scheduler.hasher is None  # prefix caching off by default for this format
+    assert llm.scheduler.hasher is not None  # prefix caching on by default (tests/test_engine_q4w_prefix.py)
     with pytest.raises(UnsupportedFormat, match=f"n=2 .*{NAME}"):
         llm.add_forked_request(prompts[0], GREEDY, n=2)
     assert not llm.scheduler.has_work()

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from q4w_helpers import LLAMA, sharp_llama  # noqa: E402
+from test_engine_q4w import assert_all_given_back  # noqa: E402
 
 from int8kv.engine import LLM, SamplingParams  # noqa: E402
 
@@ -35,12 +36,6 @@ def model():
 def engine(model, backend: str) -> LLM:
     on = copy.deepcopy(model).to(DEVICE) if backend == "triton" else model
     return LLM(on, kv_format=NAME, memory="8MiB", backend=backend, max_num_seqs=4, max_num_batched_tokens=64)
-
-
-def assert_all_given_back(llm: LLM) -> None:
-    cache = llm.cache
-    assert cache.num_free_blocks == cache.num_blocks and len(cache.allocator) == 0
-    assert cache.pool.windows_held() == 0 and cache.pool.sinks_held() == 0
 
 
 def test_triton_backend_steps_match_the_cpu_backend(model):

@@ -22,12 +22,16 @@ Sliding windows (`release_before`): a sequence whose model attends only to its l
 its references to the blocks wholly before the window, oldest first; they become cached (keyed) or free like
 freed blocks, while the sequence keeps their (stale) ids in its table, which attention never reads again.
 `free`, `fork` and `register_blocks` skip the released head; `slots` refuses positions in it.
+
+A cache whose blocks are usable as a hit's end only while it still holds more than the blocks' K/V (the 4-bit
+format's F16 rows, cache/paged_q4w.py) sets `hit_limit`: every hit (`match_prefix`, `blocks_needed_to_add`,
+`add_sequence`) is cut to the blocks of the run it says are usable, and counted so.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import (
@@ -91,6 +95,9 @@ class BlockAllocator:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evictions = 0
+        #: None, or how many blocks of a hit's run (first table group's blocks, from the first) a new sequence can
+        #: take and compute on from: the hit is cut to that many (module docs).
+        self.hit_limit: Callable[[list[int]], int] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -385,6 +392,16 @@ class BlockAllocator:
         return sum(self.release_before(seq_id, position - w + 1, g) for g, w in enumerate(self.windows)
                    if w is not None)  # fmt: skip
 
+    def clear_cached(self) -> list[int]:
+        """Drop every cached block's key (they become free, their K/V forgotten); returns those blocks. Referenced
+        blocks keep theirs."""
+        blocks = list(self._cached)
+        for block in blocks:
+            del self._block_of[self._key_of.pop(block)]
+        self._cached.clear()
+        self._free.extend(reversed(blocks))
+        return blocks
+
     def _unref(self, block: int) -> None:
         self._refcounts[block] -= 1
         if self._refcounts[block] == 0:
@@ -436,6 +453,8 @@ class BlockAllocator:
             runs.append(run)
             cap = len(run)
         shortest = min(len(r) for r in runs)
+        if self.hit_limit is not None and shortest:
+            shortest = max(0, min(shortest, self.hit_limit(runs[0][:shortest])))
         return [r[:shortest] for r in runs]
 
     def _assign(self, blocks: list[int], group: int) -> list[int]:

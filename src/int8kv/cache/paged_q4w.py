@@ -18,9 +18,30 @@ States: :meth:`export_state` gives a sequence's stored form as a :class:`~int8kv
 (``save_kv(path, cache, seq_id=)`` writes it as a KV file) and :meth:`import_state` creates a sequence holding
 one (``load_kv(path, cache, seq_id=)``); the sequence then continues exactly as the exported one would have.
 
-Refused by name (UnsupportedFormat): copy-on-write (forks), prefix keys and hits, slices of a state and writes of
-one into a sequence (the block store), releasing blocks before a position (sliding tables: page 0 holds the sinks
-every query reads), several K/V shapes or block tables.
+Prefix caching (the allocator's keys and hits, as for every paged cache) with three books of the pool's
+(cache/pool_q4w.py, "Sharing"):
+
+- pins: a sequence pins the pages whose F16 rows its next queries read, from page ``(context - 64) // 64`` on
+  (the pages :meth:`release_outside_windows` does not settle yet), so a page shared by a hit is given back only
+  once every sharer has passed it; the pin moves on with each step and is dropped by :meth:`free`.
+- usable hits: a hit of ``k`` pages (the new sequence computes from position ``64 k``: the allocator always
+  leaves a token) needs the sink slot of page 0, the F16 rows of page ``k - 1`` (its first query reads positions
+  ``64 (k - 1)`` on in F16) and pages ``0 .. k - 2`` sealed in every layer; recomputing page ``k - 1`` would not
+  do (its queries read the F16 rows before it), so the allocator's ``hit_limit`` cuts a hit to the longest
+  usable run (``pool.usable_prefix``), possibly 0, and only that much is counted as hit.
+- kept rows: a registered page no sequence holds any more keeps its window page and sink slot (``pool.keep``),
+  so that the next turn of a chat (the previous prompt, its answer and a new message) hits up to the end of the
+  previous turn: a sequence ending at ``n`` positions still holds the F16 rows of page ``n // 64 - 1``. A step
+  short of window pages or sink slots takes kept ones back, least recently kept first (the page stays cached,
+  no longer usable as a hit's end), so sizing counts them as free; a page the allocator hands out afresh drops
+  what it kept (``pool.release``), a page taken by a hit is claimed (``pool.claim``).
+
+Sealing a shared page happens once per layer, from the F16 rows every sharer reads: no sharer writes it
+differently (a registered page is full, never written again).
+
+Refused by name (UnsupportedFormat): copy-on-write (forks), slices of a state and writes of one into a sequence
+(the block store, whose values would also need the F16 rows of the page a hit ends on), releasing blocks before a
+position (sliding tables: page 0 holds the sinks every query reads), several K/V shapes or block tables.
 """
 
 from __future__ import annotations
@@ -34,7 +55,7 @@ from ..errors import ShapeMismatch, UnsupportedFormat
 from ..formats import INT4_SINK_WINDOW_V1, KvStorageFormat
 from .allocator import BlockAllocator, SeqId
 from .paged import PagedKvCache
-from .pool_q4w import PAGE, SINKS, Int4SinkWindowPool
+from .pool_q4w import PAGE, SINKS, WINDOW, Int4SinkWindowPool
 from .state import KvLayout
 from .state_q4w import Q4WState
 
@@ -86,6 +107,8 @@ class Int4SinkWindowCache(PagedKvCache):
                                        device)  # fmt: skip
         self.pools = (self.pool,)
         self.allocator = BlockAllocator(num_blocks, PAGE)
+        self.allocator.hit_limit = self.pool.usable_prefix
+        self._pinned_from: dict[SeqId, int] = {}  # per sequence: the first table index it pins (module docs)
         self.windows, self.num_tables = self.allocator.windows, self.allocator.num_groups
         self.format, self.device = self.layout.format, self.pool.device
         self.num_blocks, self.block_size = num_blocks, PAGE
@@ -129,12 +152,53 @@ class Int4SinkWindowCache(PagedKvCache):
             raise refuse(f"table groups of {tuple(table_layers)!r} layers")
 
     # -- sequences ------------------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: SeqId, num_tokens: int = 0) -> torch.Tensor:
+        slots = super().add_sequence(seq_id, num_tokens)
+        self._took(seq_id, 0, 0)
+        return slots
+
+    def add_sequence_with_prefix(self, seq_id: SeqId, num_tokens: int, block_keys: Sequence[bytes]):
+        """Register a sequence reusing the usable run of registered pages of its key chain (module docs);
+        returns the hit in tokens and the int64 slots of the positions left to compute."""
+        hit, slots = super().add_sequence_with_prefix(seq_id, num_tokens, block_keys)
+        self._took(seq_id, hit // PAGE, max(0, hit // PAGE - 1))
+        return hit, slots
+
+    def _took(self, seq_id: SeqId, hits: int, pin_from: int) -> None:
+        """A sequence was registered with ``hits`` hit pages: they are claimed, its other pages start afresh
+        (whatever an evicted page kept is given back), and it pins its pages from ``pin_from`` on."""
+        table = self.allocator.block_table(seq_id)
+        self.pool.claim(table[:hits])
+        self.pool.release(table[hits:])
+        self.pool.pin(table[pin_from:])
+        self._pinned_from[seq_id] = pin_from
+
+    def grow(self, seq_id: SeqId, num_tokens: int) -> torch.Tensor:
+        """Reserve ``num_tokens`` more positions; the new pages start afresh and are pinned."""
+        old = len(self.allocator.block_table(seq_id))
+        slots = super().grow(seq_id, num_tokens)
+        new = self.allocator.block_table(seq_id)[old:]
+        self.pool.release(new)
+        self.pool.pin(new)
+        return slots
+
     def free(self, seq_id: SeqId) -> None:
-        """Drop a sequence; the window pages and sink slot of every block that went back to the pool with it are
-        given back (``pool.release``)."""
+        """Drop a sequence and its pins; of the blocks that went back to the pool with it, the registered ones
+        (cached) keep their window pages and sink slot (``pool.keep``), the others give them back
+        (``pool.release``)."""
         table = self.allocator.block_table(seq_id)
         self.allocator.free(seq_id)
-        self.pool.release([b for b in table if self.allocator.refcount(b) == 0])
+        self.pool.unpin(table[self._pinned_from.pop(seq_id) :])
+        gone = [b for b in table if self.allocator.refcount(b) == 0]
+        self.pool.keep([b for b in gone if self.allocator.block_key(b) is not None])
+        self.pool.release([b for b in gone if self.allocator.block_key(b) is None])
+
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached page (``BlockAllocator.clear_cached``) and give back what they kept; returns how
+        many pages were forgotten."""
+        blocks = self.allocator.clear_cached()
+        self.pool.release(blocks)
+        return len(blocks)
 
     def release_outside_windows(self, seq_id: SeqId, position: int) -> int:
         """After a step (the scheduler's ``advance``): the window pages of the pages every query from
@@ -143,7 +207,12 @@ class Int4SinkWindowCache(PagedKvCache):
         if position < self.allocator.context_len(seq_id):
             raise ShapeMismatch(f"position {position} is before the sequence's context "
                                 f"({self.allocator.context_len(seq_id)}): its queries still read those rows")
-        self.pool.settle(self.allocator.block_table(seq_id), position)
+        table = self.allocator.block_table(seq_id)
+        start = self._pinned_from[seq_id]
+        upto = min(len(table), max(start, (position - WINDOW) // PAGE))  # pages settle may give back
+        self.pool.unpin(table[start:upto])
+        self._pinned_from[seq_id] = upto
+        self.pool.settle(table, position)
         return 0
 
     def release_before(self, seq_id: SeqId, position: int) -> int:
@@ -151,12 +220,6 @@ class Int4SinkWindowCache(PagedKvCache):
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         raise refuse("forking a sequence (copy-on-write of a page)")
-
-    def add_sequence_with_prefix(self, seq_id: SeqId, num_tokens: int, block_keys: Sequence[bytes]):
-        raise refuse("prefix caching")
-
-    def register_blocks(self, seq_id: SeqId, block_keys: Sequence[bytes]) -> int:
-        raise refuse("prefix caching")
 
     # -- states and rows ------------------------------------------------------------------------------------
     def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> Q4WState:

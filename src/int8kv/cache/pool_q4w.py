@@ -28,6 +28,17 @@ Reads: the reference backend through :meth:`stored_form`; the CPU and Triton bac
 :meth:`check_reads`. The writes are torch code on the pool's device (sealing goes through numpy on the host), so
 the write path serves this pool the same way under every backend.
 
+Sharing (the engine's prefix cache, cache/paged_q4w.py): a page written by one sequence may be read by others
+that took it as a prefix hit. Its F16 rows are given back only while no sequence :meth:`pin` s it (the pins are
+the owner's book: a sequence pins the pages whose F16 rows its next queries read); every give-back above (in a
+step, at its start, :meth:`settle`) skips a pinned page, so a sharer still reading a page in F16 keeps it.
+Sealing a shared page is idempotent: a page is sealed once per layer, from the one window page every sharer
+reads, so two sharers can never seal it differently. The window pages and sink slots of pages no sequence holds
+(cached for later hits) may be kept (:meth:`keep`): they stay held, and a step short of window pages or sink
+slots takes them back, least recently kept first, so they are as good as free for sizing. :meth:`usable_prefix`
+says how many pages of a chain a new sequence can start from: the sink slot of the first page, the F16 rows of
+the last one (which the first new query reads in F16) and every page before it sealed in every layer.
+
 Copies and cuts: :meth:`remapped` copies block ids into a new pool (more blocks, window pages or sink slots: the
 transformers drop-in's growth; rows picked in another order or twice: its beam search), and :meth:`truncate`
 cuts sequences back to a shorter length while the F16 rows that length reads are still held (refused by name
@@ -43,6 +54,9 @@ export / import of rows by slot.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -99,6 +113,11 @@ class Int4SinkWindowPool:
         self._free_sinks = list(range(sink_slots - 1, -1, -1))
         self._sealed = np.zeros((num_layers, num_blocks), bool)
         self._f16_held = np.zeros((num_layers, num_blocks), bool)
+        # Sharing: how many sequences pin each page's F16 rows (none given back while pinned), and the pages
+        # no sequence holds whose window page / sink slot are kept for prefix hits, least recently kept first.
+        self._pins = np.zeros(num_blocks, np.int64)
+        self._spare_w: OrderedDict[int, None] = OrderedDict()
+        self._spare_s: OrderedDict[int, None] = OrderedDict()
         #: Counts the calls that may change the books above (write_step, release): a kernel that checked a
         #: step's reads (check_reads) at one generation need not check them again at the same one.
         self.generation = 0
@@ -168,10 +187,12 @@ class Int4SinkWindowPool:
             cu = plan.cu_seqlens_q.tolist()
             seqs = [(tables[b], lens[b] - (cu[b + 1] - cu[b]), lens[b], cu[b]) for b in range(plan.batch)]
             fresh, need_w, need_s, done = set(), [], [], set()
+            # The pages the step's sequences span (a table is padded past them): kept no more once it is taken.
+            held = {b for table, _, n, _ in seqs for b in table[: -(-n // PAGE)]}
             for table, first, n, _ in seqs:
                 # Pages every layer sealed before this step: all of its queries (p >= first) read them sealed.
                 done.update(b for b in table[: max(0, (first - WINDOW) // PAGE)]
-                            if self._window_of[b] >= 0 and self._sealed[:, b].all())
+                            if self._window_of[b] >= 0 and self._sealed[:, b].all() and not self._pins[b])
                 for t in range(first // PAGE, (n - 1) // PAGE + 1 if n > first else 0):
                     blk = table[t]
                     if t * PAGE >= first:  # written from offset 0: the page starts afresh
@@ -184,21 +205,26 @@ class Int4SinkWindowPool:
             back_w = sum(1 for b in need_w if self._window_of[b] >= 0)  # a fresh page's old window comes back
             stale_s = [b for b in fresh if b not in need_s and self._sink_of[b] >= 0]  # no longer a first page
             back_s = sum(1 for b in need_s if self._sink_of[b] >= 0) + len(stale_s)
-            free_w = len(self._free_windows) + len(done)
-            if len(need_w) > free_w + back_w or len(need_s) > len(self._free_sinks) + back_s:
+            free_w = len(self._free_windows) + len(done) + sum(1 for b in self._spare_w if b not in held)
+            free_s = len(self._free_sinks) + sum(1 for b in self._spare_s if b not in held)
+            if len(need_w) > free_w + back_w or len(need_s) > free_s + back_s:
                 raise KvPoolExhausted(
                     f"the step needs {len(need_w)} window pages and {len(need_s)} sink slots; "
-                    f"{free_w} and {len(self._free_sinks)} are free")
+                    f"{free_w} and {free_s} are free (kept ones included)")
+            self.claim(sorted(held))
             for blk in done:
                 self._give_back_window(blk)
             for blk in fresh:
                 self._sealed[:, blk] = False
                 self._f16_held[:, blk] = False
             self.release(stale_s, sinks_only=True)
-            for books, free, need in ((self._window_of, self._free_windows, need_w),
-                                      (self._sink_of, self._free_sinks, need_s)):
+            for books, free, need, spare in ((self._window_of, self._free_windows, need_w, self._spare_w),
+                                             (self._sink_of, self._free_sinks, need_s, self._spare_s)):
                 for blk in need:
                     if books[blk] < 0:
+                        if not free:  # take back the window page / sink slot kept longest for a prefix hit
+                            self.release([spare.popitem(last=False)[0]], sinks_only=spare is self._spare_s,
+                                         windows_only=spare is self._spare_w)
                         books[blk] = free.pop()
             for blk in need_w:
                 self._f16_held[:, blk] = True
@@ -230,7 +256,7 @@ class Int4SinkWindowPool:
                         for tensor, part in zip(dst, src, strict=True):
                             tensor[layer, blk] = part
                     self._sealed[layer, blk] = True
-                if self._f16_held[layer, blk] and first >= PAGE * t + PAGE + WINDOW - 1:
+                if self._f16_held[layer, blk] and first >= PAGE * t + PAGE + WINDOW - 1 and not self._pins[blk]:
                     self._f16_held[layer, blk] = False  # every query of this step reads it sealed
                     if not self._f16_held[:, blk].any():
                         self._free_windows.append(int(self._window_of[blk]))
@@ -250,24 +276,93 @@ class Int4SinkWindowPool:
         self.generation += 1
         back = 0
         for blk in block_table[: max(0, (length - WINDOW) // PAGE)]:
-            if self._window_of[blk] >= 0 and self._sealed[:, blk].all():
+            if self._window_of[blk] >= 0 and self._sealed[:, blk].all() and not self._pins[blk]:
                 self._give_back_window(blk)
                 back += 1
         return back
 
-    def release(self, blocks, sinks_only: bool = False) -> None:
+    def release(self, blocks, sinks_only: bool = False, windows_only: bool = False) -> None:
         """Give back the window pages and sink slots of ``blocks`` (block ids the owner freed: a sequence that
-        ends before its pages are sealed leaves them held until then, or until the block is written afresh)."""
+        ends before its pages are sealed leaves them held until then, or until the block is written afresh);
+        they are kept no more (:meth:`keep`)."""
         self.generation += 1
         for blk in blocks:
-            books = ((self._sink_of, self._free_sinks),) if sinks_only else (
-                (self._window_of, self._free_windows), (self._sink_of, self._free_sinks))
-            for where, free in books:
+            books = []
+            if not windows_only:
+                books.append((self._sink_of, self._free_sinks, self._spare_s))
+            if not sinks_only:
+                books.append((self._window_of, self._free_windows, self._spare_w))
+                self._f16_held[:, blk] = False
+            for where, free, spare in books:
+                spare.pop(blk, None)
                 if where[blk] >= 0:
                     free.append(int(where[blk]))
                     where[blk] = -1
-            if not sinks_only:
-                self._f16_held[:, blk] = False
+
+    # -- sharing ----------------------------------------------------------------------------------------------
+    def _blocks(self, blocks: Sequence[int]) -> list[int]:
+        out = [int(b) for b in blocks]
+        if any(not 0 <= b < self.num_blocks for b in out):
+            raise ShapeMismatch(f"block ids must lie in [0, {self.num_blocks}), got {out}")
+        return out
+
+    def pin(self, blocks: Sequence[int]) -> None:
+        """One more sequence reads the F16 rows of each of ``blocks``: no give-back takes them while pinned."""
+        for b in self._blocks(blocks):
+            self._pins[b] += 1
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        """Undo one :meth:`pin` of each of ``blocks`` (ShapeMismatch, nothing changed, for a page not pinned)."""
+        blocks = self._blocks(blocks)
+        counts = np.bincount(np.asarray(blocks, np.int64), minlength=self.num_blocks)
+        if (counts > self._pins).any():
+            raise ShapeMismatch(f"unpinning pages that are not pinned: {sorted(set(blocks))}")
+        self._pins -= counts
+
+    def pins(self, block: int) -> int:
+        """How many sequences pin ``block``'s F16 rows."""
+        return int(self._pins[self._blocks([block])[0]])
+
+    def keep(self, blocks: Sequence[int]) -> None:
+        """Keep the window pages and sink slots ``blocks`` hold (pages no sequence holds now, cached for prefix
+        hits) until a step needs them (taken back least recently kept first) or :meth:`claim` / :meth:`release`;
+        ShapeMismatch (nothing changed) for a pinned page: a sequence still reads it."""
+        blocks = self._blocks(blocks)
+        if any(self._pins[b] for b in blocks):
+            raise ShapeMismatch(f"pages {[b for b in blocks if self._pins[b]]} are pinned: a sequence reads them")
+        for b in blocks:
+            for where, spare in ((self._window_of, self._spare_w), (self._sink_of, self._spare_s)):
+                spare.pop(b, None)
+                if where[b] >= 0:
+                    spare[b] = None
+
+    def claim(self, blocks: Sequence[int]) -> None:
+        """A sequence holds ``blocks`` again (a prefix hit): what they hold is kept no more, a step no longer
+        takes it back."""
+        for b in self._blocks(blocks):
+            self._spare_w.pop(b, None)
+            self._spare_s.pop(b, None)
+
+    def kept(self) -> tuple[int, int]:
+        """``(window pages, sink slots)`` held for pages no sequence holds (:meth:`keep`)."""
+        return len(self._spare_w), len(self._spare_s)
+
+    def usable_prefix(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` (a sequence's first pages, full and written) a new sequence can take and go on
+        from, at position ``64 k``: the longest ``k`` whose last page still holds its F16 rows in every layer
+        (the first new query reads them in F16), whose earlier pages are sealed in every layer and whose first
+        page holds its sink slot; 0 when none."""
+        blocks = self._blocks(blocks)
+        if not blocks or self._sink_of[blocks[0]] < 0:
+            return 0
+        sealed = 0
+        while sealed < len(blocks) and self._sealed[:, blocks[sealed]].all():
+            sealed += 1
+        for k in range(min(len(blocks), sealed + 1), 0, -1):
+            b = blocks[k - 1]
+            if self._window_of[b] >= 0 and self._f16_held[:, b].all():
+                return k
+        return 0
 
     # -- copies and cuts ---------------------------------------------------------------------------------------
     def remapped(self, sources, window_pages: int | None = None, sink_slots: int | None = None

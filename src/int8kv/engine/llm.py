@@ -220,8 +220,7 @@ class LLM:
         "model" (as loaded), "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not
         changed; the prefix-cache key root hashes the converted weights). `block_size`: None is 16 positions, 64
         for ``int4_kchan64_vtok_asym_sink4_win64_v1`` (its pages; another size is refused by name), which runs
-        without prefix caching, the block store and forks (cache/paged_q4w.py; refused by name when asked for,
-        prefix caching off and logged by default) on the reference and cpu backends."""
+        with prefix caching (cache/paged_q4w.py) but without the block store and forks (refused by name)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -322,7 +321,9 @@ class LLM:
 
             self.fingerprint = model_fingerprint(hf_model, model_id).digest
             # Several K/V shapes (one pool each): the keys cover every group's shape, the values are version 3.
-            hasher = PrefixHasher(self.cache.state_layouts, self.fingerprint, block_size)
+            # The 4-bit cache exports no state: its keys cover its one layout (format name included).
+            hasher = PrefixHasher(self.cache.layouts if stateful else self.cache.state_layouts, self.fingerprint,
+                                  block_size)
             if kv_store:
                 spec = BlockSpec(self.cache.state_layouts, block_size, self.fingerprint)
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
@@ -340,19 +341,17 @@ class LLM:
         self._lock = threading.RLock()
         self._live: dict[int, _Live] = {}  # online requests (add_request) whose last update is not yet popped
 
-    def _stateful_checks(self, block_size: int, prefix_caching: bool | None, kv_store: Any) -> bool:
+    def _stateful_checks(self, block_size: int, prefix_caching: bool | None, kv_store: Any) -> bool | None:
         """The 4-bit format's engine settings, refused by name before the model loads: its block size (a page of
-        64), prefix caching and the block store (a cached page's F16 rows and sinks are given back with its
-        sequence). Prefix caching is then off (logged when not asked about)."""
+        64) and the block store (a block value would need the F16 rows of the page a hit ends on: cache/
+        paged_q4w.py). Prefix caching stays as asked (on by default: cache/paged_q4w.py)."""
         name = self.format.value
         if block_size != PAGE:
             raise InvalidEngineConfig(f"the {name} format stores blocks of {PAGE} positions; block_size={block_size}")
-        if prefix_caching or (kv_store is not None and kv_store is not False):
-            what = "prefix_caching=True" if prefix_caching else "kv_store (which needs prefix caching)"
-            raise UnsupportedFormat(f"{what} is not implemented for the {name} format (cache/paged_q4w.py)")
-        if prefix_caching is None:
-            logger.info("prefix caching is off: not implemented for the %s format", name)
-        return False
+        if kv_store is not None and kv_store is not False:
+            raise UnsupportedFormat(f"kv_store is not implemented for the {name} format (a block value would need "
+                                    "the F16 rows of the page a hit ends on)")
+        return prefix_caching
 
     def _without_prefix_cache(self, prefix_caching: bool | None, kv_store: Any) -> bool:
         """Prefix caching (and with it the block store) for a model with state layers: a cached block holds only
