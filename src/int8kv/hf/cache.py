@@ -753,21 +753,8 @@ class Int8KvCache(Cache):
         num_layers = len(where)
         if state.format != self.format:
             raise ShapeMismatch(f"the state stores {state.format.value} but the cache holds {self.format.value}")
-        created = not self.layers
-        if created and getattr(self, "layer_class_to_replicate", None) is None:
-            raise ShapeMismatch("the Int8KvCache has no layers and cannot create any")
-        layers = [self._next_layer(i) for i in range(num_layers)] if created else list(self.layers)
-        if len(layers) != num_layers:
-            raise ShapeMismatch(f"the state holds {num_layers} layers but the cache has {len(layers)}")
-        for i, la in enumerate(layers):
-            if not isinstance(la, Int8KvLayer) or la.format != state.format:
-                raise ShapeMismatch(f"layer {i} is not an Int8KvLayer of format {state.format.value}")
-            held = where[i][0].layout
-            if la.is_initialized and (la.pool.num_kv_heads, la.pool.head_dim) != (held.num_kv_heads, held.head_dim):
-                raise ShapeMismatch(
-                    f"the state holds {held.num_kv_heads} kv heads of {held.head_dim} for layer {i}, which holds "
-                    f"{la.pool.num_kv_heads} of {la.pool.head_dim}"
-                )
+        layers, created = self._import_layers(num_layers, lambda la: la.format == state.format,
+                                              lambda i: where[i][0].layout)
         pools = []
         for i, la in enumerate(layers):
             dev = torch.device(device) if device is not None else (la.device if la.is_initialized else "cpu")
@@ -780,27 +767,34 @@ class Int8KvCache(Cache):
         if created:
             self.layers.extend(layers)
 
+    def _import_layers(self, num_layers: int, holds_format, layout_of) -> tuple[list, bool]:
+        """The layers an import fills (new ones when the cache has none yet) and whether they were created, each
+        checked, nothing changed: an Int8KvLayer of the state's format (``holds_format(layer)``) whose rows, if it
+        holds any, have the shape of ``layout_of(i)`` (a KvLayout)."""
+        created = not self.layers
+        if created and getattr(self, "layer_class_to_replicate", None) is None:
+            raise ShapeMismatch("the Int8KvCache has no layers and cannot create any")
+        layers = [self._next_layer(i) for i in range(num_layers)] if created else list(self.layers)
+        if len(layers) != num_layers:
+            raise ShapeMismatch(f"the state holds {num_layers} layers but the cache has {len(layers)}")
+        for i, la in enumerate(layers):
+            if not isinstance(la, Int8KvLayer) or not holds_format(la):
+                raise ShapeMismatch(f"layer {i} is not an Int8KvLayer of format {self.format.value}")
+            held = layout_of(i)
+            if la.is_initialized and (la.pool.num_kv_heads, la.pool.head_dim) != (held.num_kv_heads, held.head_dim):
+                raise ShapeMismatch(
+                    f"the state holds {held.num_kv_heads} kv heads of {held.head_dim} for layer {i}, which holds "
+                    f"{la.pool.num_kv_heads} of {la.pool.head_dim}"
+                )
+        return layers, created
+
     def _import_forms(self, state: Q4WState, device: torch.device | str | None) -> None:
         """:meth:`import_state` of the 4-bit format: each layer's new pool built from the state's stored forms
         before the first layer changes."""
         if not is_4bit(self.format) or not isinstance(state, Q4WState):
             got = state.format.value if isinstance(state, (KvState, GroupedKvState, Q4WState)) else type(state).__name__
             raise ShapeMismatch(f"the state stores {got} but the cache holds {self.format.value}")
-        layout = state.layout
-        created = not self.layers
-        if created and getattr(self, "layer_class_to_replicate", None) is None:
-            raise ShapeMismatch("the Int8KvCache has no layers and cannot create any")
-        layers = [self._next_layer(i) for i in range(layout.num_layers)] if created else list(self.layers)
-        if len(layers) != layout.num_layers:
-            raise ShapeMismatch(f"the state holds {layout.num_layers} layers but the cache has {len(layers)}")
-        for i, la in enumerate(layers):
-            if not isinstance(la, Int8KvLayer) or not la.paged:
-                raise ShapeMismatch(f"layer {i} is not an Int8KvLayer of format {self.format.value}")
-            if la.is_initialized and (la.pool.num_kv_heads, la.pool.head_dim) != (layout.num_kv_heads, layout.head_dim):
-                raise ShapeMismatch(
-                    f"the state holds {layout.num_kv_heads} kv heads of {layout.head_dim}, layer {i} holds "
-                    f"{la.pool.num_kv_heads} of {la.pool.head_dim}"
-                )
+        layers, created = self._import_layers(state.layout.num_layers, lambda la: la.paged, lambda i: state.layout)
         pools = []
         for i, la in enumerate(layers):
             dev = torch.device(device) if device is not None else (la.device if la.is_initialized else "cpu")
