@@ -102,3 +102,18 @@ def test_refusals_change_nothing():
     assert (pool.windows_held(), pool.sinks_held(), pool.generation) == books
     assert other.windows_held() == 2 and other.sinks_held() == 1
     assert same(other.export_sequence([0, 1, 2], n)[1], rows[1][0])
+
+
+def test_an_import_takes_back_what_cached_pages_keep():
+    n = 140  # page 0 sealed, pages 1 and 2 in window pages, a sink slot
+    k, v = inputs(n, 2)
+    rows = [[quant4w.encode_sequence(k[layer], v[layer])] for layer in range(LAYERS)]
+    state = Q4WState.of(KvLayout(LAYERS, HEADS, DIM, Q4W), rows)
+    pool = Int4SinkWindowPool(LAYERS, HEADS, DIM, 8, 2, 1)
+    pool.import_sequence([0, 1, 2], state.sequence(0))
+    pool.keep([0, 1, 2])  # its sequence ended, its pages stay cached for prefix hits with their rows
+    assert pool.kept() == (2, 1) and pool.usable_prefix([0, 1, 2]) == 2  # page 1: F16 rows, page 0 sealed
+    pool.import_sequence([3, 4, 5], state.sequence(0))  # every window page and the sink slot were kept: taken back
+    assert pool.kept() == (0, 0) and (pool.windows_held(), pool.sinks_held()) == (2, 1)
+    assert all(same(a, r[0]) for a, r in zip(pool.export_sequence([3, 4, 5], n), rows, strict=True))
+    assert pool.usable_prefix([0, 1, 2]) == 0  # the cached pages no longer hold their sink slot

@@ -205,8 +205,9 @@ class Int4SinkWindowPool:
             back_w = sum(1 for b in need_w if self._window_of[b] >= 0)  # a fresh page's old window comes back
             stale_s = [b for b in fresh if b not in need_s and self._sink_of[b] >= 0]  # no longer a first page
             back_s = sum(1 for b in need_s if self._sink_of[b] >= 0) + len(stale_s)
-            free_w = len(self._free_windows) + len(done) + sum(1 for b in self._spare_w if b not in held)
-            free_s = len(self._free_sinks) + sum(1 for b in self._spare_s if b not in held)
+            kept_w, kept_s = self._kept_beside(held)
+            free_w = len(self._free_windows) + len(done) + kept_w
+            free_s = len(self._free_sinks) + kept_s
             if len(need_w) > free_w + back_w or len(need_s) > free_s + back_s:
                 raise KvPoolExhausted(
                     f"the step needs {len(need_w)} window pages and {len(need_s)} sink slots; "
@@ -218,14 +219,10 @@ class Int4SinkWindowPool:
                 self._sealed[:, blk] = False
                 self._f16_held[:, blk] = False
             self.release(stale_s, sinks_only=True)
-            for books, free, need, spare in ((self._window_of, self._free_windows, need_w, self._spare_w),
-                                             (self._sink_of, self._free_sinks, need_s, self._spare_s)):
+            for books, need, windows in ((self._window_of, need_w, True), (self._sink_of, need_s, False)):
                 for blk in need:
                     if books[blk] < 0:
-                        if not free:  # take back the window page / sink slot kept longest for a prefix hit
-                            self.release([spare.popitem(last=False)[0]], sinks_only=spare is self._spare_s,
-                                         windows_only=spare is self._spare_w)
-                        books[blk] = free.pop()
+                        books[blk] = self._take(windows)
             for blk in need_w:
                 self._f16_held[:, blk] = True
             return seqs
@@ -261,6 +258,19 @@ class Int4SinkWindowPool:
                     if not self._f16_held[:, blk].any():
                         self._free_windows.append(int(self._window_of[blk]))
                         self._window_of[blk] = -1
+
+    def _kept_beside(self, blocks) -> tuple[int, int]:
+        """``(window pages, sink slots)`` kept for prefix hits (:meth:`keep`) by pages outside ``blocks``: what
+        :meth:`_take` may take back for them."""
+        return (sum(1 for b in self._spare_w if b not in blocks), sum(1 for b in self._spare_s if b not in blocks))
+
+    def _take(self, windows: bool) -> int:
+        """A free window page (``windows``) or sink slot, the one kept longest for a prefix hit taken back when
+        none is free (the caller counted it in, :meth:`_kept_beside`)."""
+        free, spare = (self._free_windows, self._spare_w) if windows else (self._free_sinks, self._spare_s)
+        if not free:
+            self.release([spare.popitem(last=False)[0]], sinks_only=not windows, windows_only=windows)
+        return free.pop()
 
     def _give_back_window(self, blk: int) -> None:
         """Block ``blk``'s window page back to the free list, its F16 rows no longer held in any layer."""
@@ -499,18 +509,16 @@ class Int4SinkWindowPool:
         rows in window pages (one per page from the last sealed one on) and the sinks in a sink slot, as a
         native pool holds them between steps (:meth:`settle`d). The pages' earlier window pages and sink slot
         come back first. Refused (ShapeMismatch, KvPoolExhausted) with nothing taken or written."""
-        from .state_q4w import row_shapes
+        from .state_q4w import rows_shape_problem
 
         rows = tuple(rows)
         if len(rows) != self.num_layers or not all(isinstance(r, Q4WRows) for r in rows):
             raise ShapeMismatch(f"rows must hold one Q4WRows per layer ({self.num_layers})")
         n = len(rows[0])
-        want = row_shapes(n, self.num_kv_heads, self.head_dim)
         for layer, r in enumerate(rows):
-            for name, (dtype, shape) in want.items():
-                a = getattr(r, name)
-                if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != shape:
-                    raise ShapeMismatch(f"layer {layer}: {name} of {n} positions must be {dtype} {shape}")
+            problem = rows_shape_problem(r, n, self.num_kv_heads, self.head_dim)
+            if problem is not None:
+                raise ShapeMismatch(f"layer {layer}: {problem}")
         pages = -(-n // PAGE)
         table = [int(b) for b in block_table][:pages]
         if len(table) < pages or len(set(table)) != pages or any(not 0 <= b < self.num_blocks for b in table):
@@ -518,21 +526,22 @@ class Int4SinkWindowPool:
                                 f"{list(block_table)}")
         c = max(0, (n - WINDOW) // PAGE)
         need_w, need_s = pages - c, 1 if n else 0
-        own_w = int((self._window_of[table] >= 0).sum())
-        own_s = int((self._sink_of[table] >= 0).sum())
-        if need_w > len(self._free_windows) + own_w or need_s > len(self._free_sinks) + own_s:
+        kept_w, kept_s = self._kept_beside(table)  # the table's own come back below
+        free_w = len(self._free_windows) + int((self._window_of[table] >= 0).sum()) + kept_w
+        free_s = len(self._free_sinks) + int((self._sink_of[table] >= 0).sum()) + kept_s
+        if need_w > free_w or need_s > free_s:
             raise KvPoolExhausted(
-                f"the state needs {need_w} window pages and {need_s} sink slot; {len(self._free_windows) + own_w} "
-                f"and {len(self._free_sinks) + own_s} are free")
+                f"the state needs {need_w} window pages and {need_s} sink slot; {free_w} and {free_s} are free "
+                "(kept ones included)")
         self.release(table)  # bumps the generation
         self._sealed[:, table] = False
         sealed, f16 = table[:c], table[c:]
         self._sealed[:, sealed] = True
         for blk in f16:
-            self._window_of[blk] = self._free_windows.pop()
+            self._window_of[blk] = self._take(True)
         self._f16_held[:, f16] = True
         if n:
-            self._sink_of[table[0]] = self._free_sinks.pop()
+            self._sink_of[table[0]] = self._take(False)
         sinks, window = f16_positions(n)
         dev = self.device
 

@@ -38,7 +38,7 @@ from ..formats import KvStorageFormat
 from ..quant4w import BLOCK, Q4WRows, f16_positions, rows_problem, sealed_blocks
 from .state import KvLayout
 
-__all__ = ["Q4W", "TENSOR_NAMES", "Q4WState", "row_shapes"]
+__all__ = ["Q4W", "TENSOR_NAMES", "Q4WState", "row_shapes", "rows_shape_problem"]
 
 Q4W = KvStorageFormat.INT4_SINK_WINDOW_V1
 TENSOR_NAMES = tuple(f.name for f in fields(Q4WRows))  # k_codes, k_scale, k_min, k_sink, k_window, v_...
@@ -57,6 +57,17 @@ def row_shapes(n: int, num_kv_heads: int, head_dim: int) -> dict[str, tuple[np.d
         for part in ("codes", "scale", "min", "sink", "window"):
             out[f"{side}_{part}"] = shapes.get(part, (_F16, group))
     return out
+
+
+def rows_shape_problem(rows: Q4WRows, n: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why ``rows`` is not one sequence's stored form of ``n`` positions by dtype and shape (:func:`row_shapes`),
+    or None."""
+    for name, (dtype, shape) in row_shapes(n, num_kv_heads, head_dim).items():
+        a = getattr(rows, name)
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != shape:
+            got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            return f"{name} of {n} positions must be {dtype} {shape}, got {got}"
+    return None
 
 
 def _length(value: object) -> int:
@@ -99,15 +110,11 @@ class Q4WState:
             raise ShapeMismatch(f"the sequences of a state share one length, got {sorted(lengths)}")
         n = lengths.pop()
         _check_layout(layout, len(rows))
-        want = row_shapes(n, layout.num_kv_heads, layout.head_dim)
         for i, r in enumerate(rows):
             for b, x in enumerate(r):
-                for name, (dtype, shape) in want.items():
-                    a = getattr(x, name)
-                    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.shape != shape:
-                        got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-                        raise ShapeMismatch(f"layer {i}, sequence {b}: {name} of {n} positions must be {dtype} "
-                                            f"{shape}, got {got}")
+                problem = rows_shape_problem(x, n, layout.num_kv_heads, layout.head_dim)
+                if problem is not None:
+                    raise ShapeMismatch(f"layer {i}, sequence {b}: {problem}")
         arrays = {name: np.stack([np.stack([getattr(x, name) for x in r]) for r in rows]) for name in TENSOR_NAMES}
         return cls._checked(layout, batch, n, arrays)
 
