@@ -11,8 +11,9 @@ STAMP := $(VENV)/.installed
 
 # Bytecode is written on first import even where the environment sets PYTHONDONTWRITEBYTECODE (this VM does):
 # every Python process the suite starts (xdist workers, CLI, server and child-process tests) otherwise compiles
-# torch's, transformers' and int8kv's sources again, 13.5 s against 5.9 s to import int8kv.engine, int8kv.cli
-# and int8kv.server.app on the 2-core dev VM. The .pyc files go to .venv and the tree's __pycache__ (ignored).
+# torch's, transformers' and int8kv's sources again: 18.6 s against 7.0 s to import int8kv.engine, int8kv.cli
+# and int8kv.server.app on the 2-core dev VM (tools/import_bytecode.py, docs/benchmarks.md). The .pyc files go
+# to .venv and the tree's __pycache__ (ignored).
 export PYTHONDONTWRITEBYTECODE :=
 
 # The install goes through uv (tools/uv_args.py hands it pip's indexes, find-links and constraints and pip's
