@@ -169,6 +169,8 @@ class Scheduler:
         if not alloc.can_add(hit + min(length - hit, budget), keys):
             return None
         stored, state, faults = 0, None, 0
+        if self.tier is not None and self.tier.pages:
+            return self._admit_pages(seq, budget, keys, hit)
         if self.tier is not None and hit // bs < (length - 1) // bs:
             before = self.tier.faults
             state = self.tier.fetch(keys[hit // bs : (length - 1) // bs])  # never all: a token is left to compute
@@ -186,6 +188,37 @@ class Scheduler:
                 self.cache.register_blocks(seq.seq_id, keys[: (hit + stored) // bs])
             except BaseException:
                 self.cache.free(seq.seq_id)  # not admitted: no block stays reserved
+                raise
+        seq.num_cached = hit + stored
+        seq.num_registered = seq.num_cached // bs
+        seq.slots = slots[..., stored:]
+        return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_tokens=stored,
+                         store_faults=faults)  # fmt: skip
+
+    def _admit_pages(self, seq: Sequence, budget: int, keys: list[bytes], hit: int) -> Scheduled:
+        """`_admit` with a tier of pages (the 4-bit format: engine/store_tier.py PageStoreTier): a run from the
+        store longer than the pool's usable hit replaces it (it is the stored form from position 0: sealed pages,
+        sinks and the F16 rows of its last page), written into fresh pages; all or nothing, since a shorter run
+        would need the F16 rows of another page. The caller checked that the hit and the first chunk fit."""
+        alloc, bs, length = self.cache.allocator, self.cache.block_size, len(seq)
+        before = self.tier.faults
+        state = self.tier.fetch(keys[: (length - 1) // bs], hit // bs)  # never all: a token is left to compute
+        faults = self.tier.faults - before
+        stored = 0 if state is None else state.length
+        if stored and not alloc.can_add(stored + min(length - stored, budget)):
+            stored = 0
+        if not stored:
+            n = min(length - hit, budget)
+            got, slots = self.cache.add_sequence_with_prefix(seq.seq_id, hit + n, keys)
+            assert got == hit, "the allocator changed between match_prefix and add_sequence"
+        else:
+            hit, n = 0, min(length - stored, budget)
+            got, slots = self.cache.add_sequence_with_prefix(seq.seq_id, stored + n, [])
+            try:
+                self.cache.write_state(seq.seq_id, 0, state)
+                self.cache.register_blocks(seq.seq_id, keys[: stored // bs])
+            except BaseException:
+                self.cache.free(seq.seq_id)  # not admitted: no block, window page or sink slot stays taken
                 raise
         seq.num_cached = hit + stored
         seq.num_registered = seq.num_cached // bs
@@ -252,6 +285,7 @@ class Scheduler:
     def advance(self, item: Scheduled) -> bool:
         """The step computed `item`'s tokens; True when the sequence is now fully cached (a token is due)."""
         seq = item.seq
+        before = seq.num_cached
         seq.num_cached += item.num_tokens
         full = seq.num_cached // self.cache.block_size
         if self.hasher is not None and full > seq.num_registered:
@@ -260,6 +294,8 @@ class Scheduler:
             if self.tier is not None:
                 self.tier.push(seq.seq_id, keys, seq.num_registered, full)
             seq.num_registered = full
+        if self.tier is not None and self.tier.pages:  # before settle gives back the F16 rows it reads
+            self.tier.push_step(seq.seq_id, self.keys(seq, full), before, seq.num_cached, len(seq.prompt))
         self.cache.release_outside_windows(seq.seq_id, seq.num_cached)
         return seq.num_uncached == 0
 
@@ -287,6 +323,9 @@ class Scheduler:
         seq.block_table, seq.num_table_blocks = None, 0
 
     def finish(self, seq: Sequence) -> None:
+        if self.tier is not None and self.tier.pages:  # the last full page's F16 rows, which the pool keeps
+            full = seq.num_cached // self.cache.block_size
+            self.tier.push_end(seq.seq_id, self.keys(seq, full), seq.num_cached, len(seq.prompt))
         self._remove(seq)
         seq.status = Status.FINISHED
 
