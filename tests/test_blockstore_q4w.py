@@ -1,5 +1,5 @@
-"""Page values of the 4-bit format with sinks and a window (blockstore/codec_q4w.py, docs/block_store.md "Page
-values of the 4-bit format"): the committed fixtures (tests/golden/q4w_page*.block, make_q4w_pages.py) decode to
+"""Page values of the 4-bit format with sinks and a window (blockstore/codec_q4w.py, docs/kv_file_format.md "In the
+block store (frozen)"): the committed fixtures (tests/golden/q4w_page*.block, make_q4w_pages.py) decode to
 quant4w.encode_sequence of their inputs and encode back to the same bytes; runs of fresh random inputs (ragged head
 counts and head_dims, runs of 1 to 3 pages) assemble to the stored form of 64 j positions bit for bit; every damaged,
 foreign or out-of-domain value is refused with a typed error before anything is built from it."""

@@ -18,6 +18,7 @@ from test_engine_q4w_prefix import assert_clean, record_forms, same_form, tokens
 from int8kv.blockstore.codec_q4w import SEALED, PageSpec, end_key
 from int8kv.blockstore.disk import DiskBlockStore
 from int8kv.engine import SamplingParams
+from int8kv.errors import KvPoolExhausted
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -140,3 +141,22 @@ def nan_scale(value: bytearray, spec: PageSpec) -> None:
     assert spec.arrays(SEALED, 1)[1][0] == "k_scale"
     value[at : at + 2] = np.float16(np.nan).tobytes()
     value[-16:] = xxhash.xxh3_128_digest(bytes(value[:-16]))
+
+
+def test_a_run_that_cannot_be_imported_is_computed_instead(model, tmp_path, monkeypatch):
+    prompt = tokens(200, 6)
+    first, want, _ = run(model, [prompt], tmp_path)
+    llm = engine(model, kv_store=f"disk:{tmp_path}")
+    calls = []
+
+    def exhausted(seq_id, start, state):
+        calls.append(state.length)
+        raise KvPoolExhausted("every window page is held")
+
+    monkeypatch.setattr(llm.cache, "write_state", exhausted)
+    out = llm.generate([prompt], PARAMS)[0]
+    assert calls == [192] and out.token_ids == want[0].token_ids and out.num_cached_tokens == 0
+    assert llm.stats.store_hit_tokens == 0 and llm.stats.store_faults == 1 and llm.stats.prefill_tokens == 200
+    for e in (first, llm):
+        assert_clean(e)
+        e.close()

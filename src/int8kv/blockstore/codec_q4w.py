@@ -1,5 +1,5 @@
 """Page values of ``int4_kchan64_vtok_asym_sink4_win64_v1``: what the block store holds for the 4-bit format with
-sinks and a window (spec: docs/block_store.md, "Page values of the 4-bit format").
+sinks and a window (spec: docs/kv_file_format.md, "In the block store (frozen)").
 
 A query at position ``p`` of this format reads the pages before ``sealed_blocks(p + 1)`` sealed, the rest of its
 window and the 4 sink rows in F16, so a run of ``j`` pages that a new sequence continues from (at ``64 j``) is the
@@ -183,7 +183,7 @@ def decode_page(
     secret: bytes | None = None,
 ) -> dict[str, np.ndarray]:
     """The arrays of a value read under ``key``, expected to be page ``index`` of ``kind``, after every check
-    (docs/block_store.md, "Page values of the 4-bit format": framing, sizes from the spec before any read,
+    (docs/kv_file_format.md, "In the block store (frozen)": framing, sizes from the spec before any read,
     digest, HMAC, key, format, fingerprint, layout, kind and page, values). Raises a BlockValueError subclass;
     the arrays are owned copies."""
     secret = check_secret(secret)

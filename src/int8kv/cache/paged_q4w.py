@@ -39,9 +39,14 @@ Prefix caching (the allocator's keys and hits, as for every paged cache) with th
 Sealing a shared page happens once per layer, from the F16 rows every sharer reads: no sharer writes it
 differently (a registered page is full, never written again).
 
-Refused by name (UnsupportedFormat): copy-on-write (forks), slices of a state and writes of one into a sequence
-(the block store, whose values would also need the F16 rows of the page a hit ends on), releasing blocks before a
-position (sliding tables: page 0 holds the sinks every query reads), several K/V shapes or block tables.
+The block store (engine/store_tier.py PageStoreTier, blockstore/codec_q4w.py): :meth:`sealed_page` and
+:meth:`page_rows` give a page's sealed value and end value (its F16 rows); :meth:`write_state` writes a run of
+``j`` whole pages loaded from the store (the stored form of ``64 j`` positions) into a sequence registered without
+a hit, through ``pool.import_sequence``, after which it pins its pages as after a hit of ``j`` pages.
+
+Refused by name (UnsupportedFormat): copy-on-write (forks), slices of a state and writes of one other than a run of
+whole pages from position 0 into a fresh sequence, releasing blocks before a position (sliding tables: page 0
+holds the sinks every query reads), several K/V shapes or block tables.
 """
 
 from __future__ import annotations

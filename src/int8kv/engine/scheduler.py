@@ -195,7 +195,7 @@ class Scheduler:
         return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_tokens=stored,
                          store_faults=faults)  # fmt: skip
 
-    def _admit_pages(self, seq: Sequence, budget: int, keys: list[bytes], hit: int) -> Scheduled:
+    def _admit_pages(self, seq: Sequence, budget: int, keys: list[bytes], hit: int) -> Scheduled | None:
         """`_admit` with a tier of pages (the 4-bit format: engine/store_tier.py PageStoreTier): a run from the
         store longer than the pool's usable hit replaces it (it is the stored form from position 0: sealed pages,
         sinks and the F16 rows of its last page), written into fresh pages; all or nothing, since a shorter run
@@ -204,27 +204,34 @@ class Scheduler:
         before = self.tier.faults
         state = self.tier.fetch(keys[: (length - 1) // bs], hit // bs)  # never all: a token is left to compute
         faults = self.tier.faults - before
-        stored = 0 if state is None else state.length
-        if stored and not alloc.can_add(stored + min(length - stored, budget)):
-            stored = 0
-        if not stored:
-            n = min(length - hit, budget)
-            got, slots = self.cache.add_sequence_with_prefix(seq.seq_id, hit + n, keys)
-            assert got == hit, "the allocator changed between match_prefix and add_sequence"
-        else:
-            hit, n = 0, min(length - stored, budget)
-            got, slots = self.cache.add_sequence_with_prefix(seq.seq_id, stored + n, [])
+        if state is not None and alloc.can_add(state.length + min(length - state.length, budget)):
+            stored = state.length
+            n = min(length - stored, budget)
+            _, slots = self.cache.add_sequence_with_prefix(seq.seq_id, stored + n, [])
             try:
                 self.cache.write_state(seq.seq_id, 0, state)
                 self.cache.register_blocks(seq.seq_id, keys[: stored // bs])
+            except KvPoolExhausted:  # every window page or sink slot is held now: compute the run instead
+                self.cache.free(seq.seq_id)
+                faults += 1
             except BaseException:
                 self.cache.free(seq.seq_id)  # not admitted: no block, window page or sink slot stays taken
                 raise
-        seq.num_cached = hit + stored
-        seq.num_registered = seq.num_cached // bs
-        seq.slots = slots[..., stored:]
-        return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_tokens=stored,
-                         store_faults=faults)  # fmt: skip
+            else:
+                seq.num_cached = stored
+                seq.num_registered = stored // bs
+                seq.slots = slots[..., stored:]
+                return Scheduled(seq, n, queried_tokens=len(keys) * bs, store_tokens=stored, store_faults=faults)
+            hit = alloc.match_prefix(keys, length)  # the reservation may have evicted cached pages
+            if not alloc.can_add(hit + min(length - hit, budget), keys):
+                return None
+        n = min(length - hit, budget)
+        got, slots = self.cache.add_sequence_with_prefix(seq.seq_id, hit + n, keys)
+        assert got == hit, "the allocator changed between match_prefix and add_sequence"
+        seq.num_cached = hit
+        seq.num_registered = hit // bs
+        seq.slots = slots
+        return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_faults=faults)
 
     def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The prefix keys of `seq`'s first `num_blocks` full blocks, hashing only those not known yet."""
