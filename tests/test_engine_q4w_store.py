@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import valkey_servers
 import xxhash
 from q4w_helpers import sharp_llama
 from test_engine_q4w import engine
@@ -21,6 +22,8 @@ from int8kv.engine import SamplingParams
 from int8kv.errors import KvPoolExhausted
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+SECRET = "q4w-store-test-secret-0123"
+valkey_node = valkey_servers.valkey_node  # the module's fixture
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +31,12 @@ def model():
     return sharp_llama(0)
 
 
-def run(model, prompts, store=None, params=PARAMS):
-    """An engine (with ``store``: a disk store path), each prompt run alone; (engine, outputs, stored forms)."""
-    llm = engine(model, **({"kv_store": f"disk:{store}"} if store is not None else {}))
+def run(model, prompts, store=None, params=PARAMS, **kw):
+    """An engine (with ``store``: a disk store path or a URL), each prompt run alone; (engine, outputs, stored
+    forms)."""
+    if store is not None:
+        kw["kv_store"] = store if isinstance(store, str) else f"disk:{store}"
+    llm = engine(model, **kw)
     forms = record_forms(llm)
     outs = [llm.generate([p], params)[0] for p in prompts]
     if store is not None:
@@ -160,3 +166,17 @@ def test_a_run_that_cannot_be_imported_is_computed_instead(model, tmp_path, monk
     for e in (first, llm):
         assert_clean(e)
         e.close()
+
+
+def test_a_valkey_store_with_a_secret_shares_pages_only_with_its_holders(model, valkey_node):
+    prompt = tokens(200, 7)
+    first, want, _ = run(model, [prompt], valkey_node.url, kv_store_secret=SECRET, kv_namespace="q4w-secret")
+    second, outs, _ = run(model, [prompt], valkey_node.url, kv_store_secret=SECRET, kv_namespace="q4w-secret")
+    assert outs[0].token_ids == want[0].token_ids and second.stats.store_hit_tokens == 192
+    assert second.kv_store.stats().hits == 3 and second.stats.store_faults == 0
+    # Another secret names its keys otherwise (HMACs of the keys): nothing found, nothing refused, computed.
+    other, outs, _ = run(model, [prompt], valkey_node.url, kv_store_secret=SECRET[::-1], kv_namespace="q4w-secret")
+    assert outs[0].token_ids == want[0].token_ids and other.stats.store_hit_tokens == 0
+    for llm in (first, second, other):
+        assert_clean(llm)
+        llm.close()
