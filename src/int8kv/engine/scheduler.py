@@ -14,7 +14,9 @@ Prefix caching (with a `PrefixHasher`): a waiting sequence is admitted with the 
 blocks already registered in the pool, then (with a `StoreTier`) the next run found in the block store,
 loaded into newly reserved blocks; only the rest is computed and counts against the token budget. Blocks are
 registered (and pushed to the store) in `advance`, as soon as a step has filled them, before the sequence
-can finish or be preempted, so a preempted sequence hits its own blocks when it comes back.
+can finish or be preempted, so a preempted sequence hits its own blocks when it comes back. With the tier of the
+4-bit format's pages (`_admit_pages`), a run loaded from the store replaces a shorter pool hit, and `advance` and
+`finish` push the pages sealed by a step and the F16 rows of the pages a later hit can end on.
 
 Sliding windows (the cache's block tables of sliding layers, `PagedKvCache.windows`): after the blocks are
 registered and pushed, `advance` gives back each sliding table's blocks wholly before the window of the

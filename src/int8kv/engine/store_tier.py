@@ -12,6 +12,11 @@ through the cache's public `export_state`, encodes them and hands them to the bo
 the network write is off the step's path. A store fault of any kind (refused connection, timeout, eviction
 between lookup and get, damaged or foreign value, even an unexpected exception) is a miss: `fetch` returns
 what it could verify (or None), the rest is recomputed, the fault is counted, and a request never sees it.
+
+`PageStoreTier` is the tier of the 4-bit format with sinks and a window (blockstore/codec_q4w.py): sealed values
+pushed as pages seal (`push_step`), end values (a page's F16 rows) for the pages a hit can end on (`push_step`,
+`push_end`), and `fetch` of the longest usable run (sealed pages 0 .. j - 2, the end value of page j - 1) as a
+Q4WState that replaces a shorter pool hit.
 """
 
 from __future__ import annotations
