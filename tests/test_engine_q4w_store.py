@@ -18,8 +18,12 @@ from test_engine_q4w_prefix import assert_clean, record_forms, same_form, tokens
 
 from int8kv.blockstore.codec_q4w import SEALED, PageSpec, end_key
 from int8kv.blockstore.disk import DiskBlockStore
+from int8kv.cache.paged_q4w import Int4SinkWindowCache
+from int8kv.cache.state import KvLayout
+from int8kv.cache.state_q4w import Q4W, Q4WState
 from int8kv.engine import SamplingParams
-from int8kv.errors import KvPoolExhausted
+from int8kv.errors import KvPoolExhausted, ShapeMismatch, UnsupportedFormat
+from int8kv.quant4w import encode_sequence
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 SECRET = "q4w-store-test-secret-0123"
@@ -180,3 +184,39 @@ def test_a_valkey_store_with_a_secret_shares_pages_only_with_its_holders(model, 
     for llm in (first, second, other):
         assert_clean(llm)
         llm.close()
+
+
+def test_write_state_takes_a_run_of_whole_pages_into_a_fresh_sequence_only():
+    cache = Int4SinkWindowCache(8, 2, 2, 64, window_pages=6, sink_slots=2)
+    rng = np.random.default_rng(8)
+    k, v = (rng.standard_normal((2, 192, 2, 64)).astype(np.float32) for _ in range(2))
+
+    def state(n):
+        return Q4WState.of(cache.layout, [[encode_sequence(k[layer, :n], v[layer, :n])] for layer in range(2)])
+
+    pool = cache.pool
+    cache.add_sequence_with_prefix("s", 150, [])
+    cache.write_state("s", 0, state(128))
+    table = cache.block_table("s")
+    want = state(128)
+    for layer in range(2):
+        got = pool.stored_form(layer, table, 128)
+        assert all(np.array_equal(getattr(got, f), want.arrays[f][layer, 0]) for f in want.arrays)
+    assert [pool.pins(b) for b in table] == [0, 1, 1]  # pinned from page j - 1 = 1, as after a hit of 2 pages
+    before = (pool.windows_held(), pool.sinks_held(), cache.num_free_blocks)
+    cache.add_sequence_with_prefix("t", 100, [])
+    for seq, start, st in (("t", 64, state(64)), ("t", 0, state(100)), ("t", 0, state(128)), ("s", 0, state(64))):
+        with pytest.raises(UnsupportedFormat):
+            cache.write_state(seq, start, st)  # not from 0, not whole pages, longer than held, rows held
+    with pytest.raises(ShapeMismatch):
+        cache.write_state(
+            "t",
+            0,
+            Q4WState.of(
+                KvLayout(2, 1, 64, Q4W), [[encode_sequence(k[layer, :64, :1], v[layer, :64, :1])] for layer in (0, 1)]
+            ),
+        )
+    assert (pool.windows_held(), pool.sinks_held(), cache.num_free_blocks + 2) == before
+    cache.free("s")
+    cache.free("t")
+    assert pool.windows_held() == pool.sinks_held() == 0 and cache.num_free_blocks == 8
