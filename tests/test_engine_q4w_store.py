@@ -136,12 +136,12 @@ def test_damaged_values_are_refused_deleted_and_recomputed(model, tmp_path):
         stats = llm.kv_store.stats()
         assert (stats.invalid, stats.puts) == (1, 1) and sealed1.read_bytes() == good, what
         assert_clean(llm)
-        again, outs, _ = run(model, [prompt], tmp_path)
-        assert outs[0].token_ids == want[0].token_ids and again.stats.store_hit_tokens == 192, what
-        for e in (llm, again):
-            assert_clean(e)
-            e.close()
-    first.close()
+        llm.close()
+    again, outs, _ = run(model, [prompt], tmp_path)
+    assert outs[0].token_ids == want[0].token_ids and again.stats.store_hit_tokens == 192
+    for e in (first, again):
+        assert_clean(e)
+        e.close()
     store.close()
 
 
