@@ -220,3 +220,24 @@ def test_write_state_takes_a_run_of_whole_pages_into_a_fresh_sequence_only():
     cache.free("s")
     cache.free("t")
     assert pool.windows_held() == pool.sinks_held() == 0 and cache.num_free_blocks == 8
+
+
+def test_a_longer_run_in_the_store_replaces_a_shorter_pool_hit(model, tmp_path):
+    base = tokens(200, 9)
+    first, want, plain_forms = run(model, [base], tmp_path)
+    llm = engine(model, kv_store=f"disk:{tmp_path}")
+    forms = record_forms(llm)
+    short = llm.generate([base[:70] + tokens(7, 10)], PARAMS)[0]  # 85 positions: the pool keeps page 0's rows
+    assert short.num_cached_tokens == 0 and llm.cache.allocator.match_prefix(keys_of(llm, base), 200) == 64
+    out = llm.generate([base], PARAMS)[0]
+    assert out.token_ids == want[0].token_ids and out.num_cached_tokens == 192
+    assert llm.stats.prefix_hit_tokens == 0 and llm.stats.store_hit_tokens == 192
+    assert same_form(forms[1][1], plain_forms[0][1])
+    # Key 0 still names the short prompt's page (the first registration wins; the imported page 0 went back
+    # unkeyed), which is not sealed: the pool's hit is 1 page again, and the store's run replaces it again.
+    again = llm.generate([base], PARAMS)[0]
+    assert again.token_ids == want[0].token_ids and again.num_cached_tokens == 192
+    assert llm.stats.prefix_hit_tokens == 0 and llm.stats.store_hit_tokens == 384
+    for e in (first, llm):
+        assert_clean(e)
+        e.close()
