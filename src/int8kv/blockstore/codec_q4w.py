@@ -38,7 +38,7 @@ from ..cache.state import KvLayout
 from ..cache.state_q4w import Q4WState
 from ..formats import INT4_SINK_WINDOW_V1, KvStorageFormat
 from ..quant4w import SINKS, Q4WRows, rows_problem, value_problem
-from .codec import MAX_KEY_BYTES, _digest, _tag, check_secret
+from .codec import MAX_KEY_BYTES, check_secret, value_digest, value_tag
 from .errors import (
     BlockEncodeError,
     CorruptBlock,
@@ -168,9 +168,9 @@ def encode_page(
         buf[at : at + len(raw)] = raw
         at += len(raw)
     end = header_len + payload_len
-    buf[end : end + _DIGEST] = _digest(memoryview(buf)[:end])
+    buf[end : end + _DIGEST] = value_digest(memoryview(buf)[:end])
     if secret:
-        buf[end + _DIGEST :] = _tag(secret, memoryview(buf)[: end + _DIGEST])
+        buf[end + _DIGEST :] = value_tag(secret, memoryview(buf)[: end + _DIGEST])
     return bytes(buf)
 
 
@@ -213,14 +213,14 @@ def decode_page(
             f"the header announces {header_len + payload_len + trailer} bytes, the value has {len(view)}"
         )
     end = header_len + payload_len
-    if _digest(view[:end]) != view[end : end + _DIGEST]:
+    if value_digest(view[:end]) != view[end : end + _DIGEST]:
         raise CorruptBlock("checksum mismatch: the page value was damaged")
     if secret is None and auth == _AUTH_HMAC:
         raise UnauthenticatedBlock("an authenticated page value, and this reader has no secret")
     if secret is not None:
         if auth != _AUTH_HMAC:
             raise UnauthenticatedBlock("a page value without an HMAC tag, and this reader needs one")
-        if not hmac.compare_digest(_tag(secret, view[: end + _DIGEST]), view[end + _DIGEST :]):
+        if not hmac.compare_digest(value_tag(secret, view[: end + _DIGEST]), view[end + _DIGEST :]):
             raise UnauthenticatedBlock("HMAC mismatch: the value was not written with this secret")
     if any(view[strings:header_len]):
         raise CorruptBlock("non-zero header padding")
@@ -244,9 +244,8 @@ def decode_page(
         raise IncompatibleBlock(f"page (layers, head start, head end, head_dim, kind, index) = {got}, expected {want}")
     if payload_len != spec.payload_bytes(kind, index):
         raise CorruptBlock(f"payload of {payload_len} bytes, the layout needs {spec.payload_bytes(kind, index)}")
-    out, at = {}, header_len
+    out, at = {}, 0
     data = bytes(view[header_len:end])
-    at = 0
     for name, dt, shape in spec.arrays(kind, index):
         count = int(np.prod(shape))
         out[name] = np.frombuffer(data, dtype=dt, count=count, offset=at).reshape(shape).copy()
