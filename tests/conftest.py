@@ -24,7 +24,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # xdist_group marker does nothing under pytest 9: xdist 3.8 renames `item._nodeid`, which pytest 9 no
 # longer reads, so the grouping is done here, by the scheduler.)
 ONE_WORKER_MODULES = {
-    "test_blockstore_backends", "test_chat", "test_engine_errors", "test_engine_fork", "test_kvstore_engine",
+    "test_blockstore_backends", "test_chat", "test_engine_errors", "test_engine_fork", "test_engine_q4w_store",
+    "test_kvstore_engine",
     "test_prefix_engine", "test_server", "test_server_api", "test_server_limits", "test_server_replicas",
     "test_server_smollm2", "test_triton_compile",
 }

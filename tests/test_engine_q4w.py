@@ -136,9 +136,6 @@ def test_a_request_that_cannot_fit_is_refused_and_the_engine_goes_on(model, prom
 def test_refused_by_name(model, prompts, tmp_path):
     with pytest.raises(InvalidEngineConfig, match=f"{NAME}.*block_size=16"):
         LLM(model, kv_format=NAME, block_size=16)
-    for kwargs in ({"kv_store": str(tmp_path / "store")}, {"kv_store": True, "prefix_caching": True}):
-        with pytest.raises(UnsupportedFormat, match=f"kv_store .*{NAME}"):
-            LLM(model, kv_format=NAME, **kwargs)
     llm = engine(model, blocks=8)
     assert llm.scheduler.hasher is not None  # prefix caching on by default (tests/test_engine_q4w_prefix.py)
     with pytest.raises(UnsupportedFormat, match=f"n=2 .*{NAME}"):

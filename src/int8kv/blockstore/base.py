@@ -24,7 +24,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..cache.state import GroupedKvState, KvState
+from ..cache.state_q4w import Q4WState
+from ..errors import KvCacheError
 from .codec import MAX_KEY_BYTES, BlockSpec, assemble_blocks, check_secret, encode_block, verify_block
+from .codec_q4w import END, SEALED, PageSpec, assemble_run, decode_page, encode_page, end_key
 from .errors import BlockValueError, CorruptBlock, InvalidBlockKey, InvalidStoreUrl, NewerBlock, UnauthenticatedBlock
 
 __all__ = [
@@ -291,6 +294,71 @@ class BlockStore(ABC):
         deadline = self.read_deadline + len(checked) * limit / self.read_rate
         return self._read("get", lambda: self._fetch_prefix(checked, spec, limit), deadline)
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is in the store (not a run: every key answered; network stores in one
+        round trip); a fault counts and answers all False."""
+        checked = [check_key(k) for k in keys]
+        if not checked:
+            return []
+        got = self._read("lookup", lambda: list(self._exists_each(checked)), self.read_deadline)
+        return [bool(x) for x in got] if got is not None and len(got) == len(checked) else [False] * len(checked)
+
+    # -- page values of the 4-bit format (codec_q4w) ------------------------------------------------------------
+    def encode_page(self, spec: PageSpec, key: bytes, kind: int, index: int, arrays: dict) -> bytes:
+        """The value of page ``index`` (``kind`` SEALED under its prefix key, END under ``end_key`` of it) with
+        this store's HMAC tag."""
+        return encode_page(spec, key, kind, index, arrays, self._secret)
+
+    def get_page_run(self, spec: PageSpec, keys: Sequence[bytes]) -> Q4WState | None:
+        """The stored form of ``64 j`` positions (``j = len(keys)``) from the sealed values of pages ``0 .. j - 2``
+        under ``keys[:-1]`` and the end value of page ``j - 1`` under ``end_key(keys[-1])``, or None: every value
+        fetched up to its expected size + 1 bytes and verified (codec_q4w.decode_page); a refused one is counted
+        (``invalid``), logged and deleted (except a newer version's), and the whole run is a miss, as is one
+        absent value (nothing allocated from a value's own sizes)."""
+        checked = [check_key(k) for k in keys]
+        if not checked:
+            return None
+        wanted = [(k, SEALED, i) for i, k in enumerate(checked[:-1])] + [(end_key(checked[-1]), END, len(checked) - 1)]
+        limits = [spec.value_bytes(kind, i, len(k), self.authenticated) for k, kind, i in wanted]
+        deadline = self.read_deadline + sum(limits) / self.read_rate
+        return self._read("get", lambda: self._fetch_pages(spec, wanted, max(limits)), deadline)
+
+    def _fetch_pages(self, spec: PageSpec, wanted: list[tuple[bytes, int, int]], limit: int) -> Q4WState | None:
+        """get_page_run's work, on the reader thread."""
+        values = self._get([k for k, _, _ in wanted], limit)
+        hits = sum(v is not None for v in values)
+        self._count(hits=hits, misses=len(values) - hits)
+        pages, bad = [], []
+        for (key, kind, index), value in zip(wanted, values, strict=True):
+            if value is None:
+                pages.append(None)
+                continue
+            try:
+                if isinstance(value, Exception):
+                    raise CorruptBlock(f"not a page value: {value}")
+                if len(value) > limit:
+                    raise CorruptBlock(f"a value of more than {limit} bytes, the most this reader expects")
+                pages.append(decode_page(spec, value, key, kind, index, self._secret))
+            except BlockValueError as exc:
+                self._count(invalid=1, unauthenticated=int(isinstance(exc, UnauthenticatedBlock)))
+                self._log(f"{self!r}: refused page {index} ({self.key_id(key)[:16]}): {exc}")
+                if not isinstance(exc, NewerBlock):
+                    bad.append(key)
+                pages.append(None)
+        if bad:
+            try:
+                self._delete(bad)
+            except Exception as exc:
+                self._fault("delete", exc)
+        if any(p is None for p in pages):
+            return None
+        try:
+            return assemble_run(spec, pages[:-1], pages[-1])
+        except KvCacheError as exc:  # each page passed; the run as a whole did not (never seen: logged, a miss)
+            self._count(invalid=1)
+            self._log(f"{self!r}: refused a run of {len(pages)} pages: {exc}")
+            return None
+
     def delete(self, key: bytes) -> None:
         """Remove ``key`` if present (a fault is counted and ignored)."""
         key = check_key(key)
@@ -347,6 +415,10 @@ class BlockStore(ABC):
     @abstractmethod
     def _delete(self, keys: list[bytes]) -> None:
         """Remove each of ``keys`` that is present (network stores: one round trip)."""
+
+    def _exists_each(self, keys: list[bytes]) -> Sequence[bool]:
+        """Presence of every key (``_exists`` may stop at the first miss); one ``_exists`` per key by default."""
+        return [bool(self._exists([k])[0]) for k in keys]
 
     def _close(self) -> None:
         """Release resources (nothing by default)."""

@@ -64,6 +64,8 @@ __all__ = [
     "decode_block",
     "encode_block",
     "read_header",
+    "value_digest",
+    "value_tag",
     "verify_block",
 ]
 
@@ -419,6 +421,18 @@ def assemble_blocks(
         sections[g][name] = [dst[layer].unsqueeze(0) for layer in range(shape[0])]
     states = [KvState.from_parts(la, parts) for la, parts in zip(spec.layouts, sections, strict=True)]
     return GroupedKvState.of(states) if spec.grouped else states[0]
+
+
+def value_digest(data: memoryview) -> bytes:
+    """The XXH3-128 digest a value ends with (canonical big-endian form), shared by the page values of
+    :mod:`int8kv.blockstore.codec_q4w`."""
+    return _digest(data)
+
+
+def value_tag(secret: bytes, data: memoryview) -> bytes:
+    """The HMAC-SHA256 tag of an authenticated value, shared by the page values of
+    :mod:`int8kv.blockstore.codec_q4w`."""
+    return _tag(secret, data)
 
 
 def _digest(data: memoryview) -> bytes:

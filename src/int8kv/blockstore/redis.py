@@ -257,6 +257,9 @@ class RedisBlockStore(BlockStore):
             pipe.exists(self.key_name(key))
         return [bool(n) for n in pipe.execute()]
 
+    def _exists_each(self, keys: list[bytes]) -> Sequence[bool]:
+        return self._exists(keys)  # one pipeline, every key answered
+
     def _get(self, keys: list[bytes], limit: int) -> Sequence[bytes | None | Exception]:
         pipe = self.pipeline()
         for key in keys:

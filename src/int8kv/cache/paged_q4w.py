@@ -39,9 +39,14 @@ Prefix caching (the allocator's keys and hits, as for every paged cache) with th
 Sealing a shared page happens once per layer, from the F16 rows every sharer reads: no sharer writes it
 differently (a registered page is full, never written again).
 
-Refused by name (UnsupportedFormat): copy-on-write (forks), slices of a state and writes of one into a sequence
-(the block store, whose values would also need the F16 rows of the page a hit ends on), releasing blocks before a
-position (sliding tables: page 0 holds the sinks every query reads), several K/V shapes or block tables.
+The block store (engine/store_tier.py PageStoreTier, blockstore/codec_q4w.py): :meth:`sealed_page` and
+:meth:`page_rows` give a page's sealed value and end value (its F16 rows); :meth:`write_state` writes a run of
+``j`` whole pages loaded from the store (the stored form of ``64 j`` positions) into a sequence registered without
+a hit, through ``pool.import_sequence``, after which it pins its pages as after a hit of ``j`` pages.
+
+Refused by name (UnsupportedFormat): copy-on-write (forks), slices of a state and writes of one other than a run of
+whole pages from position 0 into a fresh sequence, releasing blocks before a position (sliding tables: page 0
+holds the sinks every query reads), several K/V shapes or block tables.
 """
 
 from __future__ import annotations
@@ -252,8 +257,41 @@ class Int4SinkWindowCache(PagedKvCache):
             raise
         return slots
 
-    def write_state(self, seq_id: SeqId, start: int, state):
-        raise refuse("writing a state into positions a sequence already holds (prefix hits)")
+    def write_state(self, seq_id: SeqId, start: int, state) -> None:
+        """Write a run of whole pages loaded from the block store into a sequence just registered without a hit
+        (``add_sequence_with_prefix`` found none, nothing written since): ``state`` a batch-1
+        :class:`~int8kv.cache.state_q4w.Q4WState` of ``64 j`` positions (``j >= 1``) written at ``start`` 0, as
+        ``pool.import_sequence`` writes a state, after which the sequence pins its pages from ``j - 1`` on as
+        after a hit of ``j`` pages. Anything else is refused by name (UnsupportedFormat: the stored form of a
+        range is not a range of a longer one's) or ShapeMismatch; nothing is written then."""
+        if start != 0 or not isinstance(state, Q4WState) or not state.length or state.length % PAGE:
+            got = f"{state.length} positions" if isinstance(state, Q4WState) else type(state).__name__
+            raise refuse(f"writing {got} at position {start!r} into a sequence (only a run of whole pages from 0)")
+        if state.layout != self.layout or state.batch != 1:
+            raise ShapeMismatch(f"a batch-1 state of {self.layout} is needed, got {state.batch} of {state.layout}")
+        j = state.length // PAGE
+        table = self.allocator.block_table(seq_id)
+        if self.allocator.context_len(seq_id) < state.length or self._pinned_from[seq_id] != 0 or (
+                self.pool.holds_rows(table[:j])):
+            raise refuse("writing a state into a sequence that holds a prefix hit or written rows")
+        self.pool.import_sequence(table, state.sequence(0))  # nothing taken or written on error
+        self.pool.unpin(table[: j - 1])
+        self._pinned_from[seq_id] = j - 1
+
+    def sealed_page(self, seq_id: SeqId, index: int) -> dict:
+        """Page ``index`` of a sequence as its block-store sealed value's arrays (``pool.sealed_page``; page 0
+        with its sink rows)."""
+        table = self.allocator.block_table(seq_id)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(table):
+            raise ShapeMismatch(f"page index {index!r} outside the sequence's {len(table)} pages")
+        return self.pool.sealed_page(table[index], index == 0)
+
+    def page_rows(self, seq_id: SeqId, index: int) -> dict:
+        """Page ``index`` of a sequence as its block-store end value's arrays (``pool.page_rows``: its F16 rows)."""
+        table = self.allocator.block_table(seq_id)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(table):
+            raise ShapeMismatch(f"page index {index!r} outside the sequence's {len(table)} pages")
+        return self.pool.page_rows(table[index])
 
     def write_rows(self, layer: int, slots: torch.Tensor, k, v) -> None:
         raise refuse("writing rows by slot (the pool is written by step, with the plan)")

@@ -489,6 +489,39 @@ class Int4SinkWindowPool:
             v_sink=f16(self._v_win, self._v_sink, sinks, True), v_window=f16(self._v_win, self._v_sink, window, False),
         )
 
+    # -- pages for the block store -----------------------------------------------------------------------------
+    def holds_rows(self, blocks: Sequence[int]) -> bool:
+        """True if any of ``blocks`` holds a window page or a sink slot (a page written since it was handed out)."""
+        blocks = self._blocks(blocks)
+        return bool((self._window_of[blocks] >= 0).any() or (self._sink_of[blocks] >= 0).any())
+
+    def sealed_page(self, block: int, first: bool) -> dict[str, np.ndarray]:
+        """Block ``block``'s sealed parts in every layer as numpy copies (``k_codes`` / ``v_codes`` ``[L, 64, H, d /
+        2]``, ``k_scale`` / ``k_min`` ``[L, H, d]``, ``v_scale`` / ``v_min`` ``[L, 64, H]``) and, for a sequence's
+        ``first`` page, its sink rows ``k_sink`` / ``v_sink`` ``[L, 4, H, d]``: a block store's sealed value.
+        Refused (UnsupportedFormat) unless every layer sealed it (and, first, it holds its sink slot)."""
+        b = self._blocks([block])[0]
+        if not self._sealed[:, b].all():
+            raise UnsupportedFormat(f"page {b} is not sealed in every layer")
+        names = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
+        out = {name: t[:, b].cpu().numpy().copy() for name, t in zip(names, (*self._k, *self._v), strict=True)}
+        if first:
+            s = int(self._sink_of[b])
+            if s < 0:
+                raise UnsupportedFormat(f"page {b} holds no sink rows")
+            out["k_sink"] = self._k_sink[:, s].cpu().numpy().copy()
+            out["v_sink"] = self._v_sink[:, s].cpu().numpy().copy()
+        return out
+
+    def page_rows(self, block: int) -> dict[str, np.ndarray]:
+        """Block ``block``'s 64 F16 rows in every layer (``k_rows`` / ``v_rows`` ``[L, 64, H, d]``, numpy copies):
+        a block store's end value. Refused (UnsupportedFormat) once they were given back in a layer."""
+        b = self._blocks([block])[0]
+        w = int(self._window_of[b])
+        if w < 0 or not self._f16_held[:, b].all():
+            raise UnsupportedFormat(f"page {b} no longer holds its F16 rows in every layer")
+        return {"k_rows": self._k_win[:, w].cpu().numpy().copy(), "v_rows": self._v_win[:, w].cpu().numpy().copy()}
+
     # -- states -------------------------------------------------------------------------------------------------
     def export_sequence(self, block_table, length: int) -> tuple[Q4WRows, ...]:
         """The stored form of a sequence's first ``length`` positions in every layer (:meth:`stored_form` of

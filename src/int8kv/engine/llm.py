@@ -38,6 +38,7 @@ import torch
 
 from ..blockstore import BlockSpec, BlockStore, check_secret
 from ..blockstore.base import check_namespace
+from ..blockstore.codec_q4w import PageSpec
 from ..cache.paged_q4w import plan_sizes, sealed_page_bytes
 from ..cache.pool_q4w import PAGE
 from ..cache.prefix import PrefixHasher
@@ -59,7 +60,7 @@ from .runner import ModelRunner
 from .sampler import TokenLogprob, make_generator, sample, token_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
-from .store_tier import StoreTier
+from .store_tier import PageStoreTier, StoreTier
 
 # "transformers" serves every model by default: on SmolLM2 (decode, 2,048 tokens of context, INT8, one thread)
 # it runs at 0.94x / 0.91x the fused forward's speed at batch 1 and 1.06x / 0.97x at batch 8 (loads 3.3 / 6.5;
@@ -220,7 +221,8 @@ class LLM:
         "model" (as loaded), "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not
         changed; the prefix-cache key root hashes the converted weights). `block_size`: None is 16 positions, 64
         for ``int4_kchan64_vtok_asym_sink4_win64_v1`` (its pages; another size is refused by name), which runs
-        with prefix caching (cache/paged_q4w.py) but without the block store and forks (refused by name)."""
+        with prefix caching (cache/paged_q4w.py) and the block store (its pages: engine/store_tier.py) but without
+        forks (refused by name)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -324,7 +326,11 @@ class LLM:
             # The 4-bit cache exports no state: its keys cover its one layout (format name included).
             hasher = PrefixHasher(self.cache.layouts if stateful else self.cache.state_layouts, self.fingerprint,
                                   block_size)
-            if kv_store:
+            if kv_store and stateful:  # pages of the 4-bit format: sealed values and end values (store_tier.py)
+                tier = PageStoreTier.open(kv_store, PageSpec(self.cache.layout, self.fingerprint), self.cache,
+                                          kv_namespace, kv_store_secret)  # fmt: skip
+                self._closer = weakref.finalize(self, tier.close)
+            elif kv_store:
                 spec = BlockSpec(self.cache.state_layouts, block_size, self.fingerprint)
                 tier = StoreTier.open(kv_store, spec, self.cache, kv_namespace, kv_store_secret)
                 self._closer = weakref.finalize(self, tier.close)  # also at interpreter exit
@@ -343,14 +349,11 @@ class LLM:
 
     def _stateful_checks(self, block_size: int, prefix_caching: bool | None, kv_store: Any) -> bool | None:
         """The 4-bit format's engine settings, refused by name before the model loads: its block size (a page of
-        64) and the block store (a block value would need the F16 rows of the page a hit ends on: cache/
-        paged_q4w.py). Prefix caching stays as asked (on by default: cache/paged_q4w.py)."""
+        64). Prefix caching stays as asked (on by default: cache/paged_q4w.py); the block store holds its pages
+        (engine/store_tier.py, PageStoreTier)."""
         name = self.format.value
         if block_size != PAGE:
             raise InvalidEngineConfig(f"the {name} format stores blocks of {PAGE} positions; block_size={block_size}")
-        if kv_store is not None and kv_store is not False:
-            raise UnsupportedFormat(f"kv_store is not implemented for the {name} format (a block value would need "
-                                    "the F16 rows of the page a hit ends on)")
         return prefix_caching
 
     def _without_prefix_cache(self, prefix_caching: bool | None, kv_store: Any) -> bool:

@@ -14,7 +14,9 @@ Prefix caching (with a `PrefixHasher`): a waiting sequence is admitted with the 
 blocks already registered in the pool, then (with a `StoreTier`) the next run found in the block store,
 loaded into newly reserved blocks; only the rest is computed and counts against the token budget. Blocks are
 registered (and pushed to the store) in `advance`, as soon as a step has filled them, before the sequence
-can finish or be preempted, so a preempted sequence hits its own blocks when it comes back.
+can finish or be preempted, so a preempted sequence hits its own blocks when it comes back. With the tier of the
+4-bit format's pages (`_admit_pages`), a run loaded from the store replaces a shorter pool hit, and `advance` and
+`finish` push the pages sealed by a step and the F16 rows of the pages a later hit can end on.
 
 Sliding windows (the cache's block tables of sliding layers, `PagedKvCache.windows`): after the blocks are
 registered and pushed, `advance` gives back each sliding table's blocks wholly before the window of the
@@ -169,6 +171,8 @@ class Scheduler:
         if not alloc.can_add(hit + min(length - hit, budget), keys):
             return None
         stored, state, faults = 0, None, 0
+        if self.tier is not None and self.tier.pages:
+            return self._admit_pages(seq, budget, keys, hit)
         if self.tier is not None and hit // bs < (length - 1) // bs:
             before = self.tier.faults
             state = self.tier.fetch(keys[hit // bs : (length - 1) // bs])  # never all: a token is left to compute
@@ -192,6 +196,44 @@ class Scheduler:
         seq.slots = slots[..., stored:]
         return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_tokens=stored,
                          store_faults=faults)  # fmt: skip
+
+    def _admit_pages(self, seq: Sequence, budget: int, keys: list[bytes], hit: int) -> Scheduled | None:
+        """`_admit` with a tier of pages (the 4-bit format: engine/store_tier.py PageStoreTier): a run from the
+        store longer than the pool's usable hit replaces it (it is the stored form from position 0: sealed pages,
+        sinks and the F16 rows of its last page), written into fresh pages; all or nothing, since a shorter run
+        would need the F16 rows of another page. The caller checked that the hit and the first chunk fit."""
+        alloc, bs, length = self.cache.allocator, self.cache.block_size, len(seq)
+        before = self.tier.faults
+        state = self.tier.fetch(keys[: (length - 1) // bs], hit // bs)  # never all: a token is left to compute
+        faults = self.tier.faults - before
+        if state is not None and alloc.can_add(state.length + min(length - state.length, budget)):
+            stored = state.length
+            n = min(length - stored, budget)
+            _, slots = self.cache.add_sequence_with_prefix(seq.seq_id, stored + n, [])
+            try:
+                self.cache.write_state(seq.seq_id, 0, state)
+                self.cache.register_blocks(seq.seq_id, keys[: stored // bs])
+            except KvPoolExhausted:  # every window page or sink slot is held now: compute the run instead
+                self.cache.free(seq.seq_id)
+                faults += 1
+            except BaseException:
+                self.cache.free(seq.seq_id)  # not admitted: no block, window page or sink slot stays taken
+                raise
+            else:
+                seq.num_cached = stored
+                seq.num_registered = stored // bs
+                seq.slots = slots[..., stored:]
+                return Scheduled(seq, n, queried_tokens=len(keys) * bs, store_tokens=stored, store_faults=faults)
+            hit = alloc.match_prefix(keys, length)  # the reservation may have evicted cached pages
+            if not alloc.can_add(hit + min(length - hit, budget), keys):
+                return None
+        n = min(length - hit, budget)
+        got, slots = self.cache.add_sequence_with_prefix(seq.seq_id, hit + n, keys)
+        assert got == hit, "the allocator changed between match_prefix and add_sequence"
+        seq.num_cached = hit
+        seq.num_registered = hit // bs
+        seq.slots = slots
+        return Scheduled(seq, n, queried_tokens=len(keys) * bs, hit_tokens=hit, store_faults=faults)
 
     def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The prefix keys of `seq`'s first `num_blocks` full blocks, hashing only those not known yet."""
@@ -252,6 +294,7 @@ class Scheduler:
     def advance(self, item: Scheduled) -> bool:
         """The step computed `item`'s tokens; True when the sequence is now fully cached (a token is due)."""
         seq = item.seq
+        before = seq.num_cached
         seq.num_cached += item.num_tokens
         full = seq.num_cached // self.cache.block_size
         if self.hasher is not None and full > seq.num_registered:
@@ -260,6 +303,8 @@ class Scheduler:
             if self.tier is not None:
                 self.tier.push(seq.seq_id, keys, seq.num_registered, full)
             seq.num_registered = full
+        if self.tier is not None and self.tier.pages:  # before settle gives back the F16 rows it reads
+            self.tier.push_step(seq.seq_id, self.keys(seq, full), before, seq.num_cached, len(seq.prompt))
         self.cache.release_outside_windows(seq.seq_id, seq.num_cached)
         return seq.num_uncached == 0
 
@@ -287,6 +332,9 @@ class Scheduler:
         seq.block_table, seq.num_table_blocks = None, 0
 
     def finish(self, seq: Sequence) -> None:
+        if self.tier is not None and self.tier.pages:  # the last full page's F16 rows, which the pool keeps
+            full = seq.num_cached // self.cache.block_size
+            self.tier.push_end(seq.seq_id, self.keys(seq, full), seq.num_cached, len(seq.prompt))
         self._remove(seq)
         seq.status = Status.FINISHED
 

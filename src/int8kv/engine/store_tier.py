@@ -12,6 +12,11 @@ through the cache's public `export_state`, encodes them and hands them to the bo
 the network write is off the step's path. A store fault of any kind (refused connection, timeout, eviction
 between lookup and get, damaged or foreign value, even an unexpected exception) is a miss: `fetch` returns
 what it could verify (or None), the rest is recomputed, the fault is counted, and a request never sees it.
+
+`PageStoreTier` is the tier of the 4-bit format with sinks and a window (blockstore/codec_q4w.py): sealed values
+pushed as pages seal (`push_step`), end values (a page's F16 rows) for the pages a hit can end on (`push_step`,
+`push_end`), and `fetch` of the longest usable run (sealed pages 0 .. j - 2, the end value of page j - 1) as a
+Q4WState that replaces a shorter pool hit.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import time
 from collections.abc import Sequence
 
 from ..blockstore import BackgroundWriter, BlockSpec, BlockStore, open_block_store
+from ..blockstore.codec_q4w import END, SEALED, PageSpec, end_key
 from ..cache.paged import PagedKvCache
 from ..cache.state import GroupedKvState, KvState
+from ..cache.state_q4w import Q4WState
+from ..quant4w import sealed_blocks
 
 logger = logging.getLogger("int8kv.engine")
 
@@ -32,6 +40,9 @@ LOG_INTERVAL = 10.0
 
 class StoreTier:
     """A block store seen by one engine: `fetch` for admission, `push` for filled blocks, `close` at the end."""
+
+    #: Values are pages of the 4-bit format (PageStoreTier): a fetched run replaces the pool's hit.
+    pages = False
 
     def __init__(self, store: BlockStore, spec: BlockSpec, cache: PagedKvCache, owned: bool = True) -> None:
         self.store = store
@@ -115,3 +126,76 @@ class StoreTier:
         if now - self._last_log >= LOG_INTERVAL:
             self._last_log = now
             logger.warning("int8kv engine: KV store miss (%s): %.300s", self.store, message)
+
+
+class PageStoreTier(StoreTier):
+    """The tier of the 4-bit format with sinks and a window (docs/design.md, "The block store over the 4-bit
+    format"): a run of ``j`` pages is usable when the store holds the sealed values of pages ``0 .. j - 2`` and
+    the end value (F16 rows) of page ``j - 1``; sealed values are pushed as pages seal in every layer, end values
+    only for the pages a later prompt may end a hit on (the prompt's last full page before its last token, and
+    the last full page of a finished sequence, the one the pool keeps), so the wire carries about the format's
+    own bytes plus one or two F16 pages per request."""
+
+    pages = True
+
+    def __init__(self, store: BlockStore, spec: PageSpec, cache: PagedKvCache, owned: bool = True) -> None:
+        super().__init__(store, spec, cache, owned)  # type: ignore[arg-type]
+        self.pushed_ends = 0
+
+    def fetch(self, keys: Sequence[bytes], hit_pages: int = 0) -> Q4WState | None:  # type: ignore[override]
+        """The stored form of the longest usable run of ``keys`` (the prompt's pages a hit may cover) longer than
+        ``hit_pages`` (the pool's own hit), from page 0, or None. Never raises."""
+        if len(keys) <= hit_pages:
+            return None
+        start = time.perf_counter()
+        found, state = 0, None
+        try:
+            sealed = self.store.lookup(keys[: len(keys) - 1])  # pages 0 .. sealed - 1 have a sealed value
+            ends = range(hit_pages, min(sealed, len(keys) - 1) + 1)  # a run of p + 1 pages ends on page p
+            present = self.store.present([end_key(keys[p]) for p in ends])
+            found = max((p + 1 for p, here in zip(ends, present, strict=True) if here), default=0)
+            state = self.store.get_page_run(self.spec, keys[:found]) if found else None
+        except Exception as exc:  # noqa: BLE001 - a store must never fail a request
+            self._fault(f"fetch raised {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            waited = time.perf_counter() - start
+            self.fetches += 1
+            self.fetch_seconds += waited
+            self.slowest_fetch_s = max(self.slowest_fetch_s, waited)
+        if found and state is None:
+            self._fault(f"the store listed a run of {found} page(s) and delivered none; recomputing")
+        return state
+
+    def push(self, seq_id: object, keys: Sequence[bytes], first: int, last: int) -> None:
+        """Pages do not go out as they fill (see :meth:`push_step`)."""
+        return None
+
+    def push_step(self, seq_id: object, keys: Sequence[bytes], before: int, after: int, prompt_len: int) -> None:
+        """A step took a sequence from ``before`` to ``after`` positions: queue the sealed values of the pages it
+        sealed and, if it filled the prompt's last page before the token it leaves to compute
+        (``(prompt_len - 1) // 64 - 1``), that page's end value. Never raises."""
+        for index in range(sealed_blocks(before), sealed_blocks(after)):
+            self._push_page(seq_id, keys, SEALED, index)
+        end = (prompt_len - 1) // self.spec.block_size - 1
+        if end >= 0 and before < (end + 1) * self.spec.block_size <= after:
+            self._push_page(seq_id, keys, END, end)
+
+    def push_end(self, seq_id: object, keys: Sequence[bytes], length: int, prompt_len: int) -> None:
+        """A sequence of ``length`` positions finished: queue the end value of its last full page (the page the
+        pool keeps for the next turn of a chat) unless :meth:`push_step` sent it. Never raises."""
+        end = length // self.spec.block_size - 1
+        if end >= 0 and end != (prompt_len - 1) // self.spec.block_size - 1:
+            self._push_page(seq_id, keys, END, end)
+
+    def _push_page(self, seq_id: object, keys: Sequence[bytes], kind: int, index: int) -> None:
+        try:
+            if kind == SEALED:
+                key, arrays = keys[index], self.cache.sealed_page(seq_id, index)
+            else:
+                key, arrays = end_key(keys[index]), self.cache.page_rows(seq_id, index)
+            self.writer.submit(key, self.store.encode_page(self.spec, key, kind, index, arrays))
+            self.pushed_blocks += kind == SEALED
+            self.pushed_ends += kind == END
+        except Exception as exc:  # noqa: BLE001
+            self._fault(f"push raised {type(exc).__name__}: {exc}")
