@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from int8kv import NonFiniteError, ShapeMismatch, dequantize_int8, quantize_int8
+from int8kv._codec_cpu import SERIAL_ELEMENTS
 from int8kv.codec import quantize_int8_torch, round_to_f16
 from int8kv.formats import KvStorageFormat
 
@@ -68,15 +69,20 @@ def test_matches_numpy_oracle_and_torch_path(dtype, shape):
     assert torch.equal(q, tq) and torch.equal(s, ts)
 
 
-def test_cpu_kernel_equals_torch_path_on_random_bit_patterns():
+@pytest.mark.parametrize("rows", [20000, 4000])  # the parallel kernel, and the serial one below SERIAL_ELEMENTS
+def test_cpu_kernel_equals_torch_path_on_random_bit_patterns(rows):
+    assert (rows * 16 < SERIAL_ELEMENTS) == (rows == 4000)
     # Arbitrary float32 bit patterns cover float16 subnormals, ties and near-overflow values.
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randint(-(2**31), 2**31 - 1, (20000, 16), generator=gen, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(7 + rows)
+    x = torch.randint(-(2**31), 2**31 - 1, (rows, 16), generator=gen, dtype=torch.int64)
     x = x.to(torch.int32).view(torch.float32)
     x = torch.where(x.abs() < 65519.0, x, torch.zeros(()))
     q, s = quantize_int8(x)
     tq, ts = quantize_int8_torch(x)
     assert torch.equal(q, tq) and torch.equal(s, ts)
+    x[rows // 3, 7] = float("nan")  # one bad row, counted by whichever kernel ran
+    with pytest.raises(NonFiniteError, match=rf"\({rows // 3}, 7\)"):
+        quantize_int8(x)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 65520.0, -1e6])

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import int8kv.ops.write as write_mod
+from int8kv import _codec_cpu
 from int8kv.cache.paged import PagedKvCache
+from int8kv.codec import quantize_int8
 from int8kv.errors import LayerOutOfRange, NonFiniteError, PositionOutOfRange, ShapeMismatch
 from int8kv.formats import KvStorageFormat
 from int8kv.ops import append_paged_kv, paged_write, plan_attention
@@ -247,20 +249,53 @@ def test_int64_slots_beyond_int32_are_refused():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_k_and_v_are_encoded_in_one_call(fmt, monkeypatch):
     calls = []
-    real = type(fmt.spec).encode
+    real, real_fused = type(fmt.spec).encode, _codec_cpu.quantize_store
 
     def counting(self, x):
         calls.append(tuple(x.shape))
         return real(self, x)
 
+    def counting_fused(k, *rest):
+        calls.append(("fused",) + tuple(k.shape))
+        return real_fused(k, *rest)
+
     monkeypatch.setattr(type(fmt.spec), "encode", counting)
+    monkeypatch.setattr(_codec_cpu, "quantize_store", counting_fused)
     c = PagedKvCache(4, 4, 1, 2, 8, fmt)
     slots = c.add_sequence(0, 3)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     append_paged_kv(c, 0, k, v, slots)
-    assert calls == [(2, 3, 2, 8)]
+    # INT8 on the CPU: encode and store in one kernel call (codec.quantize_int8_store); F16: one encode for both.
+    assert calls == ([("fused", 3, 2, 8)] if fmt is INT8 else [(2, 3, 2, 8)])
     rk, rv = c.read_rows(0, slots)
     assert torch.equal(rk, fmt.spec.decode(fmt.spec.encode(k))) and torch.equal(rv, fmt.spec.decode(fmt.spec.encode(v)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 700])  # 700 x 2 x 64 > SERIAL_ELEMENTS: encode, then index_copy_
+def test_int8_fused_store_equals_encode_then_store(dtype, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    heads, dim, blocks = 2, 64, -(-2 * tokens // 16)
+    fused, twostep = (PagedKvCache(blocks, 16, 1, heads, dim, INT8) for _ in range(2))
+    slots = torch.randperm(blocks * 16, generator=gen)[:tokens]  # scattered slots, int64
+    # [heads, tokens, dim] transposed: rows with strides, as the transformers layer hands them
+    k, v = (torch.randn(heads, tokens, dim, generator=gen).mul(40).to(dtype).transpose(0, 1) for _ in range(2))
+    append_paged_kv(fused, 0, k, v, slots)
+    codes, scales = quantize_int8(torch.stack((k, v)))
+    for t, src in zip(flat(twostep), (codes[0], scales[0], codes[1], scales[1]), strict=True):
+        t.index_copy_(0, slots, src)
+    assert all(torch.equal(a, b) for a, b in zip(flat(fused), flat(twostep), strict=True))
+    before = [t.clone() for t in flat(fused)]
+    v = v.clone()
+    v[tokens - 1, 1, 3] = float("inf")  # one bad value in the last row: nothing of the call is stored
+    with pytest.raises(NonFiniteError):
+        append_paged_kv(fused, 0, k * 0.5, v, slots)
+    assert all(torch.equal(a, b) for a, b in zip(before, flat(fused), strict=True))
+
+
+def flat(cache) -> list[torch.Tensor]:
+    """Layer 0's K codes, K scales, V codes, V scales by slot."""
+    return [t for side in cache.pool.layer_rows(0) for t in side]
 
 
 def test_rows_with_autograd_history_are_stored_as_values():

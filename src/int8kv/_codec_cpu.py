@@ -58,43 +58,88 @@ def _to_f16_grid(x: np.float32, normal: np.float32) -> np.float32:
     return sub if abs(x) < np.float32(6.1035156e-05) else normal
 
 
+@nb.njit(cache=True)  # a call, not inlined: numba's parfor pass failed on the inlined body ("unexpected cycle")
+def _quantize_range(x: np.ndarray, q: np.ndarray, scale: np.ndarray, lo: int, hi: int) -> int:
+    """Rows lo..hi - 1 of ``x`` into ``q`` and ``scale``; returns how many of them are bad (left unwritten)."""
+    d = x.shape[1]
+    bits = x.view(np.int32)
+    buf = np.empty(d, np.int32)
+    rounded = buf.view(np.float32)
+    bad = 0
+    for r in range(lo, hi):
+        xr, br, qr = x[r], bits[r], q[r]
+        # Max over the bit patterns of |x16|: an integer reduction vectorizes, and
+        # inf/NaN/overflow all compare above the bits of 65504.
+        amax_bits = np.int32(0)
+        for j in range(d):
+            b = br[j]
+            mag = _round_f16_bits(np.int32(b & np.int32(0x7FFFFFFF)))
+            buf[j] = np.int32((b & np.int32(-0x80000000)) | mag)
+            amax_bits = max(amax_bits, mag)
+        if amax_bits > np.int32(0x477FE000):
+            bad += 1
+            continue
+        if amax_bits >= np.int32(0x38800000):
+            amax = _bits_to_f32(amax_bits)
+        else:  # the whole row lies in float16's subnormal range (rare): take the max the slow way
+            amax = np.float32(0.0)
+            for j in range(d):
+                amax = max(amax, abs(_to_f16_grid(xr[j], rounded[j])))
+        s = amax / np.float32(127.0)
+        if s == 0:
+            s = np.float32(1.0)
+        scale[r] = s
+        for j in range(d):
+            c = _rint_small(_to_f16_grid(xr[j], rounded[j]) / s)
+            qr[j] = np.int8(min(max(c, np.float32(-127.0)), np.float32(127.0)))
+    return bad
+
+
 @nb.njit(parallel=True, cache=True)
 def quantize_rows(x: np.ndarray, q: np.ndarray, scale: np.ndarray, nthreads: int) -> int:
     """x float32 [rows, d] -> q int8 [rows, d], scale float32 [rows]; returns the count of bad rows."""
-    rows, d = x.shape
-    bits = x.view(np.int32)
+    rows = x.shape[0]
     chunk = (rows + nthreads - 1) // nthreads
     bad = 0
     for t in nb.prange(nthreads):
-        buf = np.empty(d, np.int32)
-        rounded = buf.view(np.float32)
-        for r in range(t * chunk, min(rows, (t + 1) * chunk)):
-            xr, br, qr = x[r], bits[r], q[r]
-            # Max over the bit patterns of |x16|: an integer reduction vectorizes, and
-            # inf/NaN/overflow all compare above the bits of 65504.
-            amax_bits = np.int32(0)
-            for j in range(d):
-                b = br[j]
-                mag = _round_f16_bits(np.int32(b & np.int32(0x7FFFFFFF)))
-                buf[j] = np.int32((b & np.int32(-0x80000000)) | mag)
-                amax_bits = max(amax_bits, mag)
-            if amax_bits > np.int32(0x477FE000):
-                bad += 1
-                continue
-            if amax_bits >= np.int32(0x38800000):
-                amax = _bits_to_f32(amax_bits)
-            else:  # the whole row lies in float16's subnormal range (rare): take the max the slow way
-                amax = np.float32(0.0)
-                for j in range(d):
-                    amax = max(amax, abs(_to_f16_grid(xr[j], rounded[j])))
-            s = amax / np.float32(127.0)
-            if s == 0:
-                s = np.float32(1.0)
-            scale[r] = s
-            for j in range(d):
-                c = _rint_small(_to_f16_grid(xr[j], rounded[j]) / s)
-                qr[j] = np.int8(min(max(c, np.float32(-127.0)), np.float32(127.0)))
+        bad += _quantize_range(x, q, scale, t * chunk, min(rows, (t + 1) * chunk))
     return bad
+
+
+@nb.njit(cache=True)
+def quantize_rows_serial(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> int:
+    """`quantize_rows` on the calling thread, for inputs below SERIAL_ELEMENTS: no thread pool to set or wake.
+    Through the parallel kernel on one thread a decode step's 2 x 3 x 64 values took 85-98 us per layer inside
+    SmolLM2's forward (torch's threads busy around it) against ~20 us alone; the same code run serially takes
+    neither the two set_num_threads calls nor the pool's launch."""
+    return _quantize_range(x, q, scale, 0, x.shape[0])
+
+
+@nb.njit(cache=True)
+def quantize_store(k, v, slots, k_codes, k_scales, v_codes, v_scales) -> int:
+    """Encode K and V rows ``k, v`` float32 ``[n, H, d]`` (C-contiguous) and store them at int64 ``slots [n]``:
+    codes into ``k_codes`` / ``v_codes`` int8 ``[S, H, d]``, scales into ``k_scales`` / ``v_scales`` float32
+    ``[S, H]``. Returns the count of bad rows; with any, nothing is stored. One call for what took a stack, an
+    encode, four tensor wrappers and four ``index_copy_`` per layer of a decode step (`codec.quantize_int8_store`)."""
+    n, h, d = k.shape
+    qk = np.empty((n * h, d), np.int8)
+    qv = np.empty((n * h, d), np.int8)
+    sk = np.empty(n * h, np.float32)
+    sv = np.empty(n * h, np.float32)
+    bad = _quantize_range(k.reshape(n * h, d), qk, sk, 0, n * h)
+    bad += _quantize_range(v.reshape(n * h, d), qv, sv, 0, n * h)
+    if bad:
+        return bad
+    for i in range(n):
+        s = slots[i]
+        for j in range(h):
+            r = i * h + j
+            k_scales[s, j] = sk[r]
+            v_scales[s, j] = sv[r]
+            for c in range(d):
+                k_codes[s, j, c] = qk[r, c]
+                v_codes[s, j, c] = qv[r, c]
+    return 0
 
 
 @nb.njit(inline="always")

@@ -86,12 +86,36 @@ def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # every layer's few rows, so the fixed costs are the cost).
     q = np.empty(rows.shape, np.int8)
     scale = np.empty(rows.shape[0], np.float32)
-    with _codec_cpu.threads_for(rows.size) as threads:
-        bad = _codec_cpu.quantize_rows(rows, q, scale, threads)
+    if rows.size < _codec_cpu.SERIAL_ELEMENTS:  # a decode step's few rows: no thread pool to set or wake
+        bad = _codec_cpu.quantize_rows_serial(rows, q, scale)
+    else:
+        with _codec_cpu.threads_for(rows.size) as threads:
+            bad = _codec_cpu.quantize_rows(rows, q, scale, threads)
     if bad:
         round_to_f16(x)  # raises with the location of the first bad value
         raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")
     return torch.from_numpy(q).view(x.shape), torch.from_numpy(scale).view(x.shape[:-1])
+
+
+def quantize_int8_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_dst, v_dst) -> bool:
+    """Encode K and V rows ``[n, heads, d]`` with V1 and store them at int64 ``slots [n]`` of ``k_dst`` /
+    ``v_dst`` (each ``(codes int8 [S, heads, d], scales float32 [S, heads])``) in one CPU kernel call; nothing
+    is stored if a row is not finite in float16 (NonFiniteError). Returns False, storing nothing, where that
+    kernel does not apply (not all on the CPU, a destination not C-contiguous, more than a few rows): the caller
+    encodes and stores in two steps then. ``k``, ``v``: float32, float16 or bfloat16, any strides."""
+    from . import _codec_cpu
+
+    if k.numel() >= _codec_cpu.SERIAL_ELEMENTS or k.device.type != "cpu" or v.device.type != "cpu":
+        return False
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in (slots, *k_dst, *v_dst)):
+        return False
+    kn, vn = (x.to(torch.float32).contiguous().numpy() for x in (k, v))
+    bad = _codec_cpu.quantize_store(kn, vn, slots.numpy(), *(t.numpy() for t in (*k_dst, *v_dst)))
+    if bad:
+        for x in (k, v):
+            round_to_f16(x)  # raises with the location of the first bad value
+        raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")
+    return True
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

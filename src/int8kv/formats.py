@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codec import dequantize_int8, quantize_int8, round_to_f16
+from .codec import dequantize_int8, quantize_int8, quantize_int8_store, round_to_f16
 from .errors import ShapeMismatch
 
 
@@ -90,6 +90,17 @@ class KvFormat:
         """Rows ``x [..., head_dim]`` (float32/float16/bfloat16, any device) as one tensor per part,
         ``[..., *part.shape(head_dim)]``; NaN/inf and out-of-domain inputs raise typed errors."""
         raise NotImplementedError
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_dst: Sequence[torch.Tensor],
+              v_dst: Sequence[torch.Tensor]) -> None:
+        """Encode K and V rows ``[n, heads, head_dim]`` and store them at int64 ``slots [n]`` of ``k_dst`` /
+        ``v_dst`` (one tensor per part, ``[S, heads, *part.shape(head_dim)]``); nothing is stored if encoding
+        fails. One :meth:`encode` call for K and V: at decode (a few rows per layer) the per-call overhead is
+        the cost."""
+        parts = self.encode(torch.stack((k, v)))
+        for dst, side in ((k_dst, 0), (v_dst, 1)):
+            for t, part in zip(dst, parts, strict=True):
+                t.index_copy_(0, slots, part[side])
 
     def decode(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Stored parts (as :meth:`encode` returns them, any leading shape) as float32 rows ``[..., head_dim]``."""
@@ -186,6 +197,11 @@ class Int8V1Format(KvFormat):
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return quantize_int8(x)
+
+    def store(self, k, v, slots, k_dst, v_dst) -> None:
+        # A decode step's rows on the CPU: encode and store in one kernel call (codec.quantize_int8_store).
+        if not quantize_int8_store(k, v, slots, k_dst, v_dst):
+            super().store(k, v, slots, k_dst, v_dst)
 
     def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
         return dequantize_int8(*parts)

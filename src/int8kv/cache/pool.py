@@ -148,6 +148,11 @@ class KvPool:
             for t, rows in zip(dst, src, strict=True):
                 t.index_copy_(0, slots, rows)
 
+    def encode_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode checked rows ``k, v [n, heads, head_dim]`` and store them at int64 ``slots [n]`` (the format's
+        :meth:`~int8kv.formats.KvFormat.store`): nothing is stored if encoding fails."""
+        self.format.spec.store(k, v, slots, *self.layer_rows(layer))
+
     def export_rows(self, layer: int, slots: torch.Tensor) -> tuple[Rows, Rows]:
         """Encoded K and V rows of int64 ``slots`` (copies), the inverse of :meth:`write_rows`."""
         k, v = self.layer_rows(layer)

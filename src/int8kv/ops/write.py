@@ -153,14 +153,6 @@ def check_rows(pool, x: torch.Tensor, what: str) -> torch.Tensor:
     return x.detach()
 
 
-def encode_kv(fmt, k: torch.Tensor, v: torch.Tensor):
-    """Encode K and V ``[tokens, heads, dim]`` in one codec call: ``(k_parts, v_parts)``, one tensor per part.
-
-    One call instead of two halves the per-call overhead, which dominates at decode (a few rows per layer)."""
-    parts = fmt.spec.encode(torch.stack((k, v)))
-    return tuple(t[0] for t in parts), tuple(t[1] for t in parts)
-
-
 def kv_to_f16(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Checked rows ``k``, ``v`` rounded to float16; NaN, inf or |x| > 65504 refused in one host read for both.
 
@@ -183,8 +175,7 @@ def store_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         # The codec's checks (NaN/inf, float16 range) run here, before the fused kernel writes anything.
         tk.store_rows(pool, layer, *kv_to_f16(k, v), slots)
         return
-    k_rows, v_rows = encode_kv(pool.format, k, v)
-    pool.write_rows(layer, slots, k_rows, v_rows)
+    pool.encode_rows(layer, slots, k, v)
 
 
 def _check_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
