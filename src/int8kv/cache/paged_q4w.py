@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ShapeMismatch, UnsupportedFormat
+from ..errors import KvPoolExhausted, ShapeMismatch, UnsupportedFormat
 from ..formats import INT4_SINK_WINDOW_V1, KvStorageFormat
 from .allocator import BlockAllocator, SeqId
 from .paged import PagedKvCache
@@ -174,21 +174,45 @@ class Int4SinkWindowCache(PagedKvCache):
         self._pinned_from[seq_id] = pin_from
 
     def grow(self, seq_id: SeqId, num_tokens: int) -> torch.Tensor:
-        """Reserve ``num_tokens`` more positions; the new pages start afresh and are pinned."""
-        old = len(self.allocator.block_table(seq_id))
+        """Reserve ``num_tokens`` more positions; the new pages start afresh and are pinned. A shared partial last
+        page (after :meth:`fork`) is copied first (``pool.copy_block``: its F16 rows, and its sink slot for page 0)
+        and the copy pinned in its place; KvPoolExhausted, nothing changed, when the blocks, or the window page or
+        sink slot of the copy, are short (the engine's sizing leaves room for the copy: module docs)."""
+        before = self.allocator.block_table(seq_id)
+        if self.allocator.copies_on_grow(seq_id, num_tokens) and not self.pool.can_copy(before[-1]):
+            raise KvPoolExhausted(f"copying the shared partial page of sequence {seq_id!r} needs a window page or "
+                                  "a sink slot; none is free (kept ones included)")
         slots = super().grow(seq_id, num_tokens)
-        new = self.allocator.block_table(seq_id)[old:]
+        table = self.allocator.block_table(seq_id)
+        last = len(before) - 1
+        if before and table[last] != before[-1] and last >= self._pinned_from[seq_id]:  # copied on write
+            self.pool.unpin([before[-1]])
+            self.pool.pin([table[last]])
+        new = table[len(before) :]
         self.pool.release(new)
         self.pool.pin(new)
         return slots
 
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """``child`` starts as ``parent``: it shares every page (refcounts only, nothing allocated or copied) and
+        pins what ``parent`` pins, so a shared page keeps its F16 rows until both have passed it. The shared
+        partial last page is copied when one of them first writes into it (:meth:`grow`)."""
+        self.allocator.fork(parent, child)
+        start = self._pinned_from[parent]
+        self.pool.pin(self.allocator.block_table(child)[start:])
+        self._pinned_from[child] = start
+
     def free(self, seq_id: SeqId) -> None:
         """Drop a sequence and its pins; of the blocks that went back to the pool with it, the registered ones
         (cached) keep their window pages and sink slot (``pool.keep``), the others give them back
-        (``pool.release``)."""
+        (``pool.release``). A page other sequences still hold gives back its window page once no pin holds it
+        and every layer sealed it (``pool.give_back_sealed``: they all read it sealed), as their next
+        :meth:`release_outside_windows` would."""
         table = self.allocator.block_table(seq_id)
         self.allocator.free(seq_id)
-        self.pool.unpin(table[self._pinned_from.pop(seq_id) :])
+        start = self._pinned_from.pop(seq_id)
+        self.pool.unpin(table[start:])
+        self.pool.give_back_sealed([b for b in table[start:] if self.allocator.refcount(b) > 0])
         gone = [b for b in table if self.allocator.refcount(b) == 0]
         self.pool.keep([b for b in gone if self.allocator.block_key(b) is not None])
         self.pool.release([b for b in gone if self.allocator.block_key(b) is None])
@@ -217,9 +241,6 @@ class Int4SinkWindowCache(PagedKvCache):
 
     def release_before(self, seq_id: SeqId, position: int) -> int:
         raise refuse("releasing blocks before a position (page 0 holds the sinks every query reads)")
-
-    def fork(self, parent: SeqId, child: SeqId) -> None:
-        raise refuse("forking a sequence (copy-on-write of a page)")
 
     # -- states and rows ------------------------------------------------------------------------------------
     def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> Q4WState:
