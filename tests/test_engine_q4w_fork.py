@@ -43,6 +43,19 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# The prompts the tests fork, each with the most new tokens a test asks of it.
+PROMPTS = {n: (tokens(n, n), new) for n, new in (*LENGTHS.items(), (70, 30), (130, 30))}
+
+
+@pytest.fixture(scope="module")
+def unforked(model) -> dict[int, list[int]]:
+    """Greedy tokens of each of PROMPTS run as one unforked request (in one batch, without prefix caching)."""
+    llm = engine(model, prefix_caching=False)
+    outs = llm.generate([p for p, _ in PROMPTS.values()],
+                        [SamplingParams(max_tokens=new, ignore_eos=True) for _, new in PROMPTS.values()])
+    return {n: o.token_ids for n, o in zip(PROMPTS, outs, strict=True)}
+
+
 def choices(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=params.seed + j) for j in range(n)]
 
@@ -123,10 +136,9 @@ HELD = {3: (4, 4, 60), 64: (5, 1, 59), 150: (5, 1, 58)}
 
 
 @pytest.mark.parametrize("length", list(LENGTHS))
-def test_greedy_forks_are_n_copies_of_the_unforked_request_each_storing_its_own_rows(model, length):
-    prompt, params = tokens(length, length), SamplingParams(max_tokens=LENGTHS[length], ignore_eos=True)
-    alone = engine(model)
-    want = alone.generate([prompt], params)[0].token_ids
+def test_greedy_forks_are_n_copies_of_the_unforked_request_each_storing_its_own_rows(model, unforked, length):
+    (prompt, _), params = PROMPTS[length], SamplingParams(max_tokens=LENGTHS[length], ignore_eos=True)
+    want = unforked[length]
     llm = engine(model)
     written = Written(llm)
     ids = llm.add_forked_request(prompt, params, n=4)
@@ -143,31 +155,29 @@ def test_greedy_forks_are_n_copies_of_the_unforked_request_each_storing_its_own_
 def test_seeded_forks_equal_the_same_seeds_run_as_separate_requests(model):
     """Chunked prefill (150 tokens in chunks of 64) and a fork mid-page; the choices diverge from their first
     token, so a choice reading a sibling's copy of the partial page would sample other tokens."""
-    prompt = tokens(150, 5)
-    params = SamplingParams(max_tokens=24, temperature=30.0, seed=3, ignore_eos=True)
-    want = [o.token_ids for o in engine(model).generate([prompt] * 4, choices(params, 4))]
-    assert len({w[0] for w in want}) > 1 and len({tuple(w) for w in want}) == 4
+    prompt = PROMPTS[150][0]
+    params = SamplingParams(max_tokens=12, temperature=30.0, seed=3, ignore_eos=True)
+    want = [o.token_ids for o in engine(model).generate([prompt] * 3, choices(params, 3))]
+    assert len({w[0] for w in want}) > 1 and len({tuple(w) for w in want}) == 3
     llm = engine(model)
     written = Written(llm)
-    assert run(llm, llm.add_forked_request(prompt, params, n=4)) == want
-    assert llm.stats.prefill_tokens == 150 and written.checked == 4
+    assert run(llm, llm.add_forked_request(prompt, params, n=3)) == want
+    assert llm.stats.prefill_tokens == 150 and written.checked == 3
     assert_all_given_back(llm)
 
 
-def test_preempted_and_aborted_choices_give_back_exactly_what_they_hold(model):
+def test_preempted_and_aborted_choices_give_back_exactly_what_they_hold(model, unforked):
     """Two groups of two greedy choices in 6 pages (the 70-token group needs 1 shared + 2 x 1 own, the 130-token one
     2 shared + 2 x 1 own): choices are preempted (their references dropped, the pages their sibling holds kept)
-    and recomputed, with and without prefix caching. Then a choice aborted mid-decode gives back its own copy
-    of the partial page (a block and its window page) and nothing its siblings read."""
-    prompts, params = [tokens(70, 1), tokens(130, 2)], SamplingParams(max_tokens=30, ignore_eos=True)
-    want = [o.token_ids for o in engine(model).generate(prompts, params)]
-    for caching in (True, False):
-        llm = engine(model, blocks=6, prefix_caching=caching)
-        written = Written(llm)
-        ids = [i for p in prompts for i in llm.add_forked_request(p, params, n=2)]
-        assert run(llm, ids) == [want[0]] * 2 + [want[1]] * 2
-        assert llm.stats.preemptions > 0 and llm.stats.failed_requests == 0 and written.checked == 4
-        assert_all_given_back(llm)
+    and recomputed, hitting the prompt's pages again. Then a choice aborted mid-decode gives back its own copy of
+    the partial page (a block and its window page) and nothing its siblings read."""
+    prompts, params = [PROMPTS[70][0], PROMPTS[130][0]], SamplingParams(max_tokens=30, ignore_eos=True)
+    llm = engine(model, blocks=6)
+    written = Written(llm)
+    ids = [i for p in prompts for i in llm.add_forked_request(p, params, n=2)]
+    assert run(llm, ids) == [unforked[70]] * 2 + [unforked[130]] * 2
+    assert llm.stats.preemptions > 0 and llm.stats.failed_requests == 0 and written.checked == 4
+    assert_all_given_back(llm)
     llm = engine(model)
     pool, short = llm.cache.pool, SamplingParams(max_tokens=6, ignore_eos=True)
     ids = llm.add_forked_request(prompts[1], short, n=3)
@@ -182,23 +192,22 @@ def test_preempted_and_aborted_choices_give_back_exactly_what_they_hold(model):
     outs = run(llm, ids, abort)
     # Page 0 sealed and given back, page 1 shared (F16, pinned), three copies of page 2; the victim's copy goes.
     assert seen == [(1, 4, 1, 64 - 5), (3, 1, 64 - 4)]
-    assert outs[0] == outs[2] == want[1][:6] and outs[1] == want[1][:2]
+    assert outs[0] == outs[2] == unforked[130][:6] and outs[1] == unforked[130][:2]
     assert_all_given_back(llm)
 
 
-def test_a_forked_group_on_prefix_hits(model):
+def test_a_forked_group_on_prefix_hits(model, unforked):
     """A request of 150 tokens leaves pages 0-1 cached (page 1 keeps its F16 rows); a group of the same prompt hits
     them (128 tokens), prefills the other 22 once and forks: its tokens are those computed without the cache, its
     stored forms those of its own rows."""
-    prompt, params = tokens(150, 3), SamplingParams(max_tokens=12, ignore_eos=True)
-    want = engine(model, prefix_caching=False).generate([prompt], params)[0].token_ids
+    prompt, params = PROMPTS[150][0], SamplingParams(max_tokens=12, ignore_eos=True)
     llm = engine(model)
     written = Written(llm)
     llm.generate([prompt], SamplingParams(max_tokens=1))
     prefilled = llm.stats.prefill_tokens
     ids, cached = llm.add_forked_request(prompt, params, n=3), {}
     outs = run(llm, ids, cached=cached)
-    assert outs == [want] * 3 and llm.stats.prefill_tokens - prefilled == 22
+    assert outs == [unforked[150][:12]] * 3 and llm.stats.prefill_tokens - prefilled == 22
     assert [cached[i] for i in ids] == [128] * 3
     assert written.checked == 4
     assert_all_given_back(llm)
@@ -219,8 +228,12 @@ def test_the_cache_copies_a_shared_partial_page_or_refuses_with_nothing_changed(
         tight.grow("b", 1)
     assert books == (tight.block_table("b"), tight.num_free_blocks, tight.pool.windows_held(),
                      tight.pool.sinks_held()) and tight.context_len("b") == 3  # fmt: skip
+    spare = next(b for b in range(4) if tight.allocator.refcount(b) == 0)
+    with pytest.raises(KvPoolExhausted, match="window page or a sink slot"):
+        tight.pool.copy_block(tight.block_table("a")[0], spare)
     with pytest.raises(ShapeMismatch, match="onto itself"):
         tight.pool.copy_block(0, 0)
+    assert (tight.pool.windows_held(), tight.pool.sinks_held()) == (1, 1)
     tight.free("b")
     tight.free("a")
     assert (tight.pool.windows_held(), tight.pool.sinks_held(), tight.num_free_blocks) == (0, 0, 4)
