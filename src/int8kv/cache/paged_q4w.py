@@ -37,11 +37,25 @@ Prefix caching (the allocator's keys and hits, as for every paged cache) with th
   what it kept (``pool.release``), a page taken by a hit is claimed (``pool.claim``).
 
 Sealing a shared page happens once per layer, from the F16 rows every sharer reads: no sharer writes it
-differently (a registered page is full, never written again).
+differently (a registered page is full, never written again). :meth:`free` gives back the window pages of the
+pages it unpinned that other sequences still hold, once no pin holds them and every layer sealed them
+(``pool.give_back_sealed``: their holders have all passed them), as those holders' next settle would.
 
-Refused by name (UnsupportedFormat): copy-on-write (forks), slices of a state and writes of one into a sequence
-(the block store, whose values would also need the F16 rows of the page a hit ends on), releasing blocks before a
-position (sliding tables: page 0 holds the sinks every query reads), several K/V shapes or block tables.
+Forks (the engine's ``n > 1``, :meth:`fork`): the child shares every page of the parent (the allocator's
+refcounts, nothing allocated) and pins what the parent pins, so the shared pages are the sharing above: each
+keeps its F16 rows until every sharer has passed it and is sealed once per layer. The shared partial last page
+is copied when one of them first writes into it (:meth:`grow`, the allocator's copy-on-write and
+``pool.copy_block``): a block, a window page holding the page's F16 rows and, for page 0 (a fork at fewer than 64
+positions), a sink slot holding the sinks; the copy is pinned in place of the original. A fork at a multiple of
+64 positions copies nothing (each sequence starts its own page), one at fewer than 64 shares no full page. The
+sizing above is unchanged: the copy is the window page of the sequence's own last page, which its step counts
+anyway (``ceil(m / 64) + 2`` per sequence, a shared page counted in each sharer), a running sequence still holds
+at most 2 window pages between its steps (the pages it pins) and one sink slot (its page 0's), and admission
+counts the copy's block (``blocks_needed``, as for every format).
+
+Refused by name (UnsupportedFormat): slices of a state and writes of one into a sequence (the block store, whose
+values would also need the F16 rows of the page a hit ends on), releasing blocks before a position (sliding
+tables: page 0 holds the sinks every query reads), several K/V shapes or block tables.
 """
 
 from __future__ import annotations

@@ -28,16 +28,18 @@ Reads: the reference backend through :meth:`stored_form`; the CPU and Triton bac
 :meth:`check_reads`. The writes are torch code on the pool's device (sealing goes through numpy on the host), so
 the write path serves this pool the same way under every backend.
 
-Sharing (the engine's prefix cache, cache/paged_q4w.py): a page written by one sequence may be read by others
-that took it as a prefix hit. Its F16 rows are given back only while no sequence :meth:`pin` s it (the pins are
-the owner's book: a sequence pins the pages whose F16 rows its next queries read); every give-back above (in a
-step, at its start, :meth:`settle`) skips a pinned page, so a sharer still reading a page in F16 keeps it.
-Sealing a shared page is idempotent: a page is sealed once per layer, from the one window page every sharer
-reads, so two sharers can never seal it differently. The window pages and sink slots of pages no sequence holds
-(cached for later hits) may be kept (:meth:`keep`): they stay held, and a step short of window pages or sink
-slots takes them back, least recently kept first, so they are as good as free for sizing. :meth:`usable_prefix`
-says how many pages of a chain a new sequence can start from: the sink slot of the first page, the F16 rows of
-the last one (which the first new query reads in F16) and every page before it sealed in every layer.
+Sharing (the engine's prefix cache and forks, cache/paged_q4w.py): a page written by one sequence may be read by
+others that took it as a prefix hit or were forked off it. Its F16 rows are given back only while no sequence
+:meth:`pin` s it (the pins are the owner's book: a sequence pins the pages whose F16 rows its next queries read);
+every give-back above (in a step, at its start, :meth:`settle`) skips a pinned page, so a sharer still reading a
+page in F16 keeps it, and :meth:`give_back_sealed` gives back those of shared pages no pin holds any more (their
+holders have all passed them). Sealing a shared page is idempotent: a page is sealed once per layer, from the one
+window page every sharer reads, so two sharers can never seal it differently. The window pages and sink slots
+of pages no sequence holds (cached for later hits) may be kept (:meth:`keep`): they stay held, and a step short
+of window pages or sink slots takes them back, least recently kept first, so they are as good as free for sizing.
+:meth:`usable_prefix` says how many pages of a chain a new sequence can start from: the sink slot of the first
+page, the F16 rows of the last one (which the first new query reads in F16) and every page before it sealed in
+every layer.
 
 Copies and cuts: :meth:`copy_block` copies one block into another of this pool (the engine's copy-on-write of a
 forked sequence's shared partial last page: its F16 rows in a window page of its own, and a sink slot of its own
