@@ -51,8 +51,10 @@ PROMPTS = {n: (tokens(n, n), new) for n, new in (*LENGTHS.items(), (70, 30), (13
 def unforked(model) -> dict[int, list[int]]:
     """Greedy tokens of each of PROMPTS run as one unforked request (in one batch, without prefix caching)."""
     llm = engine(model, prefix_caching=False)
-    outs = llm.generate([p for p, _ in PROMPTS.values()],
-                        [SamplingParams(max_tokens=new, ignore_eos=True) for _, new in PROMPTS.values()])
+    outs = llm.generate(
+        [p for p, _ in PROMPTS.values()],
+        [SamplingParams(max_tokens=new, ignore_eos=True) for _, new in PROMPTS.values()],
+    )
     return {n: o.token_ids for n, o in zip(PROMPTS, outs, strict=True)}
 
 
@@ -156,6 +158,7 @@ def test_seeded_forks_equal_the_same_seeds_run_as_separate_requests(model):
     """Chunked prefill (150 tokens in chunks of 64) and a fork mid-page; the choices diverge from their first
     token, so a choice reading a sibling's copy of the partial page would sample other tokens."""
     prompt = PROMPTS[150][0]
+    # Temperature 30 undoes the model's x30 output layer: at 1, all 4 seeds sampled the same first token.
     params = SamplingParams(max_tokens=12, temperature=30.0, seed=3, ignore_eos=True)
     want = [o.token_ids for o in engine(model).generate([prompt] * 3, choices(params, 3))]
     assert len({w[0] for w in want}) > 1 and len({tuple(w) for w in want}) == 3
