@@ -193,8 +193,7 @@ def test_refusals_change_nothing():
     with pytest.raises(ShapeMismatch, match="written by step"):
         ops.append_paged_kv(pool, 0, torch.zeros(2, HEADS, DIM), torch.zeros(2, HEADS, DIM), torch.tensor([5, 6]))
     assert _same(pool, snap)
-    for call in (lambda: pool.copy_block(0, 7), lambda: pool.export_rows(0, torch.tensor([0])),
-                 lambda: pool.write_rows(0, torch.tensor([0]), (), ())):
+    for call in (lambda: pool.export_rows(0, torch.tensor([0])), lambda: pool.write_rows(0, torch.tensor([0]), (), ())):
         with pytest.raises(UnsupportedFormat, match=FMT.name):
             call()
     assert _same(pool, snap)

@@ -37,16 +37,30 @@ Prefix caching (the allocator's keys and hits, as for every paged cache) with th
   what it kept (``pool.release``), a page taken by a hit is claimed (``pool.claim``).
 
 Sealing a shared page happens once per layer, from the F16 rows every sharer reads: no sharer writes it
-differently (a registered page is full, never written again).
+differently (a registered page is full, never written again). :meth:`free` gives back the window pages of the
+pages it unpinned that other sequences still hold, once no pin holds them and every layer sealed them
+(``pool.give_back_sealed``: their holders have all passed them), as those holders' next settle would.
 
 The block store (engine/store_tier.py PageStoreTier, blockstore/codec_q4w.py): :meth:`sealed_page` and
 :meth:`page_rows` give a page's sealed value and end value (its F16 rows); :meth:`write_state` writes a run of
 ``j`` whole pages loaded from the store (the stored form of ``64 j`` positions) into a sequence registered without
 a hit, through ``pool.import_sequence``, after which it pins its pages as after a hit of ``j`` pages.
 
-Refused by name (UnsupportedFormat): copy-on-write (forks), slices of a state and writes of one other than a run of
-whole pages from position 0 into a fresh sequence, releasing blocks before a position (sliding tables: page 0
-holds the sinks every query reads), several K/V shapes or block tables.
+Forks (the engine's ``n > 1``, :meth:`fork`): the child shares every page of the parent (the allocator's
+refcounts, nothing allocated) and pins what the parent pins, so the shared pages are the sharing above: each
+keeps its F16 rows until every sharer has passed it and is sealed once per layer. The shared partial last page
+is copied when one of them first writes into it (:meth:`grow`, the allocator's copy-on-write and
+``pool.copy_block``): a block, a window page holding the page's F16 rows and, for page 0 (a fork at fewer than 64
+positions), a sink slot holding the sinks; the copy is pinned in place of the original. A fork at a multiple of
+64 positions copies nothing (each sequence starts its own page), one at fewer than 64 shares no full page. The
+sizing above is unchanged: the copy is the window page of the sequence's own last page, which its step counts
+anyway (``ceil(m / 64) + 2`` per sequence, a shared page counted in each sharer), a running sequence still holds
+at most 2 window pages between its steps (the pages it pins) and one sink slot (its page 0's), and admission
+counts the copy's block (``blocks_needed``, as for every format).
+
+Refused by name (UnsupportedFormat): slices of a state and writes of one other than a run of whole pages from
+position 0 into a fresh sequence, releasing blocks before a position (sliding tables: page 0 holds the sinks every
+query reads), several K/V shapes or block tables.
 """
 
 from __future__ import annotations
@@ -56,7 +70,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ShapeMismatch, UnsupportedFormat
+from ..errors import KvPoolExhausted, ShapeMismatch, UnsupportedFormat
 from ..formats import INT4_SINK_WINDOW_V1, KvStorageFormat
 from .allocator import BlockAllocator, SeqId
 from .paged import PagedKvCache
@@ -179,21 +193,45 @@ class Int4SinkWindowCache(PagedKvCache):
         self._pinned_from[seq_id] = pin_from
 
     def grow(self, seq_id: SeqId, num_tokens: int) -> torch.Tensor:
-        """Reserve ``num_tokens`` more positions; the new pages start afresh and are pinned."""
-        old = len(self.allocator.block_table(seq_id))
+        """Reserve ``num_tokens`` more positions; the new pages start afresh and are pinned. A shared partial last
+        page (after :meth:`fork`) is copied first (``pool.copy_block``: its F16 rows, and its sink slot for page 0)
+        and the copy pinned in its place; KvPoolExhausted, nothing changed, when the blocks, or the window page or
+        sink slot of the copy, are short (the engine's sizing leaves room for the copy: module docs)."""
+        before = self.allocator.block_table(seq_id)
+        if self.allocator.copies_on_grow(seq_id, num_tokens) and not self.pool.can_copy(before[-1]):
+            raise KvPoolExhausted(f"copying the shared partial page of sequence {seq_id!r} needs a window page or "
+                                  "a sink slot; none is free (kept ones included)")
         slots = super().grow(seq_id, num_tokens)
-        new = self.allocator.block_table(seq_id)[old:]
+        table = self.allocator.block_table(seq_id)
+        last = len(before) - 1
+        if before and table[last] != before[-1] and last >= self._pinned_from[seq_id]:  # copied on write
+            self.pool.unpin([before[-1]])
+            self.pool.pin([table[last]])
+        new = table[len(before) :]
         self.pool.release(new)
         self.pool.pin(new)
         return slots
 
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """``child`` starts as ``parent``: it shares every page (refcounts only, nothing allocated or copied) and
+        pins what ``parent`` pins, so a shared page keeps its F16 rows until both have passed it. The shared
+        partial last page is copied when one of them first writes into it (:meth:`grow`)."""
+        self.allocator.fork(parent, child)
+        start = self._pinned_from[parent]
+        self.pool.pin(self.allocator.block_table(child)[start:])
+        self._pinned_from[child] = start
+
     def free(self, seq_id: SeqId) -> None:
         """Drop a sequence and its pins; of the blocks that went back to the pool with it, the registered ones
         (cached) keep their window pages and sink slot (``pool.keep``), the others give them back
-        (``pool.release``)."""
+        (``pool.release``). A page other sequences still hold gives back its window page once no pin holds it
+        and every layer sealed it (``pool.give_back_sealed``: they all read it sealed), as their next
+        :meth:`release_outside_windows` would."""
         table = self.allocator.block_table(seq_id)
         self.allocator.free(seq_id)
-        self.pool.unpin(table[self._pinned_from.pop(seq_id) :])
+        start = self._pinned_from.pop(seq_id)
+        self.pool.unpin(table[start:])
+        self.pool.give_back_sealed([b for b in table[start:] if self.allocator.refcount(b) > 0])
         gone = [b for b in table if self.allocator.refcount(b) == 0]
         self.pool.keep([b for b in gone if self.allocator.block_key(b) is not None])
         self.pool.release([b for b in gone if self.allocator.block_key(b) is None])
@@ -222,9 +260,6 @@ class Int4SinkWindowCache(PagedKvCache):
 
     def release_before(self, seq_id: SeqId, position: int) -> int:
         raise refuse("releasing blocks before a position (page 0 holds the sinks every query reads)")
-
-    def fork(self, parent: SeqId, child: SeqId) -> None:
-        raise refuse("forking a sequence (copy-on-write of a page)")
 
     # -- states and rows ------------------------------------------------------------------------------------
     def export_state(self, seq_id: SeqId, start: int = 0, end: int | None = None) -> Q4WState:

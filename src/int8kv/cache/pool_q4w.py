@@ -28,18 +28,22 @@ Reads: the reference backend through :meth:`stored_form`; the CPU and Triton bac
 :meth:`check_reads`. The writes are torch code on the pool's device (sealing goes through numpy on the host), so
 the write path serves this pool the same way under every backend.
 
-Sharing (the engine's prefix cache, cache/paged_q4w.py): a page written by one sequence may be read by others
-that took it as a prefix hit. Its F16 rows are given back only while no sequence :meth:`pin` s it (the pins are
-the owner's book: a sequence pins the pages whose F16 rows its next queries read); every give-back above (in a
-step, at its start, :meth:`settle`) skips a pinned page, so a sharer still reading a page in F16 keeps it.
-Sealing a shared page is idempotent: a page is sealed once per layer, from the one window page every sharer
-reads, so two sharers can never seal it differently. The window pages and sink slots of pages no sequence holds
-(cached for later hits) may be kept (:meth:`keep`): they stay held, and a step short of window pages or sink
-slots takes them back, least recently kept first, so they are as good as free for sizing. :meth:`usable_prefix`
-says how many pages of a chain a new sequence can start from: the sink slot of the first page, the F16 rows of
-the last one (which the first new query reads in F16) and every page before it sealed in every layer.
+Sharing (the engine's prefix cache and forks, cache/paged_q4w.py): a page written by one sequence may be read by
+others that took it as a prefix hit or were forked off it. Its F16 rows are given back only while no sequence
+:meth:`pin` s it (the pins are the owner's book: a sequence pins the pages whose F16 rows its next queries read);
+every give-back above (in a step, at its start, :meth:`settle`) skips a pinned page, so a sharer still reading a
+page in F16 keeps it, and :meth:`give_back_sealed` gives back those of shared pages no pin holds any more (their
+holders have all passed them). Sealing a shared page is idempotent: a page is sealed once per layer, from the one
+window page every sharer reads, so two sharers can never seal it differently. The window pages and sink slots
+of pages no sequence holds (cached for later hits) may be kept (:meth:`keep`): they stay held, and a step short
+of window pages or sink slots takes them back, least recently kept first, so they are as good as free for sizing.
+:meth:`usable_prefix` says how many pages of a chain a new sequence can start from: the sink slot of the first
+page, the F16 rows of the last one (which the first new query reads in F16) and every page before it sealed in
+every layer.
 
-Copies and cuts: :meth:`remapped` copies block ids into a new pool (more blocks, window pages or sink slots: the
+Copies and cuts: :meth:`copy_block` copies one block into another of this pool (the engine's copy-on-write of a
+forked sequence's shared partial last page: its F16 rows in a window page of its own, and a sink slot of its own
+for a first page), :meth:`remapped` copies block ids into a new pool (more blocks, window pages or sink slots: the
 transformers drop-in's growth; rows picked in another order or twice: its beam search), and :meth:`truncate`
 cuts sequences back to a shorter length while the F16 rows that length reads are still held (refused by name
 once they were given back).
@@ -49,8 +53,8 @@ States: :meth:`export_sequence` (a sequence's :meth:`stored_form` in every layer
 them between steps), so that a sequence exported at ``n`` positions and imported into another pool continues
 exactly as it would have (int8kv.cache.state_q4w).
 
-Not implemented (refused by name, UnsupportedFormat): writes by slot without a plan, copy-on-write copies,
-export / import of rows by slot.
+Not implemented (refused by name, UnsupportedFormat): writes by slot without a plan, export / import of rows by
+slot.
 """
 
 from __future__ import annotations
@@ -170,9 +174,6 @@ class Int4SinkWindowPool:
     def export_rows(self, layer, slots):
         self._refuse("exporting rows")
 
-    def copy_block(self, src: int, dst: int) -> None:
-        self._refuse("copying a block (copy-on-write)")
-
     def layer_parts(self, layer: int):
         self._refuse("reading parts by slot (a kernel for this format)")
 
@@ -283,9 +284,15 @@ class Int4SinkWindowPool:
         sealed (``length >= 64 b + 128``, sealed in every layer), as its next step would before taking any:
         for an owner holding sequences between steps (``length``: the sequence's context, no shorter), so that
         a sequence holds at most its last two pages' F16 rows between steps. Returns how many went back."""
+        return self.give_back_sealed(block_table[: max(0, (length - WINDOW) // PAGE)])
+
+    def give_back_sealed(self, blocks) -> int:
+        """Give back the window pages of those of ``blocks`` that every layer sealed and no sequence pins: for an
+        owner whose sequences holding them all read them sealed from now on (a page a sharer no longer pins,
+        :meth:`settle` of a sequence's passed pages). Returns how many went back."""
         self.generation += 1
         back = 0
-        for blk in block_table[: max(0, (length - WINDOW) // PAGE)]:
+        for blk in blocks:
             if self._window_of[blk] >= 0 and self._sealed[:, blk].all() and not self._pins[blk]:
                 self._give_back_window(blk)
                 back += 1
@@ -375,6 +382,43 @@ class Int4SinkWindowPool:
         return 0
 
     # -- copies and cuts ---------------------------------------------------------------------------------------
+    def can_copy(self, src: int, dst: int | None = None) -> bool:
+        """Whether :meth:`copy_block` of ``src`` (into ``dst``, or a block holding nothing of its own) finds the
+        window page and sink slot it needs: free ones, kept ones (:meth:`keep`) and what ``dst`` holds."""
+        src = self._blocks([src])[0]
+        own = [] if dst is None else [b for b in self._blocks([dst]) if b != src]
+        kept_w, kept_s = self._kept_beside({src})  # dst's kept ones among them
+        back_w = sum(1 for b in own if self._window_of[b] >= 0 and b not in self._spare_w)
+        back_s = sum(1 for b in own if self._sink_of[b] >= 0 and b not in self._spare_s)
+        return (self._window_of[src] < 0 or len(self._free_windows) + kept_w + back_w > 0) and (
+            self._sink_of[src] < 0 or len(self._free_sinks) + kept_s + back_s > 0)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` becomes a copy of block ``src`` (copy-on-write of a shared page: the engine's forks,
+        cache/paged_q4w.py): in every layer its sealed page and books (sealed, F16 rows held), and the F16 rows
+        ``src`` holds in a window page and a sink slot of ``dst``'s own (what ``dst`` held goes back first). The
+        copy starts unpinned (pins are the owner's) and ``src`` is held (:meth:`claim`). Refused with nothing
+        changed: ShapeMismatch for ``src == dst``, KvPoolExhausted when no window page or sink slot is left
+        for it (:meth:`can_copy`)."""
+        src, dst = self._blocks([src, dst])
+        if src == dst:
+            raise ShapeMismatch(f"copying block {src} onto itself")
+        if not self.can_copy(src, dst):
+            raise KvPoolExhausted(f"copying block {src} needs a window page or a sink slot; none is free (kept "
+                                  "ones included)")
+        self.claim([src])
+        self.release([dst])  # bumps the generation
+        for t in (*self._k, *self._v):
+            t[:, dst] = t[:, src]
+        self._sealed[:, dst] = self._sealed[:, src]
+        self._f16_held[:, dst] = self._f16_held[:, src]
+        for books, rows, windows in ((self._window_of, (self._k_win, self._v_win), True),
+                                     (self._sink_of, (self._k_sink, self._v_sink), False)):
+            if books[src] >= 0:
+                books[dst] = self._take(windows)
+                for t in rows:
+                    t[:, int(books[dst])] = t[:, int(books[src])]
+
     def remapped(self, sources, window_pages: int | None = None, sink_slots: int | None = None
                  ) -> Int4SinkWindowPool:
         """A new pool of ``len(sources)`` blocks whose block ``i`` is a copy of this pool's block ``sources[i]``

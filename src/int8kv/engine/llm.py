@@ -221,8 +221,7 @@ class LLM:
         "model" (as loaded), "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not
         changed; the prefix-cache key root hashes the converted weights). `block_size`: None is 16 positions, 64
         for ``int4_kchan64_vtok_asym_sink4_win64_v1`` (its pages; another size is refused by name), which runs
-        with prefix caching (cache/paged_q4w.py) and the block store (its pages: engine/store_tier.py) but without
-        forks (refused by name)."""
+        with prefix caching, forks (cache/paged_q4w.py) and the block store (its pages: engine/store_tier.py)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
         budget = parse_bytes(memory)
@@ -551,9 +550,6 @@ class LLM:
                 params = [params or SamplingParams()]
             elif not isinstance(params, Seq) or not params:
                 raise InvalidRequest("params must be a SamplingParams (with n) or a non-empty list, one per choice")
-            if len(params) > 1 and self.format.is_stateful:
-                raise UnsupportedFormat(f"n={len(params)} choices of one prompt share its pages copy-on-write, which "
-                                        f"is not implemented for the {self.format.value} format")
             ids = self._encode(prompt)
             seqs = self._requests([ids] * len(params), list(params))
             first, forks = seqs[0], seqs[1:]
