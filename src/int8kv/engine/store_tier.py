@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..blockstore import BackgroundWriter, BlockSpec, BlockStore, open_block_store
 from ..blockstore.codec_q4w import END, SEALED, PageSpec, end_key
@@ -79,18 +79,15 @@ class StoreTier:
         holds and that passes every check, ``n * block_size`` tokens, or None. Never raises."""
         if not keys:
             return None
-        start = time.perf_counter()
-        try:
+
+        def get() -> tuple[int, KvState | GroupedKvState | None]:
             found = self.store.lookup(keys)
-            state = self.store.get_prefix(keys[:found], self.spec) if found else None
-        except Exception as exc:  # noqa: BLE001 - a store must never fail a request
-            self._fault(f"fetch raised {type(exc).__name__}: {exc}")
+            return found, self.store.get_prefix(keys[:found], self.spec) if found else None
+
+        answer = self._timed(get)
+        if answer is None:
             return None
-        finally:
-            waited = time.perf_counter() - start
-            self.fetches += 1
-            self.fetch_seconds += waited
-            self.slowest_fetch_s = max(self.slowest_fetch_s, waited)
+        found, state = answer
         got = 0 if state is None else state.length // self.spec.block_size
         if got < found:  # evicted since the lookup, damaged, another version or model, or the call failed
             self._fault(f"the store listed {found} block(s) and delivered {got}; recomputing the rest")
@@ -120,6 +117,21 @@ class StoreTier:
         if self.owned:
             self.store.close()
 
+    def _timed(self, get: Callable[[], tuple]) -> tuple | None:
+        """``get()`` (the store's lookup and fetch), timed and counted as a fetch; None, a fault counted and
+        logged, if it raised."""
+        start = time.perf_counter()
+        try:
+            return get()
+        except Exception as exc:  # noqa: BLE001 - a store must never fail a request
+            self._fault(f"fetch raised {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            waited = time.perf_counter() - start
+            self.fetches += 1
+            self.fetch_seconds += waited
+            self.slowest_fetch_s = max(self.slowest_fetch_s, waited)
+
     def _fault(self, message: str) -> None:
         self.faults += 1
         now = time.monotonic()
@@ -147,22 +159,18 @@ class PageStoreTier(StoreTier):
         ``hit_pages`` (the pool's own hit), from page 0, or None. Never raises."""
         if len(keys) <= hit_pages:
             return None
-        start = time.perf_counter()
-        found, state = 0, None
-        try:
+
+        def get() -> tuple[int, Q4WState | None]:
             sealed = self.store.lookup(keys[: len(keys) - 1])  # pages 0 .. sealed - 1 have a sealed value
             ends = range(hit_pages, min(sealed, len(keys) - 1) + 1)  # a run of p + 1 pages ends on page p
             present = self.store.present([end_key(keys[p]) for p in ends])
             found = max((p + 1 for p, here in zip(ends, present, strict=True) if here), default=0)
-            state = self.store.get_page_run(self.spec, keys[:found]) if found else None
-        except Exception as exc:  # noqa: BLE001 - a store must never fail a request
-            self._fault(f"fetch raised {type(exc).__name__}: {exc}")
+            return found, self.store.get_page_run(self.spec, keys[:found]) if found else None
+
+        answer = self._timed(get)
+        if answer is None:
             return None
-        finally:
-            waited = time.perf_counter() - start
-            self.fetches += 1
-            self.fetch_seconds += waited
-            self.slowest_fetch_s = max(self.slowest_fetch_s, waited)
+        found, state = answer
         if found and state is None:
             self._fault(f"the store listed a run of {found} page(s) and delivered none; recomputing")
         return state
