@@ -228,8 +228,7 @@ def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvSto
     runs = {}
     for fmt in formats:
         name = fmt.as_str().split("_")[0].upper()
-        # The store rerun is shown for the per-row formats' block values; the 4-bit format's run goes without it.
-        kv_store = None if fmt.is_stateful else store
+        kv_store = store  # block values, or the 4-bit format's page values (engine/store_tier.py)
         engine = dict(kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts), kv_store=kv_store)
         llm = LLM(model, **engine)
         progress.note(f"{name}: warming up (the first run compiles the kernels, cached afterwards) ...")
