@@ -558,10 +558,11 @@ class Int8KvCache(Cache):
         attach: whether to switch the config's attention implementation.
 
     Layers follow the config (:func:`int8kv.hf.layers.layer_specs`): full, sliding-window (storage bounded by
-    the window) and chunked attention layers in int8kv; linear-attention, Mamba and conv layers as
-    transformers' own layer classes. A config whose attention int8kv does not implement (MLA, ALiBi, sparse
-    attention, ...) is refused here, by name, before anything changes; a refusal at the first forward (the
-    model's attention turns out to be something the kernels cannot serve) puts the config back as it was.
+    the window, except in the 4-bit format, which keeps every page) and chunked attention layers in int8kv;
+    linear-attention, Mamba and conv layers as transformers' own layer classes. A config whose attention int8kv
+    does not implement (MLA, ALiBi, sparse attention, ...) is refused here, by name, before anything changes; a
+    refusal at the first forward (the model's attention turns out to be something the kernels cannot serve) puts
+    the config back as it was.
 
     ``crop(-k)`` drops the last ``k`` tokens and ``crop(n > 0)`` keeps the first ``n``. Beam search works
     through ``reorder_cache``. If encoding a step raises (``NonFiniteError`` on NaN/inf), or the attention
