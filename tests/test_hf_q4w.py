@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from int8kv import quant4w
@@ -211,14 +211,7 @@ def test_reorder_and_beam_search():
 
 
 def test_refusals_by_name_leave_the_cache_unchanged():
-    sliding = MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=32,
-    )  # fmt: skip
-    impl = sliding._attn_implementation
-    with pytest.raises(UnsupportedFormat, match=f"{FMT.name}.*full-attention layers only"):
-        Int8KvCache(sliding, format=FMT)
-    assert sliding._attn_implementation == impl
+    # Layers with a state beside their K/V: tests/test_q4w_sliding.py (sliding and chunked layers are served).
     model = tiny_model(1)
     ids, mask = ragged([20, 20])
     cache = q4w_cache(model)

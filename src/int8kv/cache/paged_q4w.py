@@ -60,7 +60,9 @@ counts the copy's block (``blocks_needed``, as for every format).
 
 Refused by name (UnsupportedFormat): slices of a state and writes of one other than a run of whole pages from
 position 0 into a fresh sequence, releasing blocks before a position (sliding tables: page 0 holds the sinks every
-query reads), several K/V shapes or block tables.
+query reads), several K/V shapes or block tables. A model with sliding-window or chunked layers gets this cache with
+every layer on the one full table (engine/hf_model.py ``TransformersModel.full_layouts``), the window or chunk
+applied by the attention: its sliding layers keep every page.
 """
 
 from __future__ import annotations

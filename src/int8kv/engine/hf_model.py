@@ -73,6 +73,7 @@ from ..errors import (
     UnsupportedAttention,
     UnsupportedModel,
 )
+from ..formats import KvStorageFormat
 from ..hf.attention import TAG, make_handle
 from ..hf.layers import LayerSpec, attention_options, layer_specs
 from ..ops import write
@@ -138,9 +139,13 @@ class _Step:
     once, checked after the forward)."""
 
     def __init__(
-        self, cache: PagedKvCache, plans: tuple[AttentionPlan, ...], layers: list[LayerSpec], backend: str | None
+        self, cache: PagedKvCache, plans: tuple[AttentionPlan, ...], layers: list[LayerSpec], backend: str | None,
+        where: dict[int, tuple[int, int, int]] | None = None,
     ) -> None:
         self.pools = cache.pools
+        # Per model layer (pool group, block table, layer in the pool) when the cache is not laid out by table
+        # groups (the 4-bit format's one full table: TransformersModel.one_table); None: the step layers' own.
+        self.where = where
         self.backend = ops.resolve_backend(cache.pool, backend)
         self.tables = plans  # the step's plan over each block table (one per table group)
         self.plan = plans[0]
@@ -166,6 +171,13 @@ class _Step:
             plan = self.plans[(scaling, group, table)] = dataclasses.replace(self.tables[table], softmax_scale=scale,
                                                                              _memo={})  # fmt: skip
         return plan
+
+    def locate(self, layer: _StepLayer) -> tuple[int, int, int]:
+        """``(group, table, kv)`` of ``layer`` in this step's cache: its pool group, block table and layer in the
+        pool."""
+        if self.where is None:
+            return layer.group, layer.table, layer.kv
+        return self.where[layer.layer_idx]
 
     def check_complete(self) -> None:
         for i, (w, r) in enumerate(zip(self.written, self.read, strict=True)):
@@ -206,11 +218,12 @@ class _StepLayer(CacheLayerMixin):
                 raise ShapeMismatch(f"layer {self.layer_idx}: {name} must be [1, kv_heads, {n}, head_dim], got {got}")
             rows.append(t[0].transpose(0, 1))  # [tokens, kv_heads, head_dim]
         # The plan's slots were checked once for the step (in the pool, distinct); the rows are checked here.
-        pool, plan = step.pools[self.group], step.tables[self.table]
+        group, table, kv = step.locate(self)
+        pool, plan = step.pools[group], step.tables[table]
         if getattr(pool, "writes_by_step", False):  # cache/pool_q4w.py: the step's rows go in with the plan
-            write.append_paged_kv(pool, self.kv, rows[0], rows[1], plan=plan, backend=step.backend)
+            write.append_paged_kv(pool, kv, rows[0], rows[1], plan=plan, backend=step.backend)
         else:
-            write.append_rows(pool, self.kv, rows[0], rows[1], plan.slots, backend=step.backend)
+            write.append_rows(pool, kv, rows[0], rows[1], plan.slots, backend=step.backend)
         step.written[self.layer_idx] += 1
         # Handles the drop-in's way (int8kv.hf.attention.KvHandle): any use but this attention raises.
         return make_handle(key_states, self), make_handle(value_states, self)
@@ -337,8 +350,9 @@ def engine_attention_forward(
         raise ShapeMismatch(f"the packed query must be [1, q_heads, tokens, head_dim], got {tuple(query.shape)}")
     q = query[0].transpose(0, 1)  # [tokens, q_heads, dim]
     sinks = None if opts.sinks is None else opts.sinks.detach()
-    plan = step.plan_for(scaling, layer.group, layer.table)
-    out = ops.attention(step.pools[layer.group], layer.kv, q, plan, backend=step.backend, window=opts.window,
+    group, table, kv = step.locate(layer)
+    plan = step.plan_for(scaling, group, table)
+    out = ops.attention(step.pools[group], kv, q, plan, backend=step.backend, window=opts.window,
                         chunk=opts.chunk, softcap=opts.softcap, sinks=sinks)  # fmt: skip
     step.read[layer.layer_idx] += 1
     return out.unsqueeze(0).to(query.dtype), None
@@ -638,6 +652,14 @@ class TransformersModel:
             self.layouts = tuple(KvLayout(sum(g == i for g, _ in shaped), *shape) for i, shape in enumerate(groups))
             where = [(g, 0, kv) for g, kv in shaped]
             self.table_layers = None
+        # A stateful format (the 4-bit one: cache/paged_q4w.py) keeps every page of every layer, its stored form
+        # being the whole sequence's, so its cache holds each shape's K/V layers on one block table of full
+        # attention: no block goes back past a window, and each layer's window or chunk is applied by the attention
+        # (its kwargs, as on a table group). `full_layouts`: that cache's layouts; `one_table`: each model layer's
+        # (group, table 0, layer in the pool) in it.
+        self.full_layouts = (KvLayout(len(self.kv_layers), *groups[0]),) if len(groups) == 1 else self.layouts
+        full_where = [(0, 0, k) for k in range(len(self.kv_layers))] if len(groups) == 1 else where
+        self.one_table = {layer: full_where[k] for k, layer in enumerate(self.kv_layers)}
         # The format is the engine's choice per cache (make_cache). num_kv_heads / head_dim: the first group's.
         self.layout = self.layouts[0]
         self.num_layers, (self.num_kv_heads, self.head_dim) = len(self.kv_layers), groups[0]
@@ -650,12 +672,20 @@ class TransformersModel:
         self.states = SequenceStates(self) if any(spec.state for spec in self.attention) else None
         self._probe()
 
+    def layouts_for(self, format) -> tuple[KvLayout, ...]:
+        """The layouts of a cache of ``format`` (:meth:`make_cache`): one per table group's pool, or for a stateful
+        format every K/V layer of each shape on one table (`full_layouts`)."""
+        layouts = self.full_layouts if KvStorageFormat(format).is_stateful else self.layouts
+        return tuple(layout.with_format(format) for layout in layouts)
+
     def make_cache(self, num_blocks: int, block_size: int, format, **pool: int) -> PagedKvCache:
-        """The engine's cache (``pool``: a stateful format's window_pages and sink_slots, PagedKvCache.with_groups)."""
+        """The engine's cache (``pool``: a stateful format's window_pages and sink_slots, PagedKvCache.with_groups);
+        a stateful format's on one block table of full attention (`full_layouts`)."""
         device = next(self.hf.parameters()).device
-        layouts = [layout.with_format(format) for layout in self.layouts]
-        return PagedKvCache.with_groups(num_blocks, block_size, layouts, device=device, windows=self.windows,
-                                        table_layers=self.table_layers, **pool)  # fmt: skip
+        if KvStorageFormat(format).is_stateful:
+            return PagedKvCache.with_groups(num_blocks, block_size, self.layouts_for(format), device=device, **pool)
+        return PagedKvCache.with_groups(num_blocks, block_size, self.layouts_for(format), device=device,
+                                        windows=self.windows, table_layers=self.table_layers, **pool)  # fmt: skip
 
     def plan(self, cache: PagedKvCache, batch: Batch, validate: bool = True) -> tuple[AttentionPlan, ...]:
         """The step's plan over each block table of `cache` (one with a single table)."""
@@ -692,7 +722,7 @@ class TransformersModel:
         plan: AttentionPlan | tuple[AttentionPlan, ...] | None, layers: list[Any], state: _SeqState | None = None,
     ) -> torch.Tensor:
         plans = self.plan(cache, batch) if plan is None else (plan,) if isinstance(plan, AttentionPlan) else plan
-        step = _Step(cache, tuple(plans), self.attention, self.backend)
+        step = _Step(cache, tuple(plans), self.attention, self.backend, self._where(cache))
         keep = 0 if all_logits else batch.cu_seqlens_q[1:].to(torch.int64) - 1
         held = None if state is None else self.states.enter(state)
         self.step_cache.layers = layers
@@ -709,6 +739,16 @@ class TransformersModel:
                 self.states.leave(state, held)
         step.check_complete()
         return out.logits[0].float()
+
+    def _where(self, cache: PagedKvCache) -> dict[int, tuple[int, int, int]] | None:
+        """Where each layer writes and reads in ``cache``: None (the step layers' table groups) for a cache with a
+        table per group, `one_table` for one holding every layer on one table (a stateful format's)."""
+        if cache.num_tables == len(self.windows):
+            return None
+        if cache.num_tables == 1:
+            return self.one_table
+        raise ShapeMismatch(f"the cache has {cache.num_tables} block tables; this model's table groups are "
+                            f"{len(self.windows)} (or one for every layer)")
 
     def _probe(self) -> None:
         """Probe forwards on a four-block cache, before any pool is allocated: a model that does not write and read

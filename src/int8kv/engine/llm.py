@@ -297,7 +297,7 @@ class LLM:
         pool: dict[str, int] = {}
         if stateful:
             # Window pages and sink slots for the worst step first, the rest in sealed pages (cache/paged_q4w.py).
-            layout = m.layouts[0].with_format(self.format)
+            layout = m.layouts_for(self.format)[0]  # every K/V layer on one table (engine/hf_model.py)
             num_blocks, pool["window_pages"], pool["sink_slots"] = plan_sizes(budget, layout, max_num_seqs,
                                                                              max_num_batched_tokens)  # fmt: skip
             per_block = sealed_page_bytes(layout)
@@ -508,10 +508,10 @@ class LLM:
     def kv_bytes_per_token(self) -> int:
         """Bytes of K/V one token takes while every block table holds it (a sliding table gives its blocks back
         once they leave the window)."""
-        tables = len(self.model.windows)
-        # The 4-bit format's figure is its sealed rows' (the long-context cost, F16 sinks and window left out), a
-        # whole number of bytes for a head_dim that is a multiple of 16.
-        return math.ceil(tables * sum(la.with_format(self.format).bytes_per_token for la in self.model.layouts))
+        # The cache's layouts: a pool per table group (the 4-bit format: every layer on one table, which keeps
+        # every page). The 4-bit format's figure is its sealed rows' (the long-context cost, F16 sinks and window
+        # left out), a whole number of bytes for a head_dim that is a multiple of 16.
+        return math.ceil(self.cache.num_tables * sum(la.bytes_per_token for la in self.cache.layouts))
 
     # -- online: requests join, stream and leave between steps ---------------------------------------------
     # The server's engine thread: add_request() whenever a request arrives, step() while has_unfinished(),

@@ -161,6 +161,10 @@ class DecoderModel:
         angles = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
         return (angles.cos() * scaling).float(), (angles.sin() * scaling).float()
 
+    def layouts_for(self, format) -> tuple[KvLayout, ...]:
+        """The layouts of a cache of ``format`` (:meth:`make_cache`): the one layout of every layer."""
+        return (self.layout.with_format(format),)
+
     def make_cache(self, num_blocks: int, block_size: int, format, **pool: int) -> PagedKvCache:
         """The engine's cache (``pool``: a stateful format's window_pages and sink_slots, PagedKvCache.with_groups)."""
         if pool or KvStorageFormat(format).is_stateful:

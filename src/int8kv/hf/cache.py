@@ -32,7 +32,10 @@ positions: a padded row's first real tokens are not held in F16. Growth copies t
 length reads are still held (refused by name, UnsupportedFormat, once those pages were sealed and their rows
 given back). ``export_state`` gives every row's stored form as a :class:`~int8kv.cache.state_q4w.Q4WState`
 (``save_kv`` writes it) and ``import_state`` builds each layer's pool from one, so that a restored cache continues
-exactly as the exported one. Refused by name: sliding-window, chunked and hybrid layers.
+exactly as the exported one. A sliding-window or chunked layer of this format keeps every page, as a full one
+does: its stored form is the whole sequence's, the kernels apply the window or chunk (the attention's
+``window`` / ``chunk``), so its memory grows with the sequence, not bounded by the window. Refused by name:
+hybrid layers (a state beside K/V).
 """
 
 from __future__ import annotations
@@ -148,10 +151,14 @@ class Int8KvLayer(CacheLayerMixin):
         # decode step moves W / slack ~ 16 rows on average instead of W.
         self.slack = max(16, self.window // 16) if self.window else 0
         self.paged = is_4bit(self.format)
-        if self.paged and (spec.kind != "full" or spec.state):
+        # The 4-bit format's stored form is that of the whole sequence (quant4w.encode_sequence): a sliding or
+        # chunked layer keeps every page, as a full one does, and the kernels apply its window or chunk (trim()
+        # drops nothing from it). Layers with a state beside their K/V stay refused.
+        if self.paged and (spec.kind not in ("full", "sliding", "chunked") or spec.state):
             raise UnsupportedFormat(
-                f"the {self.format.name} format is implemented for full-attention layers only, not for a "
-                f"{spec.layer_type!r} layer ({spec.kind}{', with a state' if spec.state else ''})"
+                f"the {self.format.name} format is implemented for full-attention, sliding-window and chunked "
+                f"layers only, not for a {spec.layer_type!r} layer "
+                f"({spec.kind}{', with a state' if spec.state else ''})"
             )
 
     def __repr__(self) -> str:
@@ -281,8 +288,9 @@ class Int8KvLayer(CacheLayerMixin):
     def trim(self) -> int:
         """Sliding window: drop the stored rows no future query can see (positions before
         ``seq_len - window + 1``) once ``slack`` of them have piled up, into storage sized to what remains plus
-        room for ``slack`` more; returns the rows dropped. Called between forwards, never inside one."""
-        if self.window is None or self.pool is None:
+        room for ``slack`` more; returns the rows dropped. Called between forwards, never inside one. A layer of the
+        4-bit format drops nothing: it keeps every page (its stored form is the whole sequence's)."""
+        if self.window is None or self.pool is None or self.paged:
             return 0
         drop = self.seq_len - self.window + 1 - self.offset
         if drop < self.slack:
@@ -550,10 +558,11 @@ class Int8KvCache(Cache):
         attach: whether to switch the config's attention implementation.
 
     Layers follow the config (:func:`int8kv.hf.layers.layer_specs`): full, sliding-window (storage bounded by
-    the window) and chunked attention layers in int8kv; linear-attention, Mamba and conv layers as
-    transformers' own layer classes. A config whose attention int8kv does not implement (MLA, ALiBi, sparse
-    attention, ...) is refused here, by name, before anything changes; a refusal at the first forward (the
-    model's attention turns out to be something the kernels cannot serve) puts the config back as it was.
+    the window, except in the 4-bit format, which keeps every page) and chunked attention layers in int8kv;
+    linear-attention, Mamba and conv layers as transformers' own layer classes. A config whose attention int8kv
+    does not implement (MLA, ALiBi, sparse attention, ...) is refused here, by name, before anything changes; a
+    refusal at the first forward (the model's attention turns out to be something the kernels cannot serve) puts
+    the config back as it was.
 
     ``crop(-k)`` drops the last ``k`` tokens and ``crop(n > 0)`` keeps the first ``n``. Beam search works
     through ``reorder_cache``. If encoding a step raises (``NonFiniteError`` on NaN/inf), or the attention
