@@ -271,6 +271,43 @@ def test_other_caches_still_work_after_switch():
         torch.testing.assert_close(model(ids, use_cache=False).logits[:, -1], before.logits[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_other_caches_keep_the_eager_implementation(model_type):
+    """A model loaded with attn_implementation="eager" (not in transformers' registry: each modeling file passes
+    its own eager function, Gemma 2's with the logit softcap) attached to int8kv: a DynamicCache and no cache give
+    exactly the logits of before, and an Int8KvCache still serves it (the logits of the K/V it stores)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2, pad_token_id=0,
+    )  # fmt: skip
+    if model_type == "gemma2":
+        config.attn_logit_softcapping = 5.0  # small enough to change the logits of these random weights
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids = torch.randint(3, VOCAB, (2, 9))
+    with torch.no_grad():
+        before = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+        rounded = model(ids, past_key_values=fake_quant_cache(INT8, 2)).logits  # the K/V Int8KvCache stores
+        cache = Int8KvCache(model.config)
+        assert model.config._attn_implementation == "int8kv"
+        served = model(ids, past_key_values=cache).logits
+        assert cache.get_seq_length() == 9
+        torch.testing.assert_close(served, rounded, atol=1e-4, rtol=1e-4)
+        assert torch.equal(model(ids, past_key_values=DynamicCache(config=model.config)).logits, before)
+        assert torch.equal(model(ids, use_cache=False).logits, before)
+
+
+def test_the_cache_takes_the_model_or_its_config():
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with torch.no_grad():
+        by_config = model(ids, past_key_values=Int8KvCache(model.config)).logits
+        assert torch.equal(model(ids, past_key_values=Int8KvCache(model)).logits, by_config)
+    with pytest.raises(TypeError, match="takes a transformers config or model, got str"):
+        Int8KvCache("llama")
+
+
 def test_sampling_and_deprecated_past_key_values_kwarg():
     model = tiny_model("qwen3")
     ids = torch.randint(3, VOCAB, (2, 6))

@@ -23,6 +23,7 @@ implementation; other caches passed to the same model go to that implementation 
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,34 @@ def _fallback_name(config: Any) -> str:
     return impl if impl in _READABLE else "sdpa"
 
 
+_EAGER: dict[type, Any] = {}  # attention module class -> its modeling file's eager function
+
+
+def _fallback(module: torch.nn.Module) -> Any:
+    """The attention function a call without Int8KvCache keys goes to: the module's own implementation's.
+    "eager" is not in transformers' registry: each modeling file passes its own eager function (softcap, sinks,
+    dropout as that model does them) as the default of ``ALL_ATTENTION_FUNCTIONS.get_interface``, so it is the
+    global named ``*eager_attention_forward`` that the module's forward refers to (in transformers 5.24, 455 of the
+    460 ``get_interface`` calls of the modeling files pass ``eager_attention_forward``, the rest a ``simple_``,
+    ``text_`` or ``vision_`` one)."""
+    name = _fallback_name(getattr(module, "config", None))
+    if name != "eager":
+        return ALL_ATTENTION_FUNCTIONS[name]
+    cls = type(module)
+    if cls not in _EAGER:
+        forward = inspect.unwrap(cls.forward)
+        names = [n for n in forward.__code__.co_names if n.endswith("eager_attention_forward")]
+        found = [forward.__globals__.get(n) for n in dict.fromkeys(names)]
+        if len(found) != 1 or not callable(found[0]):
+            raise UnsupportedAttention(
+                f"{cls.__name__} attends with transformers' eager implementation, but its forward names "
+                f"{len(found)} eager attention functions ({', '.join(names) or 'none'}), so int8kv cannot tell "
+                "which one to give a cache other than Int8KvCache: load the model with attn_implementation='sdpa'"
+            )
+        _EAGER[cls] = found[0]
+    return _EAGER[cls]
+
+
 def int8kv_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
     """The mask function registered for ``"int8kv"``: the one of the model's own implementation (SDPA's
     boolean masks, eager's additive ones), so other caches get exactly the masks they always got."""
@@ -295,7 +324,7 @@ def int8kv_attention_forward(
                 "the attention received an empty key tensor without an Int8KvCache tag: this model transforms the "
                 "keys between cache.update() and attention, which Int8KvCache does not support"
             )
-        fallback = ALL_ATTENTION_FUNCTIONS[_fallback_name(getattr(module, "config", None))]
+        fallback = _fallback(module)
         return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     book: Book = layer.book
     try:

@@ -44,7 +44,7 @@ import functools
 from typing import Any
 
 import torch
-from transformers import PreTrainedConfig
+from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
@@ -580,6 +580,10 @@ class Int8KvCache(Cache):
         backend: str | None = None,
         attach: bool = True,
     ) -> None:
+        if isinstance(config, PreTrainedModel):  # Int8KvCache(model) as well as Int8KvCache(model.config)
+            config = config.config
+        if config is not None and not isinstance(config, PreTrainedConfig):
+            raise TypeError(f"Int8KvCache takes a transformers config or model, got {type(config).__name__}")
         self.format = resolve_format(format)
         self.backend = backend
         self.book = Book(strict=config is not None)
