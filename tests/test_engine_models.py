@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from int8kv import KvCacheError, KvStorageFormat, ShapeMismatch, UnsupportedAttention, UnsupportedModel
 from int8kv.cache.state import KvLayout
@@ -50,6 +53,14 @@ ARCHS = {
     # Per-layer K/V shapes: head_dim 16 on the sliding layers, 32 on the full ones (one pool each), interleaved.
     "gemma4_text": ("gemma4_text", dict(GEMMA4, num_hidden_layers=4)),
 }
+# Falcon's attention goes through transformers' attention interface from transformers 5.25 on (K/V from
+# cache.update, the mask from masking_utils); before, its own attention code adds the mask itself, and the engine
+# refuses it by name (REFUSED). Untied embeddings: tied, the output scaling below scales the input embeddings too
+# and every step repeated the prompt's last token (both layouts, F16 and INT8), which would prove nothing.
+FALCON_THROUGH_INTERFACE = Version(transformers.__version__).release >= (5, 25)
+if FALCON_THROUGH_INTERFACE:
+    ARCHS["falcon"] = ("falcon", dict(tie_word_embeddings=False))  # multi-query (Falcon-7B): one K/V head
+    ARCHS["falcon-gqa"] = ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, tie_word_embeddings=False))
 
 # Block tables per model (one window per table group; None: full attention). Gemma 2 and gpt-oss alternate sliding and
 # full layers, Gemma 3's pattern 2 does too; Gemma 4's two K/V shapes stay on one table.
@@ -60,8 +71,11 @@ WINDOWS = {"qwen3-sliding": (8,), "mistral-window": (8,), "gemma2": (8, None), "
 def build(name: str, seed: int = 0, arch: tuple[str, dict] | None = None) -> torch.nn.Module:
     """The tiny model of ``ARCHS[name]`` (or of ``arch``: model_type and config fields)."""
     model_type, fields = ARCHS[name] if arch is None else arch
+    common = COMMON
+    if isinstance(getattr(CONFIG_MAPPING[model_type], "head_dim", None), property):
+        common = {k: v for k, v in COMMON.items() if k != "head_dim"}  # derived (Falcon: hidden / heads, 16 here)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**COMMON, **fields})).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**common, **fields})).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or pname.endswith("sinks"):
@@ -159,22 +173,29 @@ def test_architecture_decides_not_model_type():
         assert llm.generate(batch, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids == want
 
 
+# name -> (model_type, config fields, error, message).
 REFUSED = {
     # K/V changed after cache.update (V reshaped): caught by the probe forward at construction.
-    "diffllama": ({}, UnsupportedAttention, "changes K/V after cache.update"),
+    "diffllama": ("diffllama", {}, UnsupportedAttention, "changes K/V after cache.update"),
     # Its own attention on whatever the cache returns: the probe forward sees no call of the attention interface.
-    "xglm": (dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2), UnsupportedAttention,
+    "xglm": ("xglm", dict(d_model=64, ffn_dim=128, attention_heads=4, num_layers=2), UnsupportedAttention,
              "called transformers' attention interface 0 time"),
+    "deepseek_v3": ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+                    UnsupportedAttention, "MLA"),
+    # ALiBi: from transformers 5.25 on Falcon adds the biases to the mask it passes the attention interface, which
+    # the engine's attention does not read; refused from the config before any forward, on every version.
+    "falcon-alibi": ("falcon", dict(alibi=True), UnsupportedAttention, "ALiBi"),
+}  # fmt: skip
+if not FALCON_THROUGH_INTERFACE:
     # Its attention code adds the mask itself, which the interface does not give: its forward fails in the probe.
-    "falcon": ({}, UnsupportedModel, "fails when its attention goes through transformers' attention interface"),
-    "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
-                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16), UnsupportedAttention, "MLA"),
-}
+    REFUSED["falcon"] = ("falcon", {}, UnsupportedModel,
+                         "fails when its attention goes through transformers' attention interface")  # fmt: skip
 
 
-@pytest.mark.parametrize("model_type", list(REFUSED))
-def test_refused_models_are_left_as_they_were(model_type):
-    fields, error, message = REFUSED[model_type]
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_models_are_left_as_they_were(name):
+    model_type, fields, error, message = REFUSED[name]
     common = {k: v for k, v in COMMON.items() if k != "head_dim"}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**common, **fields})).eval()
