@@ -97,20 +97,29 @@ def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(q).view(x.shape), torch.from_numpy(scale).view(x.shape[:-1])
 
 
-def quantize_int8_store(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_dst, v_dst) -> bool:
+def quantize_int8_store(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_dst, v_dst, arrays: tuple | None = None
+) -> bool:
     """Encode K and V rows ``[n, heads, d]`` with V1 and store them at int64 ``slots [n]`` of ``k_dst`` /
     ``v_dst`` (each ``(codes int8 [S, heads, d], scales float32 [S, heads])``) in one CPU kernel call; nothing
     is stored if a row is not finite in float16 (NonFiniteError). Returns False, storing nothing, where that
     kernel does not apply (not all on the CPU, a destination not C-contiguous, more than a few rows): the caller
-    encodes and stores in two steps then. ``k``, ``v``: float32, float16 or bfloat16, any strides."""
+    encodes and stores in two steps then. ``k``, ``v``: float32, float16 or bfloat16, any strides. ``arrays``:
+    numpy views of ``(*k_dst, *v_dst)`` kept by the caller (``KvPool.row_arrays``), or None."""
     from . import _codec_cpu
 
     if k.numel() >= _codec_cpu.SERIAL_ELEMENTS or k.device.type != "cpu" or v.device.type != "cpu":
         return False
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in (slots, *k_dst, *v_dst)):
         return False
-    kn, vn = (x.to(torch.float32).contiguous().numpy() for x in (k, v))
-    bad = _codec_cpu.quantize_store(kn, vn, slots.numpy(), *(t.numpy() for t in (*k_dst, *v_dst)))
+    # Rows already float32 and contiguous (a decode step's, most often) go as they are: `.to` + `.contiguous`
+    # of an unchanged tensor still cost ~1 us each per side.
+    kn, vn = (
+        (x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()).numpy()
+        for x in (k, v)
+    )
+    dst = arrays if arrays is not None else tuple(t.numpy() for t in (*k_dst, *v_dst))
+    bad = _codec_cpu.quantize_store(kn, vn, slots.numpy(), *dst)
     if bad:
         for x in (k, v):
             round_to_f16(x)  # raises with the location of the first bad value

@@ -92,11 +92,12 @@ class KvFormat:
         raise NotImplementedError
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_dst: Sequence[torch.Tensor],
-              v_dst: Sequence[torch.Tensor]) -> None:
+              v_dst: Sequence[torch.Tensor], arrays: tuple | None = None) -> None:
         """Encode K and V rows ``[n, heads, head_dim]`` and store them at int64 ``slots [n]`` of ``k_dst`` /
         ``v_dst`` (one tensor per part, ``[S, heads, *part.shape(head_dim)]``); nothing is stored if encoding
         fails. One :meth:`encode` call for K and V: at decode (a few rows per layer) the per-call overhead is
-        the cost."""
+        the cost. ``arrays``: the destinations as numpy views (K's parts then V's, ``KvPool.row_arrays``), or
+        None; a format may use them instead of viewing the tensors itself."""
         parts = self.encode(torch.stack((k, v)))
         for dst, side in ((k_dst, 0), (v_dst, 1)):
             for t, part in zip(dst, parts, strict=True):
@@ -198,9 +199,9 @@ class Int8V1Format(KvFormat):
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return quantize_int8(x)
 
-    def store(self, k, v, slots, k_dst, v_dst) -> None:
+    def store(self, k, v, slots, k_dst, v_dst, arrays=None) -> None:
         # A decode step's rows on the CPU: encode and store in one kernel call (codec.quantize_int8_store).
-        if not quantize_int8_store(k, v, slots, k_dst, v_dst):
+        if not quantize_int8_store(k, v, slots, k_dst, v_dst, arrays=arrays):
             super().store(k, v, slots, k_dst, v_dst)
 
     def _decode(self, *parts: torch.Tensor) -> torch.Tensor:

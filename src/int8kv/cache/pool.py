@@ -83,6 +83,7 @@ class KvPool:
         # The same views by slot, built once: a decode step writes every layer, and flattening its four parts
         # per write cost 5.5 us of a 48 us transformers-layer append (SmolLM2's shape, one thread).
         self._rows = [tuple(tuple(t.flatten(0, 1) for t in side) for side in pair) for pair in self._layers]
+        self._row_arrays: list[tuple | None] = [None] * self.num_layers  # row_arrays(), built on first use
 
     def __repr__(self) -> str:
         return (
@@ -116,6 +117,15 @@ class KvPool:
     def layer_rows(self, layer: int) -> tuple[Rows, Rows]:
         """The same tensors viewed by slot: ``[num_slots, heads, *part.shape(dim)]``."""
         return self._rows[layer]  # type: ignore[return-value]
+
+    def row_arrays(self, layer: int) -> tuple | None:
+        """:meth:`layer_rows` as numpy views, K's parts then V's (zero-copy, kept for the pool's life), or None
+        for a pool not on the CPU. Taking the four views per write cost 3.6 us of a decode step's layer."""
+        arrays = self._row_arrays[layer]
+        if arrays is None and self.device.type == "cpu":
+            k, v = self._rows[layer]
+            arrays = self._row_arrays[layer] = tuple(t.numpy() for t in (*k, *v))
+        return arrays
 
     def part(self, side: str, name: str) -> list[torch.Tensor | None]:
         """One part of K (``side="k"``) or V, per layer: ``pool.part("k", "codes")[l]``; None per layer when the
@@ -151,7 +161,7 @@ class KvPool:
     def encode_rows(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode checked rows ``k, v [n, heads, head_dim]`` and store them at int64 ``slots [n]`` (the format's
         :meth:`~int8kv.formats.KvFormat.store`): nothing is stored if encoding fails."""
-        self.format.spec.store(k, v, slots, *self.layer_rows(layer))
+        self.format.spec.store(k, v, slots, *self.layer_rows(layer), arrays=self.row_arrays(layer))
 
     def export_rows(self, layer: int, slots: torch.Tensor) -> tuple[Rows, Rows]:
         """Encoded K and V rows of int64 ``slots`` (copies), the inverse of :meth:`write_rows`."""

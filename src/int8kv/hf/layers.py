@@ -87,6 +87,11 @@ class AttentionOptions:
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [num_q_heads] sink logits
 
+    @property
+    def plain(self) -> bool:
+        """Plain causal attention: no window, chunk, softcap or sinks."""
+        return self.window is None and self.chunk is None and self.softcap is None and self.sinks is None
+
     def as_kwargs(self) -> dict[str, Any]:
         return {"window": self.window, "chunk": self.chunk, "softcap": self.softcap, "sinks": self.sinks}
 

@@ -150,7 +150,7 @@ def check_rows(pool, x: torch.Tensor, what: str) -> torch.Tensor:
     if x.device != pool.device:
         raise ShapeMismatch(f"{what} is on {x.device} but the cache is on {pool.device}")
     # A KV cache stores values, not graphs: rows computed with autograd on are taken without their grad_fn.
-    return x.detach()
+    return x.detach() if x.requires_grad else x
 
 
 def kv_to_f16(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
