@@ -4,7 +4,7 @@ attention module, position kwargs, no mask), with the forward boundary (`get_mas
 and a `crop(-1)` per step. Prints microseconds per layer (update, attention) and per step, min over 10 rounds
 of 20 steps, for whichever checkout PYTHONPATH names; run two checkouts taking turns:
 
-    for r in 1 2 3; do for c in /work/main/src src; do
+    for r in 1 2 3; do for c in /path/to/before/src src; do
         PYTHONPATH=$c python docs/results/decode_path_layers.py 512 1; done; done
 """
 
