@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from int8kv import ops
+from int8kv import formats, ops
 from int8kv.cache.pool import KvPool
 from int8kv.cache.state import KvLayout
-from int8kv.errors import AttentionBypassed, NonFiniteError, UnknownBackend
+from int8kv.errors import AttentionBypassed, NonFiniteError, UnknownBackend, UnsupportedFormat
 from int8kv.formats import KvStorageFormat
 from int8kv.hf import Int8KvCache, int8kv_attention_forward
 
@@ -148,6 +148,23 @@ def test_backend_modules_are_remembered_per_format_and_refusals_never():
                 ops.attention(pool, 0, q, plan, backend="numpy")
             with pytest.raises(UnknownBackend):
                 ops.backend_module(pool, "gpu")
+
+
+def test_a_remembered_backend_is_checked_again_when_the_format_object_changes(monkeypatch):
+    """The memo is keyed by the format's object, the thing check_kernels reads: F16's member answering with an
+    object of another kernel after the cpu backend served it is refused by name, not handed the f16 kernels."""
+    pool = KvPool(KvLayout(1, HKV, D, F16), 2, 8)
+    assert ops.backend_module(pool, "cpu").__name__ == "int8kv.ops.cpu"
+
+    class OtherKernel(formats.F16Format):
+        kernel = "no-such-kernel"
+
+    other, spec = OtherKernel(), KvStorageFormat.spec
+    monkeypatch.setattr(KvStorageFormat, "spec", property(lambda f: other if f.value == "f16" else spec.fget(f)))
+    with pytest.raises(UnsupportedFormat, match="cpu backend has no kernels for the f16 format"):
+        ops.backend_module(pool, "cpu")
+    monkeypatch.undo()
+    assert ops.backend_module(pool, "cpu").__name__ == "int8kv.ops.cpu"
 
 
 @pytest.mark.parametrize("fmt", [INT8, F16])

@@ -130,15 +130,17 @@ def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan) -> torch.Ten
     return q
 
 
-# (backend argument, device, format) -> backend module, for the names resolved without the environment (None,
-# "cpu", "reference"): resolve_backend + _module + check_kernels took 1.0 us per call, a dict lookup 0.15.
+# (backend argument, device, format object) -> backend module, for the names resolved without the environment
+# (None, "cpu", "reference"): resolve_backend + _module + check_kernels took 1.0 us per call, a dict lookup 0.15.
+# Keyed by the format's spec object, the thing check_kernels reads, not its enum member: a member whose spec
+# changes (a format registered again, a test's stand-in) is checked afresh.
 _RESOLVED: dict[tuple, Any] = {}
 
 
 def backend_module(pool: KvPool, backend: str | None = None) -> Any:
     """The backend module that serves ``pool`` for ``backend`` (:func:`resolve_backend`), its kernels checked
     for the pool's format (:func:`check_kernels`); refusals are typed and never remembered."""
-    key = (backend, pool.device, pool.format)
+    key = (backend, pool.device, pool.format.spec)
     module = _RESOLVED.get(key)
     if module is None:
         name = resolve_backend(pool, backend)
