@@ -22,17 +22,21 @@ SECTIONS = [
     "== compile smoke",
     "== append: bit-exact V1 quantize",
     "== decode vs float64 reference, every shape and switch",
-    "== prefill chunk vs float64 reference",
-    "== 4-bit sink-and-window pool vs float64 reference",
+    "== prefill chunk and ragged prefill vs float64 reference",
     "== decode benchmark",
     "== prefill benchmark",
+    "== 4-bit sink-and-window pool vs float64 reference",
     "== pytest the Triton tests",
 ]
 
 
-def _run(args: list[str], interpret: bool, tmp_path: Path, code: str | None = None) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], interpret: bool, tmp_path: Path, code: str | None = None, path: str | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
+    if path is not None:
+        env["PATH"] = path
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -51,6 +55,8 @@ def test_smoke_runs_end_to_end_under_the_interpreter(tmp_path):
     assert "FAIL" not in text and text.rstrip().endswith("gpu_check: all passed")
     assert "bit-exact vs quantize_int8" in text and "worst rel err: default=" in text
     assert "q4w pool, lengths [4, 131]: worst rel err: default=" in text
+    assert "ragged prefill 3 + 13 tokens int8 default  rel err" in text
+    assert "ragged prefill 3 + 13 tokens f16  1 split  rel err" in text
     assert "sdpa bf16 flash" in text and "prefill chunk 24: triton int8" in text
     # The pytest section ran its selection in two shards and both passed.
     assert text.count("| shard") == 2 and text.count("1 passed") == 2
@@ -63,25 +69,72 @@ def test_skipped_without_cuda_or_interpreter(tmp_path):
     assert not (tmp_path / "check.log").exists()
 
 
-def test_failures_are_collected_and_later_sections_still_run(tmp_path):
-    # Two sections fail (one raises, one reports a failed case); the sections after them still run and the
-    # exit status is 1 with both failures listed. The heavy sections are replaced by cheap stand-ins.
-    code = (
-        "import sys\n"
-        "import int8kv.bench.gpu_check as g\n"
-        "def boom(*a, **k): raise RuntimeError('planted')\n"
-        "def bad_case(rep, *a, **k): rep.fail('planted case', 'relative error 1e-1')\n"
-        "def ok(rep, *a, **k): rep.say('  stand-in ran')\n"
-        "g.compile_smoke = boom\n"
-        "g.check_append = bad_case\n"
-        "g.Workload = lambda *a, **k: None\n"
-        "g.check_attention = g.check_prefill = g.check_q4w = ok\n"
-        "sys.exit(g.main(sys.argv[1:]))\n"
-    )
+# Stand-ins for the heavy sections, in the parent and in every section's process (child_command runs this same
+# code): compile smoke raises, append reports a failed case, decode and prefill pass, and the 4-bit section
+# faults (an error that ends a CUDA context) at a case it names; "--case" runs that case alone.
+STAND_INS = """
+import sys
+import int8kv.bench.gpu_check as g
+def boom(*a, **k): raise RuntimeError('planted')
+def bad_case(rep, *a, **k): rep.fail('planted case', 'relative error 1e-1')
+def ok(rep, *a, **k): rep.say('  stand-in ran')
+def fault(rep, sh, device, case=None):
+    rep.say(f'  stand-in q4w case={case}')
+    rep.case = case or '1:block_n 16'
+    try:
+        raise RuntimeError('CUDA error: an illegal memory access was encountered')
+    except Exception:
+        rep.fail('q4w lengths [701, 1001] block_n 16')
+    rep.say('  not reached: the context is lost')
+g.compile_smoke = boom
+g.check_append = bad_case
+g.Workload = lambda *a, **k: None
+g.check_attention = g.check_prefill = ok
+g.check_q4w = fault
+g.child_command = lambda: [sys.executable, '-c', CODE]
+sys.exit(g.main(sys.argv[1:]))
+"""
+
+
+def _stand_in_run(tmp_path: Path, path_dirs: list[Path]) -> tuple[subprocess.CompletedProcess, str]:
+    code = "CODE = " + repr(STAND_INS) + "\n" + STAND_INS
     log = tmp_path / "check.log"
-    done = _run(["--smoke", "--skip-bench", "--skip-pytest", "--out", str(log)], True, tmp_path, code)
+    env_path = os.pathsep.join([*map(str, path_dirs), os.environ.get("PATH", "")])
+    done = _run(["--smoke", "--skip-bench", "--skip-pytest", "--out", str(log)], True, tmp_path, code, env_path)
+    return done, log.read_text()
+
+
+def test_failures_are_collected_and_later_sections_still_run(tmp_path):
+    # Three sections fail (one raises, one reports a failed case, one faults in its own process); every section
+    # after them still runs and the exit status is 1 with each failure listed.
+    done, text = _stand_in_run(tmp_path, [])
     assert done.returncode == 1, done.stdout + done.stderr
-    text = log.read_text()
     assert "RuntimeError: planted" in text
-    assert text.count("stand-in ran") == 3
-    assert "2 failed:" in text and "  - compile smoke" in text and "  - planted case" in text
+    assert text.count("stand-in ran") == 2  # decode and prefill, each in its own process
+    assert "  FAULT 1:block_n 16" in text and "not reached" not in text
+    assert "compute-sanitizer not found: no memcheck run of the faulting case" in text
+    assert "3 failed:" in text and "  - compile smoke" in text and "  - planted case" in text
+    assert "  - q4w lengths [701, 1001] block_n 16" in text
+
+
+def test_a_faulting_case_runs_again_alone_under_memcheck(tmp_path):
+    # A compute-sanitizer stand-in on PATH (the CPU has no sanitizer): it prints a memcheck-style line with its
+    # first and last arguments and runs the command it was given. The faulting case alone runs under it, with
+    # the caching allocator off, and its report lines reach the log.
+    tool = tmp_path / "bin" / "compute-sanitizer"
+    tool.parent.mkdir()
+    tool.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do p4="$p3"; p3="$p2"; p2="$p1"; p1="$a"; done\n'
+        'echo "========= stand-in memcheck caching=$PYTORCH_NO_CUDA_MEMORY_CACHING $1 $2 ... $p4 $p3 $p2 $p1"\n'
+        'while [ "$1" != "--print-limit" ]; do shift; done; shift 2\n'
+        'exec "$@"\n'
+    )
+    tool.chmod(0o755)
+    done, text = _stand_in_run(tmp_path, [tool.parent])
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "memcheck of case '1:block_n 16'" in text
+    line = next(x for x in text.splitlines() if "stand-in memcheck" in x)
+    assert "caching=1" in line and "--tool memcheck" in line and "--section q4w --case 1:block_n 16" in line
+    assert "memcheck exit status 1, 1 report line(s)" in text
+    assert text.count("3 failed:") == 1  # the memcheck run adds a report, not a failure

@@ -199,3 +199,21 @@ def test_refusals_change_nothing():
     assert _same(pool, snap)
     with pytest.raises(ShapeMismatch, match="even head_dim"):
         Int4SinkWindowPool(1, 1, 7, 4, 2, 1)
+
+
+def test_a_cuda_device_is_refused_by_name_until_the_kernel_is_verified_there(monkeypatch):
+    # Its Triton kernel faulted on the first GPU run: a CUDA pool is refused before anything is allocated
+    # (torch.device("cuda") is only a name here; no GPU is needed to be refused), the CPU is served as ever, and
+    # INT8KV_UNVERIFIED_GPU_KERNELS=1 (what bench/gpu_check.py sets) lets the check through.
+    from int8kv.cache import pool_q4w
+
+    monkeypatch.delenv(pool_q4w.UNVERIFIED_GPU_ENV, raising=False)
+    for device in ("cuda", torch.device("cuda:0")):
+        with pytest.raises(UnsupportedFormat, match=r"not served on a GPU yet.*INT8KV_UNVERIFIED_GPU_KERNELS=1"):
+            Int4SinkWindowPool(1, 2, 32, 4, 4, 1, device)
+    assert Int4SinkWindowPool(1, 2, 32, 4, 4, 1, "cpu").device.type == "cpu"
+    monkeypatch.setenv(pool_q4w.UNVERIFIED_GPU_ENV, "1")
+    pool_q4w.check_gpu("cuda")  # no refusal: the allocation would come next
+    monkeypatch.setenv(pool_q4w.UNVERIFIED_GPU_ENV, "yes")  # only "1" opts in
+    with pytest.raises(UnsupportedFormat):
+        pool_q4w.check_gpu("cuda")

@@ -2,22 +2,29 @@
 
     python -m int8kv.bench.gpu_check [--out gpu_check.log] [--budget 450] [--smoke] [--skip-pytest]
 
-Built for a borrowed GPU with minutes of device time: everything runs in one process in this order, and
-every line printed also goes to ``--out``.
+Built for a borrowed GPU with minutes of device time: the sections run in this order, and every line printed
+also goes to ``--out``.
 
 1. compile smoke: every kernel and switch launched once on a tiny batch (a compile error shows in seconds);
 2. correctness: quantize-append bit for bit against the V1 codec, and attention (decode with the default
-   split plan, forced 1 split and many splits, every switch; a 2k prefill chunk) against the float64
-   reference at every benchmark shape, the 4-bit sink-and-window pool's kernel (prefill chunks and decode
-   rows across seals, its switches, a window with softcap and sinks) against its float64 reference, plus a
-   pool of more than 2^31 elements per tensor. Every failure is collected; none stops the run;
+   split plan, forced 1 split and many splits, every switch; a 2k prefill chunk; a ragged batch of two
+   prefills) against the float64 reference at every benchmark shape, plus a pool of more than 2^31 elements
+   per tensor. Every failure is collected; none stops the run;
 3. benchmark: decode at batch 1, 8 and 32 and contexts 4k-32k, Triton INT8 vs Triton F16 vs torch SDPA on a
    contiguous bf16 cache pinned to the flash backend; each Triton variant timed as plain launches and as a
    CUDA-graph replay, and its output checked; one 2k prefill chunk against causal flash SDPA. Each call is
    timed alone with CUDA events after an L2 flush (median). Bandwidth is bytes a call must read over its
    time, against the measured read-only floor (``torch.sum`` of a 2 GiB tensor);
-4. the GPU test subset (tests/test_ops_triton.py, test_triton_q4w.py, test_engine_q4w_triton.py) in parallel
+4. the 4-bit sink-and-window pool's kernel (prefill chunks and decode rows across seals, its switches, a window
+   with softcap and sinks) against its float64 reference;
+5. the GPU test subset (tests/test_ops_triton.py, test_triton_q4w.py, test_engine_q4w_triton.py) in parallel
    shards, without ``-x``, with what time is left.
+
+Each correctness section runs in a process of its own with ``CUDA_LAUNCH_BLOCKING=1``: a kernel that faults
+(an illegal address ends the CUDA context of its process) is named by its traceback and costs that section
+only. When the 4-bit kernel faults and ``compute-sanitizer`` is on the machine, the faulting case alone runs
+again under its memcheck tool, which names the kernel, the bad access and its distance from the nearest
+allocation (torch's caching allocator off, so each tensor is an allocation of its own).
 
 Exit status: 0 all passed, 1 something failed, 3 skipped (no CUDA device and no TRITON_INTERPRET=1). Without
 a GPU but with TRITON_INTERPRET=1 it runs the same sections on the CPU interpreter on a small shape
@@ -31,6 +38,7 @@ import dataclasses
 import functools
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,13 +64,16 @@ class Shapes:
     large_pool: bool  # the > 2^31-element pool check (needs ~5 GB)
     pytest_k: str | None  # -k filter for the pytest section (None: every test)
     switches: tuple[str, ...] | None  # SWITCHES checked and timed (None: all)
+    # Query tokens of the ragged prefill (two sequences from empty, one launch): the first step of the 4-bit
+    # check, whose kernel faulted at these lengths on the first GPU run (docs/benchmarks.md).
+    ragged: tuple[int, int]
 
 
-FULL = Shapes((1, 8, 32), (4096, 8192, 16384, 32768), 32, 8, 128, 16, 2048, 20, True, None, None)
+FULL = Shapes((1, 8, 32), (4096, 8192, 16384, 32768), 32, 8, 128, 16, 2048, 20, True, None, None, (700, 1000))
 # Under the interpreter num_stages means nothing; these five reach every code path of the kernels.
 SMOKE = Shapes(
     (1, 2), (40, 72), 4, 2, 32, 8, 24, 1, False, "decode_matches_reference and bs8-d64",
-    ("default", "magic", "no hilo", "block_n 64", "64 splits"),
+    ("default", "magic", "no hilo", "block_n 64", "64 splits"), (3, 13),
 )  # fmt: skip
 
 # name -> (attention options, relative tolerance against float64). Without the hi/lo split each product
@@ -87,13 +98,31 @@ def switches(sh: Shapes) -> dict[str, tuple[dict, float]]:
     return {name: SWITCHES[name] for name in (sh.switches or SWITCHES)}
 
 
+class ContextLost(BaseException):
+    """A kernel faulted: the CUDA context of this process is gone, so nothing after it can run here. A
+    BaseException, so that the sections' per-case ``except Exception`` handlers let it through."""
+
+
+# Messages of an error that ends the CUDA context (torch's AcceleratorError, Triton's RuntimeError from the
+# driver): nothing launched afterwards in the process can succeed.
+_FAULTS = ("illegal memory access", "illegal instruction", "misaligned address", "unspecified launch failure",
+           "an illegal address", "device-side assert")  # fmt: skip
+
+
+def is_fault(exc: BaseException) -> bool:
+    text = str(exc)
+    return type(exc).__name__ == "AcceleratorError" or any(f in text for f in _FAULTS)
+
+
 class Report:
-    """Prints every line and appends it to the log file; collects failures."""
+    """Prints every line and appends it to the log file; collects failures. ``case``: what a section is running
+    now (``--case`` can run it alone again), named with the fault when one ends the process's CUDA context."""
 
     def __init__(self, path: Path | None, budget: float) -> None:
         self.file = open(path or os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (lives as long as the run)
         self.failures: list[str] = []
         self.deadline = time.monotonic() + budget
+        self.case: str | None = None
 
     def say(self, msg: str = "") -> None:
         print(msg, flush=True)
@@ -106,6 +135,10 @@ class Report:
         if detail is None:
             for line in traceback.format_exc().rstrip().splitlines()[-12:]:
                 self.say("    " + line)
+            exc = sys.exc_info()[1]
+            if exc is not None and is_fault(exc):
+                self.say(f"  FAULT {self.case or where}")
+                raise ContextLost(where) from exc
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -396,13 +429,57 @@ def check_prefill(rep: Report, sh: Shapes, device) -> None:
         want = ref.paged_prefill_attention(pool, 0, q, cu, tables, lens, None, None)
         plan = _plan(pool, tables, lens, cu, num_queries=n)
         for switch, (opts, tol) in switches(sh).items():
-            try:
-                err = rel_err(tk.attention(pool, 0, q, plan, **opts), want)
-                rep.say(f"  prefill {n} tokens {fmt_name:4s} {switch:12s} rel err {err:.1e}")
-                if not err < tol:
-                    rep.fail(f"prefill {fmt_name} {switch}", f"relative error {err:.2e} >= {tol:.0e}")
-            except Exception:
-                rep.fail(f"prefill {fmt_name} {switch}")
+            call = functools.partial(tk.attention, pool, 0, q, plan, **opts)
+            _check_call(rep, f"prefill {n} tokens {fmt_name:4s} {switch:12s}", f"prefill {fmt_name} {switch}",
+                        call, want, tol)  # fmt: skip
+    check_ragged_prefill(rep, sh, device)
+
+
+def _check_call(rep: Report, label: str, where: str, call: Callable[[], object], want, tol: float) -> None:
+    """One attention call against its reference: its relative error said, a failure (or an error) as ``where``."""
+    try:
+        err = rel_err(call(), want)
+        rep.say(f"  {label} rel err {err:.1e}")
+        if not err < tol:
+            rep.fail(where, f"relative error {err:.2e} >= {tol:.0e}")
+    except Exception:
+        rep.fail(where)
+
+
+def check_ragged_prefill(rep: Report, sh: Shapes, device) -> None:
+    """Two sequences prefilled from empty in one launch (``sh.ragged`` tokens each, not whole blocks): query
+    blocks past the shorter sequence's last token, a table padded past its pages."""
+    import torch
+
+    from int8kv.cache.paged import PagedKvCache
+    from int8kv.ops import reference as ref
+    from int8kv.ops import triton as tk
+
+    new = sh.ragged
+    pages = [-(-n // sh.block_size) for n in new]
+    gen = torch.Generator(device="cpu").manual_seed(6)
+    k = torch.randn((sum(new), sh.kv_heads, sh.head_dim), generator=gen).to(device)
+    v = torch.randn((sum(new), sh.kv_heads, sh.head_dim), generator=gen).to(device)
+    q = torch.randn((sum(new), sh.q_heads, sh.head_dim), generator=gen).to(device)
+    ids = (torch.randperm(sum(pages), generator=gen) + 1).tolist()  # block 0 pads the shorter table
+    rows = [ids[: pages[0]], ids[pages[0] :]]
+    tables = torch.tensor([t + [0] * (max(pages) - len(t)) for t in rows], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, new[0], sum(new)], dtype=torch.int32, device=device)
+    lens = torch.tensor(new, dtype=torch.int32, device=device)
+    for fmt_name, fmt in _formats().items():
+        pool = PagedKvCache(sum(pages) + 1, sh.block_size, 1, sh.kv_heads, sh.head_dim, fmt, device)
+        for b, n in enumerate(new):
+            pos = torch.arange(n, device=device)
+            slots = tables[b].long()[pos // sh.block_size] * sh.block_size + pos % sh.block_size
+            _append(pool, k[cu[b] : cu[b] + n], v[cu[b] : cu[b] + n], slots)
+        want = ref.paged_prefill_attention(pool, 0, q, cu, tables, lens, None, None)
+        plan = _plan(pool, tables, lens, cu, num_queries=sum(new))
+        for switch in ("default", "1 split"):
+            opts, tol = SWITCHES[switch]
+            rep.case = f"ragged {fmt_name} {switch}"
+            call = functools.partial(tk.attention, pool, 0, q, plan, **opts)
+            label = f"ragged prefill {new[0]} + {new[1]} tokens {fmt_name:4s} {switch:8s}"
+            _check_call(rep, label, f"ragged prefill {fmt_name} {switch}", call, want, tol)
 
 
 # Steps of the 4-bit pool's check: new positions per sequence of a batch of two. Full: lengths 700 / 1000 (prefill),
@@ -419,10 +496,12 @@ Q4W_SWITCHES = {
 }
 
 
-def check_q4w(rep: Report, sh: Shapes, device) -> None:
+def check_q4w(rep: Report, sh: Shapes, device, case: str | None = None) -> None:
     """The 4-bit sink-and-window pool (int8kv.ops.triton_q4w): a batch of two written step by step through the
     write path, prefill chunks and decode rows across several seals, each step's attention against the float64
-    reference over the same pool (ops.reference_q4w), per switch, and once with a window, softcap and sinks."""
+    reference over the same pool (ops.reference_q4w), per switch, and once with a window, softcap and sinks.
+    ``case`` (``"STEP:SWITCH"``, as a fault names it): the steps' writes up to that step, then that one call
+    alone (no reference), for compute-sanitizer."""
     import torch
 
     from int8kv import ops
@@ -444,9 +523,12 @@ def check_q4w(rep: Report, sh: Shapes, device) -> None:
     sinks = torch.linspace(-1.0, 1.0, sh.q_heads, device=device)
     lens = [0, 0]
     worst: dict[str, float] = {}
-    for new in steps:
-        if rep.left() < 150:
+    only_step, only_switch = (int(case.split(":", 1)[0]), case.split(":", 1)[1]) if case else (None, None)
+    for step, new in enumerate(steps):
+        if rep.left() < 150 and case is None:
             rep.say("  (budget: remaining q4w steps skipped)")
+            break
+        if only_step is not None and step > only_step:
             break
         lens = [n + m for n, m in zip(lens, new, strict=True)]
         cu = torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32, device=device)
@@ -456,12 +538,23 @@ def check_q4w(rep: Report, sh: Shapes, device) -> None:
         v = torch.randn((sum(new), sh.kv_heads, sh.head_dim), generator=gen).to(device)
         q = torch.randn((sum(new), sh.q_heads, sh.head_dim), generator=gen).to(device)
         ops.append_paged_kv(pool, 0, k, v, plan=plan, backend="triton")
-        want = ops.attention(pool, 0, q, plan, backend="reference")
         prefill = smoke and max(new) > 1
+        if only_step is not None:
+            if step == only_step:
+                rep.case = case
+                if only_switch == "window softcap sinks":
+                    opts = {"variant": check_variant(pool, sh.q_heads, window=100, softcap=30.0, sinks=sinks)}
+                else:
+                    opts = dict(Q4W_SWITCHES[only_switch][0])
+                tk.attention(pool, 0, q, plan, **({"block_m": 64} if prefill else {}), **opts).cpu()
+                rep.say(f"  q4w case {case} ran at lengths {lens}")
+            continue
+        want = ops.attention(pool, 0, q, plan, backend="reference")
         for switch, (opts, tol) in switches.items():
             if prefill and opts:
                 continue  # the interpreter: the switches on decode rows only
             opts = {"block_m": 64, **opts} if prefill else opts
+            rep.case = f"{step}:{switch}"
             try:
                 err = rel_err(tk.attention(pool, 0, q, plan, **opts).cpu(), want.cpu())
                 worst[switch] = max(worst.get(switch, 0.0), err)
@@ -470,6 +563,7 @@ def check_q4w(rep: Report, sh: Shapes, device) -> None:
             except Exception:
                 rep.fail(f"q4w lengths {lens} {switch}")
         variant = {"window": 100, "softcap": 30.0, "sinks": sinks}
+        rep.case = f"{step}:window softcap sinks"
         try:
             checked = check_variant(pool, sh.q_heads, **variant)
             got = tk.attention(pool, 0, q, plan, variant=checked, **({"block_m": 64} if prefill else {}))
@@ -479,8 +573,9 @@ def check_q4w(rep: Report, sh: Shapes, device) -> None:
                 rep.fail(f"q4w lengths {lens} window softcap sinks", f"relative error {err:.2e} >= {TOL:.0e}")
         except Exception:
             rep.fail(f"q4w lengths {lens} window softcap sinks")
-    errs = " ".join(f"{s}={e:.1e}" for s, e in worst.items())
-    rep.say(f"  q4w pool, lengths {lens}: worst rel err: {errs}")
+    if case is None:
+        errs = " ".join(f"{s}={e:.1e}" for s, e in worst.items())
+        rep.say(f"  q4w pool, lengths {lens}: worst rel err: {errs}")
 
 
 def check_large_pool(rep: Report, sh: Shapes, device) -> None:
@@ -670,6 +765,7 @@ def run_pytest(rep: Report, sh: Shapes, interpret: bool) -> None:
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["INT8KV_UNVERIFIED_GPU_KERNELS"] = "1"  # the 4-bit kernel's tests: what this run is to verify
     select = ["-k", sh.pytest_k] if sh.pytest_k else []
     collect = [sys.executable, "-m", "pytest", *map(str, files), *select, "--collect-only", "-q"]
     listed = subprocess.run(collect, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -703,6 +799,114 @@ def run_pytest(rep: Report, sh: Shapes, interpret: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
+# sections in processes of their own
+# --------------------------------------------------------------------------------------------------------
+# name -> (title, body (rep, shapes, device, case)): the sections run by ``--section NAME`` in a child process.
+ISOLATED: dict[str, tuple[str, Callable[..., None]]] = {
+    "append": ("append: bit-exact V1 quantize", lambda rep, sh, dev, _: check_append(rep, sh, dev)),
+    "decode": ("decode vs float64 reference, every shape and switch",
+               lambda rep, sh, dev, _: check_attention(rep, Workload(sh, dev))),
+    "prefill": ("prefill chunk and ragged prefill vs float64 reference",
+                lambda rep, sh, dev, _: check_prefill(rep, sh, dev)),
+    "large_pool": ("pool over 2^31 elements", lambda rep, sh, dev, _: check_large_pool(rep, sh, dev)),
+    "q4w": ("4-bit sink-and-window pool vs float64 reference",
+            lambda rep, sh, dev, case: check_q4w(rep, sh, dev, case)),
+}  # fmt: skip
+# compute-sanitizer's memcheck report: its lines start with this; the first few name the kernel and the access.
+SANITIZER_LINE = "========="
+
+
+def child_command() -> list[str]:
+    """How a section's process is started (this module, in a fresh interpreter)."""
+    return [sys.executable, "-m", "int8kv.bench.gpu_check"]
+
+
+def find_sanitizer() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for base in ("/usr/local/cuda/bin", "/opt/nvidia/compute-sanitizer"):
+        path = Path(base) / "compute-sanitizer"
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
+def _child_env(device) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # The 4-bit pool refuses a CUDA device until its kernel has passed this check on one (cache/pool_q4w.py).
+    env["INT8KV_UNVERIFIED_GPU_KERNELS"] = "1"
+    if device.type == "cuda":
+        env["CUDA_LAUNCH_BLOCKING"] = "1"  # the launch that faults raises, with its own traceback
+    return env
+
+
+def run_isolated(rep: Report, name: str, smoke: bool, device) -> None:
+    """Section ``name`` in a child process: its lines relayed, its failures counted here; a fault's case run
+    again under compute-sanitizer where the section can run one case alone (``--case``)."""
+    base = [*child_command(), *(["--smoke"] if smoke else [])]
+    env = _child_env(device)
+    cmd = [*base, "--section", name, "--budget", f"{max(30.0, rep.left()):.0f}"]
+    out, code = _communicate(cmd, env, max(60.0, rep.left() + 30))
+    lines = out.rstrip().splitlines()
+    fails = [x[len("  FAIL ") :] for x in lines if x.startswith("  FAIL ")]
+    for line in lines:
+        rep.say(line)
+    rep.failures.extend(f.split(": ", 1)[0] for f in fails)
+    if code != 0 and not fails:
+        rep.fail(f"{name}: exit status {code}", " / ".join(lines[-3:]))
+    faults = [x.split("FAULT ", 1)[1] for x in lines if x.startswith("  FAULT ")]
+    if faults and name == "q4w":
+        sanitize(rep, base, env, name, faults[0])
+
+
+def sanitize(rep: Report, base: list[str], env: dict[str, str], name: str, case: str) -> None:
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        rep.say("  compute-sanitizer not found: no memcheck run of the faulting case")
+        return
+    timeout = min(180.0, rep.left() - 60)
+    if timeout < 30:
+        rep.say("  (budget: no memcheck run of the faulting case)")
+        return
+    env = {**env, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    env.pop("CUDA_LAUNCH_BLOCKING", None)
+    cmd = [sanitizer, "--tool", "memcheck", "--print-limit", "4", *base, "--section", name, "--case", case]
+    rep.say(f"  memcheck of case {case!r} ({timeout:.0f} s allowed):")
+    out, code = _communicate(cmd, env, timeout)
+    report = [x for x in out.splitlines() if x.startswith(SANITIZER_LINE)]
+    for line in report[:48]:
+        rep.say("  " + line)
+    rep.say(f"  memcheck exit status {code}, {len(report)} report line(s)")
+
+
+def _communicate(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, int]:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        out += f"\n  FAIL {Path(cmd[0]).name} timed out after {timeout:.0f} s (budget)"
+    return out, proc.returncode
+
+
+def run_section(sh: Shapes, name: str, case: str | None, device, budget: float) -> int:
+    """The body of ``--section NAME``: 0 when every check passed, 1 otherwise (a fault says ``FAULT case``)."""
+    rep = Report(None, budget)
+    try:
+        ISOLATED[name][1](rep, sh, device, case)
+    except ContextLost:
+        return EXIT_FAILED
+    except Exception as exc:
+        rep.fail(name)
+        if is_fault(exc):
+            rep.say(f"  FAULT {rep.case or name}")
+    return EXIT_FAILED if rep.failures else EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
@@ -713,6 +917,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-pytest", action="store_true", help="skip the pytest section")
     parser.add_argument("--skip-bench", action="store_true", help="skip the benchmark section")
     parser.add_argument("--warm", metavar="SWITCH", help=argparse.SUPPRESS)  # one compile-smoke process
+    parser.add_argument("--section", choices=sorted(ISOLATED), help=argparse.SUPPRESS)  # one section's process
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # with --section: one case of it alone
     args = parser.parse_args(argv)
 
     import torch
@@ -731,6 +937,8 @@ def main(argv: list[str] | None = None) -> int:
     sh = SMOKE if (args.smoke or device.type != "cuda") else FULL
     if args.warm:
         return warm(sh, args.warm, device)
+    if args.section:
+        return run_section(sh, args.section, args.case, device, args.budget)
     rep = Report(args.out, args.budget)
     try:
         import triton
@@ -749,42 +957,52 @@ def main(argv: list[str] | None = None) -> int:
 
     timer = Timer(device)
     work: Workload | None = None
-    sections: list[tuple[str, Callable[[], None]]] = [
-        ("compile smoke", lambda: compile_smoke(rep, sh, smoke=sh is SMOKE)),
-        ("append: bit-exact V1 quantize", lambda: check_append(rep, sh, device)),
-    ]
+    smoke = sh is SMOKE
+
+    def isolated(name: str) -> tuple[str, Callable[[], None]]:
+        return ISOLATED[name][0], lambda: run_isolated(rep, name, smoke, device)
 
     def build() -> None:
         nonlocal work
         work = Workload(sh, device)
 
-    sections += [
-        ("building the benchmark pools", build),
-        ("decode vs float64 reference, every shape and switch", lambda: check_attention(rep, work)),
-        ("prefill chunk vs float64 reference", lambda: check_prefill(rep, sh, device)),
-        ("4-bit sink-and-window pool vs float64 reference", lambda: check_q4w(rep, sh, device)),
+    sections: list[tuple[str, Callable[[], None]]] = [
+        ("compile smoke", lambda: compile_smoke(rep, sh, smoke=smoke)),
+        isolated("append"),
+        isolated("decode"),
+        isolated("prefill"),
     ]
     if sh.large_pool:
-        sections.append(("pool over 2^31 elements", lambda: check_large_pool(rep, sh, device)))
+        sections.append(isolated("large_pool"))
     if not args.skip_bench:
         sections += [
+            ("building the benchmark pools", build),
             ("decode benchmark", lambda: bench_decode(rep, work, timer, timer.read_bandwidth(device))),
             ("prefill benchmark", lambda: bench_prefill(rep, sh, device, timer)),
         ]
+    # After the benchmarks: its kernel faulted on the first GPU run, and the memcheck run of a fault takes minutes.
+    sections.append(isolated("q4w"))
     if not args.skip_pytest:
         sections.append(("pytest the Triton tests", lambda: run_pytest(rep, sh, interpret)))
 
+    lost = False
     for name, fn in sections:
         rep.say(f"\n== {name}")
         start = time.perf_counter()
         before = len(rep.failures)
+        in_process = not (name.startswith("pytest") or name in {t for t, _ in ISOLATED.values()})
+        if lost and in_process:
+            rep.say("   skipped: this process's CUDA context was lost")
+            continue
         try:
             fn()
+        except ContextLost:
+            lost = True
         except Exception:
             rep.fail(name)
         status = "ok" if len(rep.failures) == before else f"{len(rep.failures) - before} failure(s)"
         rep.say(f"   {status} ({time.perf_counter() - start:.1f} s, {rep.left():.0f} s of budget left)")
-        if device.type == "cuda":
+        if device.type == "cuda" and not lost:
             torch.cuda.empty_cache()
     rep.say("\ngpu_check: " + ("all passed" if not rep.failures else f"{len(rep.failures)} failed:"))
     for f in rep.failures:
