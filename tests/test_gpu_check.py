@@ -71,7 +71,8 @@ def test_skipped_without_cuda_or_interpreter(tmp_path):
 
 # Stand-ins for the heavy sections, in the parent and in every section's process (child_command runs this same
 # code): compile smoke raises, append reports a failed case, decode and prefill pass, and the 4-bit section
-# faults (an error that ends a CUDA context) at a case it names; "--case" runs that case alone.
+# faults (an error that ends a CUDA context) at a case it names; "--case" runs one case alone, which faults
+# too but for the launch with 4 warps.
 STAND_INS = """
 import sys
 import int8kv.bench.gpu_check as g
@@ -80,6 +81,9 @@ def bad_case(rep, *a, **k): rep.fail('planted case', 'relative error 1e-1')
 def ok(rep, *a, **k): rep.say('  stand-in ran')
 def fault(rep, sh, device, case=None):
     rep.say(f'  stand-in q4w case={case}')
+    if case == '1:warps 4':
+        rep.say(f'  q4w case {case} at lengths [701, 1001]: ran, rel err 1.0e-07')
+        return
     rep.case = case or '1:block_n 16'
     try:
         raise RuntimeError('CUDA error: an illegal memory access was encountered')
@@ -104,23 +108,12 @@ def _stand_in_run(tmp_path: Path, path_dirs: list[Path]) -> tuple[subprocess.Com
     return done, log.read_text()
 
 
-def test_failures_are_collected_and_later_sections_still_run(tmp_path):
+def test_failures_are_collected_and_a_fault_is_probed_and_run_under_memcheck(tmp_path):
     # Three sections fail (one raises, one reports a failed case, one faults in its own process); every section
-    # after them still runs and the exit status is 1 with each failure listed.
-    done, text = _stand_in_run(tmp_path, [])
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "RuntimeError: planted" in text
-    assert text.count("stand-in ran") == 2  # decode and prefill, each in its own process
-    assert "  FAULT 1:block_n 16" in text and "not reached" not in text
-    assert "compute-sanitizer not found: no memcheck run of the faulting case" in text
-    assert "3 failed:" in text and "  - compile smoke" in text and "  - planted case" in text
-    assert "  - q4w lengths [701, 1001] block_n 16" in text
-
-
-def test_a_faulting_case_runs_again_alone_under_memcheck(tmp_path):
-    # A compute-sanitizer stand-in on PATH (the CPU has no sanitizer): it prints a memcheck-style line with its
-    # first and last arguments and runs the command it was given. The faulting case alone runs under it, with
-    # the caching allocator off, and its report lines reach the log.
+    # after them still runs and the exit status is 1 with each failure listed. The faulting step then runs once
+    # per launch, each in a fresh process, and the faulting case alone under compute-sanitizer: a stand-in on
+    # PATH here (the CPU has none) that prints a memcheck-style line with its first and last arguments and runs
+    # the command it was given, with the caching allocator off.
     tool = tmp_path / "bin" / "compute-sanitizer"
     tool.parent.mkdir()
     tool.write_text(
@@ -133,8 +126,26 @@ def test_a_faulting_case_runs_again_alone_under_memcheck(tmp_path):
     tool.chmod(0o755)
     done, text = _stand_in_run(tmp_path, [tool.parent])
     assert done.returncode == 1, done.stdout + done.stderr
+    assert "RuntimeError: planted" in text
+    assert text.count("stand-in ran") == 2  # decode and prefill, each in its own process
+    assert "  FAULT 1:block_n 16" in text and "not reached" not in text
+    assert "3 failed:" in text and "  - compile smoke" in text and "  - planted case" in text
+    assert "  - q4w lengths [701, 1001] block_n 16" in text
+    probes = [x for x in text.splitlines() if x.startswith("  | ")]
+    assert len(probes) == 8 and sum(x.endswith("FAULT") for x in probes) == 7  # every launch but warps 4
+    assert any("warps 4" in x and x.endswith("ran, rel err 1.0e-07") for x in probes)
     assert "memcheck of case '1:block_n 16'" in text
     line = next(x for x in text.splitlines() if "stand-in memcheck" in x)
     assert "caching=1" in line and "--tool memcheck" in line and "--section q4w --case 1:block_n 16" in line
     assert "memcheck exit status 1, 1 report line(s)" in text
-    assert text.count("3 failed:") == 1  # the memcheck run adds a report, not a failure
+
+
+@pytest.mark.parametrize("case", ["0:block_m 16", "1:window softcap sinks"])
+def test_one_case_of_the_4bit_check_runs_alone(tmp_path, case):
+    # What the probes and the memcheck run call: the steps' writes up to the case's step, then that one launch
+    # against the reference (a prefill step on a switch, a decode step on the windowed variant).
+    done = _run(["--smoke", "--section", "q4w", "--case", case], True, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = done.stdout.rstrip().splitlines()[-1]
+    assert line.startswith(f"  q4w case {case} at lengths ") and "ran, rel err" in line
+    assert float(line.rsplit(" ", 1)[1]) < 1e-5

@@ -22,9 +22,11 @@ also goes to ``--out``.
 
 Each correctness section runs in a process of its own with ``CUDA_LAUNCH_BLOCKING=1``: a kernel that faults
 (an illegal address ends the CUDA context of its process) is named by its traceback and costs that section
-only. When the 4-bit kernel faults and ``compute-sanitizer`` is on the machine, the faulting case alone runs
-again under its memcheck tool, which names the kernel, the bad access and its distance from the nearest
-allocation (torch's caching allocator off, so each tensor is an allocation of its own).
+only. When the 4-bit kernel faults, the faulting step runs again once per launch configuration (tile widths,
+splits, query-block rows, warps), each in a fresh process, to tell which of them fault; then, where
+``compute-sanitizer`` is on the machine, the faulting case alone under its memcheck tool, which names the
+kernel, the bad access and its distance from the nearest allocation (torch's caching allocator off, so each
+tensor is an allocation of its own).
 
 Exit status: 0 all passed, 1 something failed, 3 skipped (no CUDA device and no TRITON_INTERPRET=1). Without
 a GPU but with TRITON_INTERPRET=1 it runs the same sections on the CPU interpreter on a small shape
@@ -493,7 +495,14 @@ Q4W_SWITCHES = {
     "block_n 64": ({"block_n": 64}, TOL),
     "block_n 16": ({"block_n": 16}, TOL),
     "no hilo": ({"hilo": False}, 2e-3),
+    # Other tile layouts of the prefill launch that faulted (64-row query blocks, 8 warps on a GPU): compiled for
+    # sm_90 by Triton 3.6 (and 3.9) that launch has no software-pipelined load, every masked load predicated per
+    # lane in its PTX and, unpredicated, only the 7 scalar loads of lengths, block ids and page-book entries;
+    # which layouts fault tells a code-generation fault from an addressing one.
+    "block_m 16": ({"block_m": 16}, TOL),
+    "warps 4": ({"num_warps": 4}, TOL),
 }
+WINDOWED = "window softcap sinks"  # the case name of the call with a window, softcap and sinks
 
 
 def check_q4w(rep: Report, sh: Shapes, device, case: str | None = None) -> None:
@@ -542,12 +551,14 @@ def check_q4w(rep: Report, sh: Shapes, device, case: str | None = None) -> None:
         if only_step is not None:
             if step == only_step:
                 rep.case = case
-                if only_switch == "window softcap sinks":
-                    opts = {"variant": check_variant(pool, sh.q_heads, window=100, softcap=30.0, sinks=sinks)}
+                if only_switch == WINDOWED:
+                    variant = {"window": 100, "softcap": 30.0, "sinks": sinks}
+                    opts = {"variant": check_variant(pool, sh.q_heads, **variant)}
                 else:
-                    opts = dict(Q4W_SWITCHES[only_switch][0])
-                tk.attention(pool, 0, q, plan, **({"block_m": 64} if prefill else {}), **opts).cpu()
-                rep.say(f"  q4w case {case} ran at lengths {lens}")
+                    variant, opts = {}, dict(Q4W_SWITCHES[only_switch][0])
+                got = tk.attention(pool, 0, q, plan, **{**({"block_m": 64} if prefill else {}), **opts}).cpu()
+                err = rel_err(got, ops.attention(pool, 0, q, plan, backend="reference", **variant).cpu())
+                rep.say(f"  q4w case {case} at lengths {lens}: ran, rel err {err:.1e}")
             continue
         want = ops.attention(pool, 0, q, plan, backend="reference")
         for switch, (opts, tol) in switches.items():
@@ -563,12 +574,12 @@ def check_q4w(rep: Report, sh: Shapes, device, case: str | None = None) -> None:
             except Exception:
                 rep.fail(f"q4w lengths {lens} {switch}")
         variant = {"window": 100, "softcap": 30.0, "sinks": sinks}
-        rep.case = f"{step}:window softcap sinks"
+        rep.case = f"{step}:{WINDOWED}"
         try:
             checked = check_variant(pool, sh.q_heads, **variant)
             got = tk.attention(pool, 0, q, plan, variant=checked, **({"block_m": 64} if prefill else {}))
             err = rel_err(got.cpu(), ops.attention(pool, 0, q, plan, backend="reference", **variant).cpu())
-            worst["window softcap sinks"] = max(worst.get("window softcap sinks", 0.0), err)
+            worst[WINDOWED] = max(worst.get(WINDOWED, 0.0), err)
             if not err < TOL:
                 rep.fail(f"q4w lengths {lens} window softcap sinks", f"relative error {err:.2e} >= {TOL:.0e}")
         except Exception:
@@ -858,7 +869,25 @@ def run_isolated(rep: Report, name: str, smoke: bool, device) -> None:
         rep.fail(f"{name}: exit status {code}", " / ".join(lines[-3:]))
     faults = [x.split("FAULT ", 1)[1] for x in lines if x.startswith("  FAULT ")]
     if faults and name == "q4w":
+        probe_q4w(rep, base, env, faults[0].split(":", 1)[0])
         sanitize(rep, base, env, name, faults[0])
+
+
+def probe_q4w(rep: Report, base: list[str], env: dict[str, str], step: str) -> None:
+    """The faulting step of the 4-bit check with each of its launches, one fresh process each: which of them
+    fault (a fault ends the context, so one process could test only the first). Reported, not counted."""
+    rep.say(f"  each launch of step {step} in a process of its own:")
+    for switch in (*Q4W_SWITCHES, WINDOWED):
+        if rep.left() < 120:
+            rep.say("  (budget: remaining launches not probed)")
+            return
+        case = f"{step}:{switch}"
+        out, code = _communicate([*base, "--section", "q4w", "--case", case], env, min(90.0, rep.left() - 60))
+        lines = out.rstrip().splitlines()
+        ran = [x.strip() for x in lines if "ran, rel err" in x]
+        fault = [x for x in lines if x.startswith("  FAULT ")]
+        said = ran[-1] if ran else ("FAULT" if fault else f"exit status {code}: {' / '.join(lines[-2:])}")
+        rep.say(f"  | {switch:20s} {said}")
 
 
 def sanitize(rep: Report, base: list[str], env: dict[str, str], name: str, case: str) -> None:
