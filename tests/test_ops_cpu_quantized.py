@@ -164,7 +164,8 @@ def _exact_and(precision, cache, tables, context, q, cu=None):
 @pytest.mark.parametrize("head_dim", [48, 40])
 def test_int16_query_falls_back_to_exact_where_the_integer_kernel_does_not_fit(head_dim):
     """head_dim 40 (not whole 16-lane vectors) always, 48 where the variant takes 32 int16 at a time (AVX-512
-    VNNI): the exact path, bit for bit. Elsewhere 48 runs the integer kernel and is checked as such."""
+    VNNI): the exact path, bit for bit (the exact kernel itself runs such a call, whatever compiled it when).
+    Elsewhere 48 runs the integer kernel and is checked as such."""
     cache, tables, context = build(INT8, 16, head_dim, 2, [150, 33], seed=49)
     q = torch.randn(2, 4, head_dim, generator=torch.Generator().manual_seed(49))
     exact, int16 = _exact_and("int16", cache, tables, context, q)

@@ -602,7 +602,8 @@ def _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi,
     """One work item: `_attend_row` for a single query row whose head_dim the vector kernels take (float32
     kernels for an exact row, integer ones for query codes on INT8 blocks), `_attend_item` otherwise (typed by
     the overload below). An int16-path row the integer kernels cannot take (head_dim, no AVX2 or VNNI) runs
-    the exact path; an int8 one keeps `_attend_item`'s integer loops (the same numerics)."""
+    the exact path (`_query_path` sends such calls to the exact kernel; this branch keeps the kernel right if
+    one comes); an int8 one keeps `_attend_item`'s integer loops (the same numerics)."""
     raise NotImplementedError
 
 
@@ -980,11 +981,26 @@ def thread_choice(key: tuple) -> ThreadChoice:
     return choice
 
 
+_INT_FITS: dict[int, bool] = {}  # head_dim -> cpu_simd.int_fits (a jitted function: ~0.3 us a call from Python)
+
+
+def _int16_rows(head_dim: int) -> bool:
+    fits = _INT_FITS.get(head_dim)
+    if fits is None:
+        fits = _INT_FITS[head_dim] = bool(cpu_simd.DOT) and bool(cpu_simd.int_fits(head_dim))
+    return fits
+
+
 def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
     """How the call multiplies q and k: "int8" (query codes from `quantize_query`), "int16" (decode rows
     quantized in the kernel) or "exact" (float32): integers need INT8 keys, and the int16 path quantizes decode
-    steps only (a prefill under it runs exact), on CPUs with an integer dot variant (else exact too)."""
-    if not int8_codes(pool.format) or (plan.precision == "int16" and not (plan.is_decode and cpu_simd.DOT)):
+    steps only (a prefill under it runs exact), of a head_dim the integer kernels take on this CPU (else exact
+    too). Decided here, so such a call runs the exact kernel itself: an int16 specialisation whose rows all
+    fell back to the float32 branch inside it was another compiled function, and its results matched the exact
+    kernel's bit for bit only when both came from one compile (a fresh clone's suite once saw them differ)."""
+    if not int8_codes(pool.format) or (
+        plan.precision == "int16" and not (plan.is_decode and _int16_rows(pool.head_dim))
+    ):
         return "exact"
     return plan.precision
 
