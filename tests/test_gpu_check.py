@@ -149,3 +149,19 @@ def test_one_case_of_the_4bit_check_runs_alone(tmp_path, case):
     line = done.stdout.rstrip().splitlines()[-1]
     assert line.startswith(f"  q4w case {case} at lengths ") and "ran, rel err" in line
     assert float(line.rsplit(" ", 1)[1]) < 1e-5
+
+
+def test_the_4bit_tests_get_shards_of_their_own():
+    # A fault of the 4-bit kernel fails every later test of its process: its tests never share a shard with
+    # the INT8 / F16 kernels' ones; no shard is empty (pytest without ids would run the whole suite).
+    from int8kv.bench.gpu_check import shard_ids
+
+    ints = [f"tests/test_ops_triton.py::t{i}" for i in range(10)]
+    q4w = [f"tests/test_triton_q4w.py::t{i}" for i in range(3)] + ["tests/test_engine_q4w_triton.py::e"]
+    for shards in (1, 2, 3, 8, 20):
+        groups = shard_ids(ints + q4w, shards)
+        assert sorted(sum(groups, [])) == sorted(ints + q4w) and all(groups) and len(groups) <= shards
+        if shards > 1:
+            assert all(set(g) <= set(ints) or set(g) <= set(q4w) for g in groups)
+            assert sum(set(g) <= set(q4w) for g in groups) == min(len(q4w), max(1, shards // 4))
+    assert shard_ids(ints[:3], 8) == [[x] for x in ints[:3]]
