@@ -470,10 +470,10 @@ def check_ragged_prefill(rep: Report, sh: Shapes, device) -> None:
     lens = torch.tensor(new, dtype=torch.int32, device=device)
     for fmt_name, fmt in _formats().items():
         pool = PagedKvCache(sum(pages) + 1, sh.block_size, 1, sh.kv_heads, sh.head_dim, fmt, device)
-        for b, n in enumerate(new):
+        for b, (first, n) in enumerate(zip((0, new[0]), new, strict=True)):
             pos = torch.arange(n, device=device)
             slots = tables[b].long()[pos // sh.block_size] * sh.block_size + pos % sh.block_size
-            _append(pool, k[cu[b] : cu[b] + n], v[cu[b] : cu[b] + n], slots)
+            _append(pool, k[first : first + n], v[first : first + n], slots)
         want = ref.paged_prefill_attention(pool, 0, q, cu, tables, lens, None, None)
         plan = _plan(pool, tables, lens, cu, num_queries=sum(new))
         for switch in ("default", "1 split"):
@@ -510,7 +510,7 @@ def check_q4w(rep: Report, sh: Shapes, device, case: str | None = None) -> None:
     write path, prefill chunks and decode rows across several seals, each step's attention against the float64
     reference over the same pool (ops.reference_q4w), per switch, and once with a window, softcap and sinks.
     ``case`` (``"STEP:SWITCH"``, as a fault names it): the steps' writes up to that step, then that one call
-    alone (no reference), for compute-sanitizer."""
+    alone, its reference computed after it (for the probes and compute-sanitizer)."""
     import torch
 
     from int8kv import ops
