@@ -165,3 +165,18 @@ def test_the_4bit_tests_get_shards_of_their_own():
             assert all(set(g) <= set(ints) or set(g) <= set(q4w) for g in groups)
             assert sum(set(g) <= set(q4w) for g in groups) == min(len(q4w), max(1, shards // 4))
     assert shard_ids(ints[:3], 8) == [[x] for x in ints[:3]]
+
+
+def test_a_fault_a_section_lets_out_ends_only_that_section(monkeypatch, capsys):
+    # An error that ends the CUDA context raised outside any case's handler (while building a section's inputs,
+    # say) is counted, said as a FAULT, and ends the section's process with status 1, not with a traceback.
+    from int8kv.bench import gpu_check as g
+
+    def body(rep, sh, device, case):
+        rep.case = "0:default"
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setitem(g.ISOLATED, "q4w", ("4-bit stand-in", body))
+    assert g.run_section(g.SMOKE, "q4w", None, None, 60.0) == g.EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "  FAIL q4w\n" in out and "  FAULT 0:default" in out and "ContextLost" not in out

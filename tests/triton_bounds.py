@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import numpy as np
 import torch
@@ -36,7 +35,10 @@ class Seen:
 
 
 def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether the Triton kernels were bound to the interpreter (the mode is fixed when they are imported)."""
+    from int8kv.ops import triton as tk
+
+    return not tk.is_compiled()
 
 
 def _extents(values) -> list[tuple[int, int]]:

@@ -280,11 +280,7 @@ def compile_smoke(rep: Report, sh: Shapes, smoke: bool) -> None:
     }
     end = time.monotonic() + timeout
     for name, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out, _ = _output(proc, end - time.monotonic())
         lines = out.rstrip().splitlines()
         fails = [x.strip() for x in lines if x.strip().startswith("FAIL")]
         for line in fails[:5]:
@@ -765,13 +761,14 @@ def bench_prefill(rep: Report, sh: Shapes, device, timer: Timer) -> None:
 
 # The suite's Triton tests: the INT8 / F16 kernels, the 4-bit pool's kernel, the engine's 4-bit steps on triton.
 TRITON_TESTS = ("test_ops_triton.py", "test_triton_q4w.py", "test_engine_q4w_triton.py")
+PYTEST_SECTION = "pytest the Triton tests"  # run in child processes: runs after a lost CUDA context too
 
 
 def shard_ids(ids: list[str], shards: int) -> list[list[str]]:
     """Test ids in at most ``shards`` non-empty groups, the INT8 / F16 kernels' tests (TRITON_TESTS[0]) apart from
     the 4-bit ones (a quarter of the shards, at least one), each id once."""
     ints = [i for i in ids if Path(i.split("::", 1)[0]).name == TRITON_TESTS[0]]
-    q4w = [i for i in ids if i not in set(ints)]
+    q4w = [i for i in ids if Path(i.split("::", 1)[0]).name != TRITON_TESTS[0]]
     own = max(1, shards // 4) if ints and q4w and shards > 1 else 0
     if own:
         groups = [ints[i :: shards - own] for i in range(shards - own)] + [q4w[i::own] for i in range(own)]
@@ -811,11 +808,8 @@ def run_pytest(rep: Report, sh: Shapes, interpret: bool) -> None:
         )
     end = time.monotonic() + timeout
     for i, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out, timed_out = _output(proc, end - time.monotonic())
+        if timed_out:
             rep.fail(f"pytest shard {i}", "timed out (budget)")
         lines = out.strip().splitlines()
         for line in [x for x in lines if x.startswith(("FAILED", "ERROR"))] + lines[-1:]:
@@ -925,28 +919,40 @@ def sanitize(rep: Report, base: list[str], env: dict[str, str], name: str, case:
     rep.say(f"  memcheck exit status {code}, {len(report)} report line(s)")
 
 
-def _communicate(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, int]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _output(proc: subprocess.Popen, timeout: float) -> tuple[str, bool]:
+    """``proc``'s output once it ends, killed after ``timeout`` seconds (at least 1); whether it was."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        return proc.communicate(timeout=max(1.0, timeout))[0], False
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
+        return proc.communicate()[0], True
+
+
+def _communicate(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, int]:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, timed_out = _output(proc, timeout)
+    if timed_out:
         out += f"\n  FAIL {Path(cmd[0]).name} timed out after {timeout:.0f} s (budget)"
     return out, proc.returncode
+
+
+def _guarded(rep: Report, name: str, fn: Callable[[], None]) -> bool:
+    """Run one section, an error it lets out counted as its failure; True when a fault ended the process's CUDA
+    context (``rep.fail`` says ``FAULT`` and raises ContextLost, from a case's handler or from the one here)."""
+    try:
+        try:
+            fn()
+        except Exception:
+            rep.fail(name)
+    except ContextLost:
+        return True
+    return False
 
 
 def run_section(sh: Shapes, name: str, case: str | None, device, budget: float) -> int:
     """The body of ``--section NAME``: 0 when every check passed, 1 otherwise (a fault says ``FAULT case``)."""
     rep = Report(None, budget)
-    try:
-        ISOLATED[name][1](rep, sh, device, case)
-    except ContextLost:
-        return EXIT_FAILED
-    except Exception as exc:
-        rep.fail(name)
-        if is_fault(exc):
-            rep.say(f"  FAULT {rep.case or name}")
+    _guarded(rep, name, lambda: ISOLATED[name][1](rep, sh, device, case))
     return EXIT_FAILED if rep.failures else EXIT_OK
 
 
@@ -1027,23 +1033,18 @@ def main(argv: list[str] | None = None) -> int:
     # After the benchmarks: its kernel faulted on the first GPU run, and the memcheck run of a fault takes minutes.
     sections.append(isolated("q4w"))
     if not args.skip_pytest:
-        sections.append(("pytest the Triton tests", lambda: run_pytest(rep, sh, interpret)))
+        sections.append((PYTEST_SECTION, lambda: run_pytest(rep, sh, interpret)))
 
     lost = False
+    in_children = {title for title, _ in ISOLATED.values()} | {PYTEST_SECTION}
     for name, fn in sections:
         rep.say(f"\n== {name}")
         start = time.perf_counter()
         before = len(rep.failures)
-        in_process = not (name.startswith("pytest") or name in {t for t, _ in ISOLATED.values()})
-        if lost and in_process:
+        if lost and name not in in_children:
             rep.say("   skipped: this process's CUDA context was lost")
             continue
-        try:
-            fn()
-        except ContextLost:
-            lost = True
-        except Exception:
-            rep.fail(name)
+        lost = _guarded(rep, name, fn) or lost
         status = "ok" if len(rep.failures) == before else f"{len(rep.failures) - before} failure(s)"
         rep.say(f"   {status} ({time.perf_counter() - start:.1f} s, {rep.left():.0f} s of budget left)")
         if device.type == "cuda" and not lost:

@@ -987,7 +987,7 @@ _INT_FITS: dict[int, bool] = {}  # head_dim -> cpu_simd.int_fits (a jitted funct
 def _int16_rows(head_dim: int) -> bool:
     fits = _INT_FITS.get(head_dim)
     if fits is None:
-        fits = _INT_FITS[head_dim] = bool(cpu_simd.DOT) and bool(cpu_simd.int_fits(head_dim))
+        fits = _INT_FITS[head_dim] = bool(cpu_simd.int_fits(head_dim))  # False without a variant (DOT None)
     return fits
 
 
