@@ -4,8 +4,8 @@ and prefill chunks, lengths below the sinks, mid-page, below 64 + 64 and on seal
 80 and 128, windows, chunks, softcap, sinks, kv_starts; and its refusals.
 
 Two kernel specialisations, 5-6 s of CPU each when cold (float32 q, the pool's dtypes, one numba thread: the
-serial kernel only, its parallel twin runs the same `_run_items`): the codes read in place, and unpacked first
-for head_dim 80)."""
+serial call only; a parallel one runs the same `_run_items` through ops.calls.fan_out): the codes read in
+place, and unpacked first for head_dim 80)."""
 
 from __future__ import annotations
 

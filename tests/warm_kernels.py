@@ -5,11 +5,12 @@
 `make test WARM_KERNELS=1` runs two shards in the background while pip installs the rest of the packages (pip
 leaves a core idle while it downloads and unpacks), so every kernel specialisation the suite needs is compiled
 once, instead of in whichever test first calls it, on both pytest workers at once and again in every server or
-child process the tests start. One specialisation (format x query precision x window / softcap) cost ~57 s of CPU
-for the serial kernel (`_attend_item`, `_attend_row` and the item loop they share with the parallel kernel) and ~17
-s more for the parallel one (INT8 exact, cold cache, load 1-6 on the 2-core VM); an engine test on Gemma 2 once
-spent 234 of its 237 s compiling. The 9 jobs below compile 9 specialisations, both kernels each; after them
-tests/test_engine_models.py, test_ops_cpu_quantized.py and test_plan.py compiled nothing.
+child process the tests start. One specialisation (format x query precision x window / softcap) cost 28-30 s of
+CPU, the item loop `_run_items` with `_attend_item` and `_attend_row` inside it and the small parallel entry
+`ops.calls.fan_out` (INT8 exact, cold cache, load ~1: docs/benchmarks.md "Kernel compile time"); an engine test
+on Gemma 2 once spent 234 of its 237 s compiling. The 9 jobs below compile 9 specialisations, serial and
+parallel calls each; after them tests/test_engine_models.py, test_ops_cpu_quantized.py and test_plan.py compiled
+nothing.
 
 Only public entry points are called (a paged cache, `plan_attention`, `attention`), so what compiles is what
 the tests' calls compile: the signatures depend only on the formats, the precision and which of window and

@@ -18,7 +18,9 @@ from numba.core import event
 sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import warm_kernels  # noqa: E402
 
-KERNELS = ("_attend_row", "_attend_item", "_run_items", "_merge_states", "_attention_serial", "_attention_kernel")
+KERNELS = (
+    "_attend_row", "_attend_item", "_run_items", "_merge_states", "_attention_serial", "_attention_kernel", "fan_out",
+)
 
 
 class CompileTimer(event.Listener):

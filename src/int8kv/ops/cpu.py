@@ -23,13 +23,14 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
 from ..numba_cache import share_compiles
 from . import cpu_simd
+from .calls import Compiled, fan_out
 from .parts import KERNELS as PARTS_KERNELS
 from .parts import codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
@@ -290,6 +291,20 @@ def _capped_impl(x, cap):
     if isinstance(cap, types.NoneType):
         return lambda x, cap: x
     return lambda x, cap: cap[0] * np.tanh(x * cap[1])
+
+
+def _cap_pair(cap):  # typed by the overload below: the softcap as the kernels take it
+    raise NotImplementedError
+
+
+@overload(_cap_pair, inline="always")
+def _cap_pair_impl(cap):
+    """None stays None; a float32 array [c, 1 / c] becomes the pair (c, 1 / c), held in registers by the score
+    loops. The entry takes the array, not the pair: a tuple inside a tuple cannot cross into numba's parallel
+    loop (calls.fan_out's arguments)."""
+    if isinstance(cap, types.NoneType):
+        return lambda cap: None
+    return lambda cap: (cap[0], cap[1])
 
 
 @njit(fastmath=True, inline="always")
@@ -652,7 +667,8 @@ def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, lim
     m = np.empty((hkv, rows), np.float32)
     denom = np.empty((hkv, rows), np.float32)
     acc = np.empty((hkv, rows, d), np.float32)
-    _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m, denom, acc)
+    _attend_one(q, q_scale, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m,
+                denom, acc)
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
@@ -670,49 +686,34 @@ def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, lim
 
 
 @njit(fastmath=True, cache=True)
-def _run_items(first, last, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
-               part_l, part_acc):
-    """Work items first..last - 1 (`_run_item`): compiled once per specialisation and called by both kernels, so
-    their own bodies stay a loop and a merge. With the items inlined in each kernel instead, the parallel one cost
-    27 s of CPU to compile (its parfor body re-typed and re-optimised the whole item), the serial one 6 s, on top
-    of `_attend_item` and `_attend_row` (INT8 exact decode, cold cache, load ~1)."""
+def _run_items(first, last, merge, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out,
+               part_m, part_l, part_acc):
+    """Work items first..last - 1 (`_run_item`), then, with `merge` and splits > 1, the merge of the split states
+    in part_* (`_merge_states`): the whole kernel of one specialisation. A serial call runs it from Python; a
+    parallel one through `calls.fan_out` (merge False; the merge follows on the calling thread), which calls it
+    by address, so its machine code is built once (ops/calls.py). Worker w of a parallel call runs items
+    lists[w]..lists[w + 1] (`_assign_items`): numba's dynamic schedule (`parallel_chunksize(1)`, items handed
+    out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134 us on two threads, as slow as one
+    (133 us); this fixed split took 86."""
     for it in range(first, last):
         _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
                   part_acc)
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _attention_kernel(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, lists, out, splits):
-    """Worker w runs items lists[w]..lists[w + 1] (`_assign_items`), one worker per thread. numba's dynamic
-    schedule (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at
-    2,048 keys in 134 us on two threads, as slow as one (133 us); this fixed split takes 86. With splits > 1
-    the split states are merged at the end (allocated here: three numpy allocations cost ~1 us in Python)."""
-    part_m, part_l, part_acc = _split_states(splits, out)
-    for w in prange(lists.shape[0] - 1):
-        _run_items(lists[w], lists[w + 1], q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows,
-                   out, part_m, part_l, part_acc)
-    if part_m.shape[0]:  # after the parallel loop's barrier, on the calling thread (a dispatch saved: ~1.5 us)
+    if merge and part_m.shape[0]:
         _merge_states(part_m, part_l, part_acc, out, sinks)
 
 
-@njit(fastmath=True, cache=True)
-def _attention_serial(q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, lists, out, splits):
-    """The same on the calling thread: no pool to wake, no numba.set_num_threads round trip."""
-    part_m, part_l, part_acc = _split_states(splits, out)
-    # lists[0] and lists[-1] (0 and the item count) rather than a literal 0, which numba would type as
-    # Literal[int](0) and compile `_run_items` for again
-    _run_items(lists[0], lists[-1], q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out,
-               part_m, part_l, part_acc)
-    if part_m.shape[0]:
-        _merge_states(part_m, part_l, part_acc, out, sinks)
+_ITEMS = Compiled(_run_items)
+_FIRST = np.int64(0)  # the type of `first` and `last` in fan_out's call (lists' elements)
+_NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
 
 
-@njit(fastmath=True, inline="always")
-def _split_states(splits, out):
+def _split_states(splits: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(m, l, acc) buffers of `splits` key ranges for every (row, head) of `out [n, Hq, D]`; empty for one."""
-    n = splits if splits > 1 else 0
-    return (np.empty((n, out.shape[0], out.shape[1]), np.float32), np.empty((n, out.shape[0], out.shape[1]),
-            np.float32), np.empty((n, out.shape[0], out.shape[1], out.shape[2]), np.float32))
+    if splits <= 1:
+        return _NO_PARTS
+    n, hq, d = out.shape
+    return (np.empty((splits, n, hq), np.float32), np.empty((splits, n, hq), np.float32),
+            np.empty((splits, n, hq, d), np.float32))
 
 
 @njit(fastmath=True, inline="always")
@@ -751,7 +752,7 @@ def _with_sink(total, mx, z):
 def _merge_states(part_m, part_l, part_acc, out, sinks):
     """Combine split softmax states: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, plus the head's sink
     (once, here, never per split) in the denominator. A few microseconds of work: never worth waking the
-    thread pool."""
+    thread pool (after a parallel call it runs on the calling thread)."""
     nsplit, n, hq, d = part_acc.shape
     for w in range(n * hq):
         row = w // hq
@@ -761,8 +762,8 @@ def _merge_states(part_m, part_l, part_acc, out, sinks):
             mx = max(mx, part_m[sp, row, head])
         total = np.float32(0.0)
         o = out[row, head]
-        for c in range(d):  # a loop, not `o[:] = 0`: inlined in the parallel kernel, an array expression
-            o[c] = 0.0  # becomes a parallel region of its own, one launch per (row, head): 20 -> 35 us at 512 keys
+        for c in range(d):  # a loop, not `o[:] = 0`: inside a parallel kernel an array expression became a
+            o[c] = 0.0  # parallel region of its own, one launch per (row, head): 20 -> 35 us at 512 keys
         for sp in range(nsplit):
             if part_l[sp, row, head] > 0:
                 wgt = _exp_nonpos(part_m[sp, row, head] - mx)
@@ -1006,12 +1007,12 @@ def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
 
 
 def _run(
-    pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: tuple | None,
+    pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: np.ndarray | None,
     sinks: np.ndarray,
 ) -> torch.Tensor:  # fmt: skip
     """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice)``
     (lows: each row's lowest key, None without a window or chunk); ``cap``
-    the softcap c as float32 (c, 1 / c) (None: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
+    the softcap c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
     items, row_limits, lows, splits, pairs, lists, tables, choice = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
@@ -1031,16 +1032,22 @@ def _run(
     workers = lists.shape[0] - 1
     units = pairs * q.shape[1]
     parallel = choice.parallel(units, workers)
-    kernel = _attention_kernel if parallel else _attention_serial
-    compiled = len(kernel.overloads)
+    compiled = len(_run_items.overloads) + len(fan_out.overloads)
     start = time.perf_counter()
-    sm = plan.softmax_scale
-    kernel(q_arg, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, lists, o, splits)
+    parts = _split_states(splits, o)
+    args = (q_arg, q_scale, plan.softmax_scale, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, o, *parts)
+    if parallel:
+        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args))
+        if splits > 1:  # on the calling thread: a few microseconds, never worth waking the pool
+            _merge_states(*parts, o, sinks)
+    else:
+        _run_items(0, items.shape[0], True, *args)
     if choice.timed:
         seconds = time.perf_counter() - start
         # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
         # kernel: one such 0.23 s sample once made the serial estimate 5,000x too high and every call parallel.
-        choice.record(parallel, units, workers, seconds if len(kernel.overloads) == compiled else None)
+        none_compiled = len(_run_items.overloads) + len(fan_out.overloads) == compiled
+        choice.record(parallel, units, workers, seconds if none_compiled else None)
     return out
 
 
@@ -1217,9 +1224,9 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, varia
     cap, sinks = None, _NO_SINKS
     if variant is not None:
         if variant.softcap is not None:
-            cap = (np.float32(variant.softcap), np.float32(1.0 / variant.softcap))
+            cap = np.array([variant.softcap, 1.0 / variant.softcap], np.float32)
         sinks = _NO_SINKS if variant.sinks is None else variant.sinks.numpy()
-        if variant.bounds_keys or cap:  # sinks alone change no key range: the plain work serves them
+        if variant.bounds_keys or cap is not None:  # sinks alone change no key range: the plain work serves them
             key = (*key, variant.window, variant.chunk, cap is not None)
     work, long, lows = plan.derived(key, lambda: _work(plan, pool, q.shape[1], threads, variant))
     out = _run(pool, layer, q, plan, work, cap, sinks)

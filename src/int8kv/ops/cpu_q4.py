@@ -34,17 +34,18 @@ import time
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ..numba_cache import share_compiles
 from ..quant4 import BLOCK
 from . import cpu_simd
+from .calls import Compiled, fan_out
 from .cpu import normaliser, thread_choice
 from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16, widen16
 from .plan import AttentionVariant
 
 __all__ = [
-    "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "prefetch_block", "part_states",
+    "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "prefetch_block", "merge_parts",
     "softmax16", "unpacked_channel",
 ]
 
@@ -270,34 +271,27 @@ def merge_items(part_m, part_l, part_acc, firsts, sinks, out):
                 o[i] *= inv
 
 
-@njit(fastmath=True, inline="always")
-def part_states(n_items, hq, d):
-    """Each work item's unnormalised softmax state (max, sum, output) per query head, for `_merge`."""
-    return (np.empty((n_items, hq), np.float32), np.empty((n_items, hq), np.float32),
-            np.empty((n_items, hq, d), np.float32))
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _decode_parallel(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap, sinks, f16, out):
-    """Every work item (static split of the items over the threads: they are about equal by construction),
-    then the merge on the calling thread. `_decode_serial` is the same on the calling thread alone."""
-    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
-    for it in prange(items.shape[0]):
-        _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
-                  part_acc)
+@njit(fastmath=True, cache=True)
+def merge_parts(part_m, part_l, part_acc, firsts, sinks, out):
+    """`merge_items` as its own call: the merge after a parallel run (here and in ops/cpu_q4w.py)."""
     merge_items(part_m, part_l, part_acc, firsts, sinks, out)
 
 
 @njit(fastmath=True, cache=True)
-def _decode_serial(q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap, sinks, f16, out):
-    """`_decode_parallel` on the calling thread. Its own function, not ``njit(_decode_parallel.py_func)``: two
-    builds of one Python function share numba's cache index and keys, so each could load the other's build
-    (int8kv.numba_cache)."""
-    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
-    for it in range(items.shape[0]):
+def _run_items(first, last, merge, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, firsts, sm, softcap,
+               sinks, f16, out, part_m, part_l, part_acc):
+    """Work items first..last - 1, then with `merge` the merge into `out`: the whole kernel. A serial call runs it
+    from Python, a parallel one through `calls.fan_out` (merge False; `merge_parts` follows on the calling
+    thread), which calls it by address, so its machine code is built once (ops/calls.py)."""
+    for it in range(first, last):
         _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, softcap, f16, part_m, part_l,
                   part_acc)
-    merge_items(part_m, part_l, part_acc, firsts, sinks, out)
+    if merge:
+        merge_items(part_m, part_l, part_acc, firsts, sinks, out)
+
+
+_ITEMS = Compiled(_run_items)
+_FIRST = np.int64(0)  # the type of `first` and `last` in fan_out's call (lists' elements)
 
 
 def decode_items(lows: np.ndarray, lens: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -349,18 +343,28 @@ def decode_attention(
     choice = thread_choice(("q4-decode", q.shape[1], d, variant is not None and variant.softcap is not None))
     work = int((lens - np.minimum(lows, lens)).sum()) * q.shape[1]
     parallel = choice.parallel(work, threads)
-    kernel = _decode_parallel if parallel else _decode_serial
-    compiled = len(kernel.overloads)
+    compiled = len(_run_items.overloads) + len(fan_out.overloads)
     start = time.perf_counter()
-    kernel(
+    n, hq = items.shape[0], q.shape[1]
+    sinks = sinks.astype(np.float32)
+    parts = (np.empty((n, hq), np.float32), np.empty((n, hq), np.float32), np.empty((n, hq, d), np.float32))
+    args = (
         np.ascontiguousarray(q, np.float32), k_codes, k_scale.view(np.int16), k_min.view(np.int16), v_codes,
         v_scale.view(np.int16), v_min.view(np.int16), k_open.view(np.uint16), v_open.view(np.uint16),
         block_tables, context_lens, items, firsts, np.float32(1 / math.sqrt(d) if softmax_scale is None else
-        softmax_scale), np.float32(softcap), sinks.astype(np.float32), F16_TABLE, out,
+        softmax_scale), np.float32(softcap), sinks, F16_TABLE, out, *parts,
     )  # fmt: skip
+    if parallel:  # the items are about equal by construction: an equal count per thread
+        workers = max(1, min(threads, n))
+        lists = (np.arange(workers + 1, dtype=np.int64) * n) // workers
+        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args))
+        merge_parts(*parts, firsts, sinks, out)
+    else:
+        _run_items(0, n, True, *args)
     if choice.timed:  # a call that compiled a specialisation measured that, not the kernel
         seconds = time.perf_counter() - start
-        choice.record(parallel, work, threads, seconds if len(kernel.overloads) == compiled else None)
+        none_compiled = len(_run_items.overloads) + len(fan_out.overloads) == compiled
+        choice.record(parallel, work, threads, seconds if none_compiled else None)
     return out
 
 

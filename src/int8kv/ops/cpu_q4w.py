@@ -41,7 +41,7 @@ import weakref
 import numba
 import numpy as np
 import torch
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import overload
 
 from ..errors import UnsupportedFormat
@@ -49,8 +49,9 @@ from ..numba_cache import share_compiles
 from ..quant4w import BLOCK as PAGE
 from ..quant4w import SINKS, WINDOW
 from . import cpu_simd
+from .calls import Compiled, fan_out
 from .cpu import thread_choice
-from .cpu_q4 import NEG, decode_items, merge_items, part_states, prefetch_block, softmax16, unpacked_channel
+from .cpu_q4 import NEG, decode_items, merge_items, merge_parts, prefetch_block, softmax16, unpacked_channel
 from .cpu_q4_simd import fold, unpack16, weights16, widen16
 from .plan import AttentionPlan, AttentionVariant
 
@@ -225,34 +226,20 @@ def _run_item(it, q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw,
 
 
 @njit(fastmath=True, cache=True)
-def _run_items(first, last, q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink, tables,
-               window_of, sink_of, seq_of, len_of, items, part_m, part_l, part_acc):
-    """Work items first..last - 1 (`_run_item`): compiled once, called by both kernels (cpu.py's rule: the
-    parallel kernel's body stays a loop, not a second copy of the item)."""
+def _run_items(first, last, merge, q, heads, unpack, sm, softcap, sinks, kc, ks, km, vc, vs, vm, kw, vw, k_sink,
+               v_sink, tables, window_of, sink_of, seq_of, len_of, items, firsts, out, part_m, part_l, part_acc):
+    """Work items first..last - 1 (`_run_item`), then with `merge` the merge into `out`: the whole kernel. A
+    serial call runs it from Python, a parallel one through `calls.fan_out` (merge False; `merge_parts` follows on the
+    calling thread), which calls it by address: its machine code is built once (ops/calls.py)."""
     for it in range(first, last):
         _run_item(it, q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink, tables,
                   window_of, sink_of, seq_of, len_of, items, part_m, part_l, part_acc)
+    if merge:
+        merge_items(part_m, part_l, part_acc, firsts, sinks, out)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def _q4w_parallel(q, heads, unpack, sm, softcap, sinks, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink, tables,
-                  window_of, sink_of, seq_of, len_of, items, firsts, lists, out):
-    """Worker w runs items lists[w]..lists[w + 1] (`_assign`), then the merge on the calling thread."""
-    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
-    for w in prange(lists.shape[0] - 1):
-        _run_items(lists[w], lists[w + 1], q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw, k_sink,
-                   v_sink, tables, window_of, sink_of, seq_of, len_of, items, part_m, part_l, part_acc)
-    merge_items(part_m, part_l, part_acc, firsts, sinks, out)
-
-
-@njit(fastmath=True, cache=True)
-def _q4w_serial(q, heads, unpack, sm, softcap, sinks, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink, tables,
-                window_of, sink_of, seq_of, len_of, items, firsts, lists, out):
-    """`_q4w_parallel` on the calling thread alone."""
-    part_m, part_l, part_acc = part_states(items.shape[0], q.shape[1], q.shape[2])
-    _run_items(lists[0], lists[-1], q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw, k_sink, v_sink,
-               tables, window_of, sink_of, seq_of, len_of, items, part_m, part_l, part_acc)
-    merge_items(part_m, part_l, part_acc, firsts, sinks, out)
+_ITEMS = Compiled(_run_items)
+_FIRST = np.int64(0)  # the type of `first` and `last` in fan_out's call (lists' elements)
 
 
 # -- host side ----------------------------------------------------------------------------------------------
@@ -335,15 +322,22 @@ def attend(pool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: Atte
     sinks = _NO_SINKS if variant is None or variant.sinks is None else variant.sinks.numpy()
     window_of, sink_of = pool.page_books()
     parallel = choice.parallel(units, lists.shape[0] - 1)
-    kernel = _q4w_parallel if parallel else _q4w_serial
-    compiled = len(kernel.overloads)
+    compiled = len(_run_items.overloads) + len(fan_out.overloads)
     start = time.perf_counter()
     unpack = None if pool.head_dim % 32 == 0 else _UNPACK
-    kernel(q.numpy(), pool.num_kv_heads, unpack, np.float32(plan.softmax_scale), np.float32(softcap), sinks,
-           *_layer_arrays(pool, layer), tables, window_of, sink_of, seq_of, len_of, items, firsts, lists, out)
+    n, hq, d = items.shape[0], q.shape[1], q.shape[2]
+    parts = (np.empty((n, hq), np.float32), np.empty((n, hq), np.float32), np.empty((n, hq, d), np.float32))
+    args = (q.numpy(), pool.num_kv_heads, unpack, np.float32(plan.softmax_scale), np.float32(softcap), sinks,
+            *_layer_arrays(pool, layer), tables, window_of, sink_of, seq_of, len_of, items, firsts, out, *parts)
+    if parallel:
+        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args))
+        merge_parts(*parts, firsts, sinks, out)
+    else:
+        _run_items(0, n, True, *args)
     if choice.timed:  # a call that compiled (or loaded) a specialisation measured that, not the kernel
         seconds = time.perf_counter() - start
-        choice.record(parallel, units, lists.shape[0] - 1, seconds if len(kernel.overloads) == compiled else None)
+        none_compiled = len(_run_items.overloads) + len(fan_out.overloads) == compiled
+        choice.record(parallel, units, lists.shape[0] - 1, seconds if none_compiled else None)
     return torch.from_numpy(out)
 
 

@@ -1,0 +1,106 @@
+"""Run a compiled numba function on several threads without compiling it into the parallel kernel.
+
+numba links every callee's LLVM module into its caller's and optimises and generates machine code for the
+whole again, so each level of a call chain pays for the levels below it once more. The attention kernels'
+work-item loops (``_run_items`` in ops/cpu.py and ops/cpu_q4w.py) were compiled four or five times per
+specialisation: alone, inside the serial entry, inside the parallel loop's gufunc and inside the parallel
+entry. For one INT8 exact specialisation that was 34 s of CPU (cold cache, the 2-core dev VM): 12.8 s for the
+kernels, 5 s to link them into the item loop, 3.4 s for the serial entry and 10 s for the parallel one.
+
+:func:`fan_out` is one small parallel kernel that calls the item loop through its address: what it compiles per
+specialisation is a loop and a call. Python calls the item loop itself for a serial run. The address of each
+specialisation (:class:`Compiled`) comes from numba's own compile result, and the parallel kernel compares a
+tag of the argument types it was compiled for with the tag of the specialisation behind the address before it
+calls anything: arguments of other types raise TypeError instead of running code built for other types.
+
+    fan_out(address, tag, lists [workers + 1] int64, args: tuple)
+        worker w runs ``function(lists[w], lists[w + 1], *args)``; lists rises from 0 to the item count.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numba
+from numba import njit, prange, types
+from numba._dispatcher import compute_fingerprint
+from numba.core import cgutils
+from numba.core.registry import CPUDispatcher
+from numba.extending import intrinsic
+
+from ..numba_cache import share_compiles
+
+__all__ = ["Compiled", "fan_out", "signature_tag"]
+
+
+def signature_tag(argtypes: tuple) -> int:
+    """A number that tells numba argument-type tuples apart (CRC-32 of their spelling)."""
+    return zlib.crc32(repr(tuple(argtypes)).encode())
+
+
+@intrinsic
+def _tag_of(typingctx, args):
+    """The signature tag of the types of the tuple ``args``, a constant of the compiled code."""
+    tag = signature_tag(tuple(args.types))
+
+    def codegen(context, builder, sig, llargs):
+        return context.get_constant(types.int64, tag)
+
+    return types.int64(args), codegen
+
+
+@intrinsic
+def _call_at(typingctx, address, args):
+    """Call the numba-compiled function at ``address`` (a specialisation returning None) on the tuple ``args``,
+    with numba's calling convention; an exception it raises propagates."""
+    argtypes = tuple(args.types)
+
+    def codegen(context, builder, sig, llargs):
+        address_value, packed = llargs
+        values = [builder.extract_value(packed, i) for i in range(len(argtypes))]
+        function_type = context.call_conv.get_function_type(types.none, argtypes)
+        pointer = builder.inttoptr(address_value, function_type.as_pointer())
+        status, _ = context.call_conv.call_function(builder, pointer, types.none, argtypes, values)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.none(types.intp, args), codegen
+
+
+@njit(parallel=True, cache=True)
+def fan_out(address, tag, lists, args):
+    """Worker w runs ``f(lists[w], lists[w + 1], *args)`` for the specialisation ``f`` at ``address`` whose
+    signature tag is ``tag`` (:meth:`Compiled.address`); one worker per thread."""
+    if tag != _tag_of((lists[0], lists[0]) + args):
+        raise TypeError("fan_out: the function at this address was compiled for other argument types")
+    for w in prange(lists.shape[0] - 1):
+        _call_at(address, (lists[w], lists[w + 1]) + args)
+
+
+class Compiled:
+    """The addresses of a numba dispatcher's specialisations, found by the types of the arguments they take.
+    The dispatcher keeps every specialisation it compiled (or loaded) for the life of the process, so an
+    address stays valid."""
+
+    def __init__(self, dispatcher: CPUDispatcher) -> None:
+        self.dispatcher = dispatcher
+        self._found: dict[tuple, tuple[int, int]] = {}  # argument fingerprints -> (address, tag)
+
+    def address(self, args: tuple) -> tuple[int, int]:
+        """(address, signature tag) of the specialisation for ``args`` (compiled or loaded on first use). The
+        fingerprints are what numba's dispatcher itself keys argument types by (~1.7 us for 17 arguments)."""
+        key = tuple(map(compute_fingerprint, args))
+        found = self._found.get(key)
+        if found is None:
+            argtypes = tuple(numba.typeof(a) for a in args)
+            self.dispatcher.compile(argtypes)
+            result = self.dispatcher.overloads[argtypes]
+            if result.signature.return_type != types.none:
+                raise TypeError(f"{self.dispatcher.py_func.__name__} must return None to run through fan_out")
+            address = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+            found = self._found[key] = (address, signature_tag(argtypes))
+        return found
+
+
+share_compiles(globals())  # int8kv.numba_cache: one compile per signature across processes

@@ -1,0 +1,81 @@
+"""int8kv.ops.calls: a compiled function run over worker ranges by address (fan_out), and the checks around it.
+
+The attention kernels run through it (tests/test_ops_cpu*.py cover those numerics); these tests pin the
+mechanism itself on small functions: every item runs once whatever the split, the arguments reach the callee
+(arrays, scalars, None), the address found for one argument-type tuple is refused for another, and a function
+that returns a value is refused before any call."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from numba import njit
+
+from int8kv.ops.calls import Compiled, fan_out, signature_tag
+
+
+@njit
+def _scaled_square(first, last, scale, offset, src, out):
+    for i in range(first, last):
+        out[i] += src[i] * src[i] * scale + (0.0 if offset is None else offset)
+
+
+@njit
+def _returns_a_value(first, last, out):
+    return first + last
+
+
+FIRST = np.int64(0)
+
+
+def _run(lists: np.ndarray, args: tuple) -> None:
+    fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), lists, args)
+
+
+@pytest.mark.parametrize("cuts", [[0, 7], [0, 3, 7], [0, 0, 5, 7], [0, 1, 2, 3, 4, 5, 6, 7], [0, 7, 7]])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_item_runs_once_for_any_split_of_the_workers(cuts, dtype):
+    rng = np.random.default_rng(len(cuts))
+    src = rng.standard_normal(7).astype(dtype)
+    out = np.zeros(7, dtype)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        _run(np.array(cuts, np.int64), (2.5, None, src, out))
+    finally:
+        numba.set_num_threads(previous)
+    want = src.astype(np.float64) ** 2 * 2.5
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+
+
+def test_scalar_and_optional_arguments_reach_the_callee():
+    src = np.arange(4, dtype=np.float64)
+    out = np.zeros(4)
+    _run(np.array([0, 2, 4], np.int64), (1.0, 10.0, src, out))
+    np.testing.assert_array_equal(out, src**2 + 10.0)
+
+
+def test_each_argument_type_tuple_has_its_own_address():
+    compiled = Compiled(_scaled_square)
+    f32 = compiled.address((FIRST, FIRST, 1.0, None, np.zeros(2, np.float32), np.zeros(2, np.float32)))
+    f64 = compiled.address((FIRST, FIRST, 1.0, None, np.zeros(2), np.zeros(2)))
+    again = compiled.address((FIRST, FIRST, 2.0, None, np.ones(3, np.float32), np.ones(3, np.float32)))
+    assert f32 == again
+    assert f32[0] != f64[0] and f32[1] != f64[1]
+    assert f64[1] == signature_tag(tuple(numba.typeof(a) for a in (FIRST, FIRST, 1.0, None, np.zeros(2), np.zeros(2))))
+
+
+def test_an_address_compiled_for_other_types_is_refused_and_runs_nothing():
+    compiled = Compiled(_scaled_square)
+    address, tag = compiled.address((FIRST, FIRST, 1.0, None, np.zeros(3), np.zeros(3)))  # float64 arrays
+    src = np.ones(3, np.float32)
+    out = np.zeros(3, np.float32)
+    with pytest.raises(TypeError, match="other argument types"):
+        fan_out(address, tag, np.array([0, 3], np.int64), (1.0, None, src, out))  # float32 arrays
+    assert not out.any()
+
+
+def test_a_function_that_returns_a_value_is_refused_before_any_call():
+    with pytest.raises(TypeError, match="must return None"):
+        Compiled(_returns_a_value).address((FIRST, FIRST, np.zeros(2)))
