@@ -109,6 +109,38 @@ def test_decode_split_keys_match_reference(fmt):
             assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_runs(monkeypatch, parallel):
+    """The item loop calls its per-item kernels by address (ops/calls.py): a kernel whose signature tag is not
+    the tag of the call's argument types raises (TypeError; through the parallel loop numba reports it as a
+    SystemError caused by it) before any item runs, and the next call with the right kernels is unharmed."""
+    if parallel and cpu.numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("a parallel call needs two numba threads")
+    cache, tables, context = build(INT8, 16, 64, 2, [90, 200], seed=12)
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(12))
+    previous = cpu.numba.get_num_threads()
+    cpu.numba.set_num_threads(2 if parallel else 1)
+    monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads: parallel)
+    try:
+        good = paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
+        real = cpu._leaves
+
+        def other_tags(*args):
+            leaves = real(*args).copy()
+            leaves[[1, 3]] += 1
+            return leaves
+
+        monkeypatch.setattr(cpu, "_leaves", other_tags)
+        with pytest.raises((TypeError, SystemError)) as raised:
+            paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
+        error = raised.value if isinstance(raised.value, TypeError) else raised.value.__cause__
+        assert isinstance(error, TypeError) and "other argument types" in str(error)
+        monkeypatch.setattr(cpu, "_leaves", real)
+        assert torch.equal(paged_decode_attention(cache, 1, q, tables, context, backend="cpu"), good)
+    finally:
+        cpu.numba.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
 def test_decode_softmax_scale(fmt, scale):

@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from ..numba_cache import share_compiles
 
-__all__ = ["Compiled", "fan_out", "signature_tag"]
+__all__ = ["Compiled", "call_at", "fan_out", "signature_tag", "tag_of"]
 
 
 def signature_tag(argtypes: tuple) -> int:
@@ -39,7 +39,7 @@ def signature_tag(argtypes: tuple) -> int:
 
 
 @intrinsic
-def _tag_of(typingctx, args):
+def tag_of(typingctx, args):
     """The signature tag of the types of the tuple ``args``, a constant of the compiled code."""
     tag = signature_tag(tuple(args.types))
 
@@ -50,7 +50,7 @@ def _tag_of(typingctx, args):
 
 
 @intrinsic
-def _call_at(typingctx, address, args):
+def call_at(typingctx, address, args):
     """Call the numba-compiled function at ``address`` (a specialisation returning None) on the tuple ``args``,
     with numba's calling convention; an exception it raises propagates."""
     argtypes = tuple(args.types)
@@ -72,10 +72,10 @@ def _call_at(typingctx, address, args):
 def fan_out(address, tag, lists, args):
     """Worker w runs ``f(lists[w], lists[w + 1], *args)`` for the specialisation ``f`` at ``address`` whose
     signature tag is ``tag`` (:meth:`Compiled.address`); one worker per thread."""
-    if tag != _tag_of((lists[0], lists[0]) + args):
+    if tag != tag_of((lists[0], lists[0]) + args):
         raise TypeError("fan_out: the function at this address was compiled for other argument types")
     for w in prange(lists.shape[0] - 1):
-        _call_at(address, (lists[w], lists[w + 1]) + args)
+        call_at(address, (lists[w], lists[w + 1]) + args)
 
 
 class Compiled:

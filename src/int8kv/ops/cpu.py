@@ -24,13 +24,12 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
-from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
 from ..numba_cache import share_compiles
 from . import cpu_simd
-from .calls import Compiled, fan_out
+from .calls import Compiled, call_at, fan_out, tag_of
 from .parts import KERNELS as PARTS_KERNELS
 from .parts import codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
@@ -613,62 +612,28 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
         p0 += nt
 
 
-def _attend_one(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-    """One work item: `_attend_row` for a single query row whose head_dim the vector kernels take (float32
-    kernels for an exact row, integer ones for query codes on INT8 blocks), `_attend_item` otherwise (typed by
-    the overload below). An int16-path row the integer kernels cannot take (head_dim, no AVX2 or VNNI) runs
-    the exact path (`_query_path` sends such calls to the exact kernel; this branch keeps the kernel right if
-    one comes); an int8 one keeps `_attend_item`'s integer loops (the same numerics)."""
-    raise NotImplementedError
-
-
-@overload(_attend_one, inline="always")
-def _attend_one_impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-    codes = isinstance(q.dtype, types.Integer)  # int8 path: the codes come quantized
-    int16_path = isinstance(q_scale.dtype, types.Integer)  # float32 q, quantized by `_attend_row`
-    integer = (codes or int16_path) and kc.dtype == types.int8 and cpu_simd.DOT is not None
-    if int16_path and not integer:  # `_query_path` never asks for it: `qk16i` does not type here
-        raise TypingError("the int16 query path needs INT8 keys and an integer dot variant (cpu_simd.DOT)")
-    if codes and not integer:  # no vector kernel for query codes: `_attend_item`'s integer loops
-        return lambda q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc: (
-            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc))
-    integer_rows = cpu_simd.int_fits if integer else _never  # exact: the float32 branch below serves
-
-    def impl(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-        first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
-        if nrows == 1 and integer_rows(kc.shape[3]):
-            _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
-        elif nrows == 1 and not codes and cpu_simd.fits(kc.shape[3]):
-            _attend_row(q, _NO_SCALE, sm, cap, kc, ks, vc, vs, table, row0, first, end, m, denom, acc)
-        else:
-            _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc)
-
-    return impl
-
-
-@njit(inline="always")
-def _never(head_dim):
-    return False
-
-
 @njit(fastmath=True, inline="always")
-def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
-              part_acc):
-    """Work item `it`: items[it] = (sequence, row0, nrows, key lo, key hi, split). One split: normalised rows go to
-    `out` (with the sinks, unless `sinks` is empty); several: the unnormalised state (m, l, acc) of each split goes
-    to part_* for the merge (`_merge_states`), which adds the sinks once."""
+def _item_state(it, q, kc, items):
+    """Work item `it`'s fields and the unnormalised softmax state (m, denom, acc) its rows fill."""
     hkv = kc.shape[2]
-    d = kc.shape[3]
     g = q.shape[1] // hkv
-    direct = part_m.shape[0] == 0
     seq, row0, nrows = items[it, 0], items[it, 1], items[it, 2]
     lo, hi, split = items[it, 3], items[it, 4], items[it, 5]
     rows = nrows * g
     m = np.empty((hkv, rows), np.float32)
     denom = np.empty((hkv, rows), np.float32)
-    acc = np.empty((hkv, rows, d), np.float32)
-    _attend_one(q, q_scale, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m,
-                denom, acc)
+    acc = np.empty((hkv, rows, kc.shape[3]), np.float32)
+    return seq, row0, nrows, lo, hi, split, m, denom, acc
+
+
+@njit(fastmath=True, inline="always")
+def _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split, m, denom, acc):
+    """One split: normalised rows go to `out` (with the sinks, unless `sinks` is empty); several: the unnormalised
+    state (m, l, acc) of each split goes to part_* for the merge (`_merge_states`), which adds the sinks once."""
+    hkv = kc.shape[2]
+    d = kc.shape[3]
+    g = q.shape[1] // hkv
+    direct = part_m.shape[0] == 0
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
@@ -685,26 +650,141 @@ def _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, lim
                         part_acc[split, row0 + i, head, c] = acc[h, r, c]
 
 
+# Work item `it` = items[it] = (sequence, row0, nrows, key lo, key hi, split), whole: the kernel over its rows
+# and keys, then its rows stored (`_store_item`). Two leaves, each compiled once per specialisation and called
+# by address from `_run_items` (ops/calls.py: numba would otherwise build each again inside every caller):
+# `_row_item` for a single query row through the vector kernels (`_attend_row`: float32 kernels for an exact
+# row, integer ones for query codes or int16 rows on INT8 blocks), where the head_dim fits them (`_rows_fit`);
+# `_general_item` for the rest (`_attend_item`: several rows, or a head_dim or query path the row kernels do
+# not take). A call compiles only the leaves its items use: a decode-only run never builds `_general_item`.
 @njit(fastmath=True, cache=True)
-def _run_items(first, last, merge, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out,
-               part_m, part_l, part_acc):
-    """Work items first..last - 1 (`_run_item`), then, with `merge` and splits > 1, the merge of the split states
-    in part_* (`_merge_states`): the whole kernel of one specialisation. A serial call runs it from Python; a
-    parallel one through `calls.fan_out` (merge False; the merge follows on the calling thread), which calls it
-    by address, so its machine code is built once (ops/calls.py). Worker w of a parallel call runs items
-    lists[w]..lists[w + 1] (`_assign_items`): numba's dynamic schedule (`parallel_chunksize(1)`, items handed
-    out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134 us on two threads, as slow as one
-    (133 us); this fixed split took 86."""
+def _row_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
+              part_acc):
+    seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
+    first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
+    _attend_row(q, q_scale, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, first, end, m, denom, acc)
+    _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split, m, denom, acc)
+
+
+@njit(fastmath=True, cache=True)
+def _general_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
+                  part_acc):
+    seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
+    _attend_item(q, q_scale, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m,
+                 denom, acc)
+    _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split, m, denom, acc)
+
+
+@njit(fastmath=True, inline="always")
+def _new_states(splits, out):
+    """(m, l, acc) buffers of `splits` key ranges for every (row, head) of `out [n, Hq, D]`."""
+    n, hq, d = out.shape
+    return (np.empty((splits, n, hq), np.float32), np.empty((splits, n, hq), np.float32),
+            np.empty((splits, n, hq, d), np.float32))
+
+
+@njit(fastmath=True, cache=True)
+def _run_items(first, last, merge, splits, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits,
+               lows, out, part_m, part_l, part_acc):
+    """Work items first..last - 1, each through its leaf (`_row_item` if it has one row and leaves[0] is set,
+    else `_general_item`), then, with `merge` and splits > 1, the merge of the split states in part_*
+    (`_merge_states`). ``leaves`` int64 [4]: (row leaf address, its signature tag, general leaf address, its
+    tag), 0 for a leaf the call does not use (`_leaves`); a tag that does not match the arguments' types raises
+    TypeError before any item runs. A serial call runs this from Python; a parallel one through
+    `calls.fan_out` (merge False; the merge follows on the calling thread). Worker w of a parallel call runs
+    items lists[w]..lists[w + 1] (`_assign_items`): numba's dynamic schedule (`parallel_chunksize(1)`, items
+    handed out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134 us on two threads, as slow as
+    one (133 us); this fixed split took 86. A serial call (`merge`) passes empty part_* and allocates the
+    `splits` states here (three numpy allocations cost ~1 us in Python)."""
+    if merge and splits > 1:
+        part_m, part_l, part_acc = _new_states(splits, out)
+    args = (q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l, part_acc)
+    tag = tag_of((first,) + args)
+    if (leaves[0] != 0 and leaves[1] != tag) or (leaves[2] != 0 and leaves[3] != tag):
+        raise TypeError("_run_items: a leaf at this address was compiled for other argument types")
     for it in range(first, last):
-        _run_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
-                  part_acc)
+        if items[it, 2] == 1 and leaves[0] != 0:
+            call_at(leaves[0], (it,) + args)
+        else:
+            call_at(leaves[2], (it,) + args)
     if merge and part_m.shape[0]:
         _merge_states(part_m, part_l, part_acc, out, sinks)
 
 
 _ITEMS = Compiled(_run_items)
+_ROW_ITEM = Compiled(_row_item)
+_GENERAL_ITEM = Compiled(_general_item)
 _FIRST = np.int64(0)  # the type of `first` and `last` in fan_out's call (lists' elements)
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
+
+
+_CAPS: dict[float, np.ndarray] = {}  # softcap c -> float32 [c, 1 / c], read only by the kernels
+
+
+def _cap_array(softcap: float) -> np.ndarray:
+    cap = _CAPS.get(softcap)
+    if cap is None:
+        cap = _CAPS[softcap] = np.array([softcap, 1.0 / softcap], np.float32)
+        cap.setflags(write=False)
+    return cap
+
+
+def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np.ndarray:
+    """`_run_items`' ``leaves`` for the arguments ``args`` (all of `_run_items`' from q on): the address and
+    signature tag of `_row_item` and of `_general_item` where ``uses`` says the call's items need them (compiled
+    or loaded on first use), else 0. Kept in the plan's work (``found``) under ``key``, (the pool's format spec,
+    whether a softcap is set): with the query path and the tables (the work's own), those fix every argument's
+    type (q is float32 and contiguous, sinks float32, the rest made by `_work` and `_run`); should one differ,
+    the tag check in `_run_items` raises instead. numba's argument fingerprints took ~1 us a call."""
+    leaves = found.get(key)
+    if leaves is None:
+        with_it = (_FIRST, *args)
+        row = _ROW_ITEM.address(with_it) if uses[0] else (0, 0)
+        general = _GENERAL_ITEM.address(with_it) if uses[1] else (0, 0)
+        leaves = found[key] = np.array([*row, *general], np.int64)
+    return leaves
+
+
+def _items_at(found: dict, key: tuple, args: tuple) -> tuple[int, int]:
+    """`_run_items`' address and tag for `calls.fan_out` (args: its arguments from `merge` on), kept as above."""
+    at = found.get(("fan_out", *key))
+    if at is None:
+        at = found[("fan_out", *key)] = _ITEMS.address((_FIRST, _FIRST, *args))
+    return at
+
+
+def _compiled() -> int:
+    """Specialisations compiled (or loaded) so far by the kernel's dispatchers: a call that changed it timed that."""
+    return sum(len(f.overloads) for f in (_run_items, _row_item, _general_item, fan_out))
+
+
+def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np.ndarray:
+    """`_run_items`' ``leaves`` for the arguments ``args`` (all of `_run_items`' from q on): the address and
+    signature tag of `_row_item` and of `_general_item` where ``uses`` says the call's items need them (compiled
+    or loaded on first use), else 0. Kept in the plan's work (``found``) under ``key``, (the pool's format spec,
+    whether a softcap is set): with the query path and the tables (the work's own), those fix every argument's
+    type (q is float32 and contiguous, sinks float32, the rest made by `_work` and `_run`); should one differ,
+    the tag check in `_run_items` raises instead. numba's argument fingerprints took ~1 us a call."""
+    leaves = found.get(key)
+    if leaves is None:
+        with_it = (_FIRST, *args)
+        row = _ROW_ITEM.address(with_it) if uses[0] else (0, 0)
+        general = _GENERAL_ITEM.address(with_it) if uses[1] else (0, 0)
+        leaves = found[key] = np.array([*row, *general], np.int64)
+    return leaves
+
+
+def _items_at(found: dict, key: tuple, args: tuple) -> tuple[int, int]:
+    """`_run_items`' address and tag for `calls.fan_out` (args: its arguments from `merge` on), kept as above."""
+    at = found.get(("fan_out", *key))
+    if at is None:
+        at = found[("fan_out", *key)] = _ITEMS.address((_FIRST, _FIRST, *args))
+    return at
+
+
+def _compiled() -> int:
+    """Specialisations compiled (or loaded) so far by the kernel's dispatchers: a call that changed it timed that."""
+    return sum(len(f.overloads) for f in (_run_items, _row_item, _general_item, fan_out))
 
 
 def _split_states(splits: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -1013,7 +1093,7 @@ def _run(
     """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice)``
     (lows: each row's lowest key, None without a window or chunk); ``cap``
     the softcap c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
-    items, row_limits, lows, splits, pairs, lists, tables, choice = work
+    items, row_limits, lows, splits, pairs, lists, tables, choice, uses, found = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
@@ -1032,21 +1112,26 @@ def _run(
     workers = lists.shape[0] - 1
     units = pairs * q.shape[1]
     parallel = choice.parallel(units, workers)
-    compiled = len(_run_items.overloads) + len(fan_out.overloads)
+    compiled = _compiled() if choice.timed else 0
     start = time.perf_counter()
-    parts = _split_states(splits, o)
-    args = (q_arg, q_scale, plan.softmax_scale, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, o, *parts)
-    if parallel:
-        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args))
-        if splits > 1:  # on the calling thread: a few microseconds, never worth waking the pool
+    args = (q_arg, q_scale, plan.softmax_scale, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, o)
+    key = (pool.format.spec, cap is None)
+    if parallel:  # the split states shared by the workers, merged on the calling thread after them
+        n, hq, d = o.shape
+        parts = (np.empty((splits, n, hq), np.float32), np.empty((splits, n, hq), np.float32),
+                 np.empty((splits, n, hq, d), np.float32)) if splits > 1 else _NO_PARTS
+        leaves = _leaves(found, key, (*args, *parts), uses)
+        fan_out(*_items_at(found, key, (False, splits, leaves, *args, *parts)), lists,
+                (False, splits, leaves, *args, *parts))
+        if splits > 1:  # a few microseconds: never worth waking the pool
             _merge_states(*parts, o, sinks)
     else:
-        _run_items(0, items.shape[0], True, *args)
+        _run_items(0, items.shape[0], True, splits, _leaves(found, key, (*args, *_NO_PARTS), uses), *args, *_NO_PARTS)
     if choice.timed:
         seconds = time.perf_counter() - start
         # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
         # kernel: one such 0.23 s sample once made the serial estimate 5,000x too high and every call parallel.
-        none_compiled = len(_run_items.overloads) + len(fan_out.overloads) == compiled
+        none_compiled = _compiled() == compiled
         choice.record(parallel, units, workers, seconds if none_compiled else None)
     return out
 
@@ -1208,7 +1293,10 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
     integer_q = _query_path(plan, pool)
     capped = variant is not None and variant.softcap is not None  # tanh per score: another cost per unit
     choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim, capped))
-    work = (items, row_limits, lows, splits, pairs_total, lists, plan.block_tables.numpy(), choice)
+    fit = cpu_simd.fits(pool.head_dim) if integer_q == "exact" else _int16_rows(pool.head_dim)
+    single = items[:, 2] == 1
+    uses = (fit and bool(single.any()), bool((~single).any()) or (not fit and items.shape[0] > 0))
+    work = (items, row_limits, lows, splits, pairs_total, lists, plan.block_tables.numpy(), choice, uses, {})
     return work, np.flatnonzero(long), lows
 
 
@@ -1224,7 +1312,7 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, varia
     cap, sinks = None, _NO_SINKS
     if variant is not None:
         if variant.softcap is not None:
-            cap = np.array([variant.softcap, 1.0 / variant.softcap], np.float32)
+            cap = _cap_array(variant.softcap)
         sinks = _NO_SINKS if variant.sinks is None else variant.sinks.numpy()
         if variant.bounds_keys or cap is not None:  # sinks alone change no key range: the plain work serves them
             key = (*key, variant.window, variant.chunk, cap is not None)
