@@ -8,7 +8,9 @@ entry. For one INT8 exact specialisation that was 34 s of CPU (cold cache, the 2
 kernels, 5 s to link them into the item loop, 3.4 s for the serial entry and 10 s for the parallel one.
 
 :func:`fan_out` is one small parallel kernel that calls the item loop through its address: what it compiles per
-specialisation is a loop and a call. Python calls the item loop itself for a serial run. The address of each
+specialisation is a loop and a call. Python calls the item loop itself for a serial run. :func:`call_at` is the
+call itself, for any caller: ops/cpu.py's item loop calls its per-item kernels with it, so those too are built
+once (one decode specialisation 28.5 -> ~9 s of CPU cold; docs/benchmarks.md "Kernel compile time"). The address of each
 specialisation (:class:`Compiled`) comes from numba's own compile result, and the parallel kernel compares a
 tag of the argument types it was compiled for with the tag of the specialisation behind the address before it
 calls anything: arguments of other types raise TypeError instead of running code built for other types.

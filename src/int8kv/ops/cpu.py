@@ -758,44 +758,6 @@ def _compiled() -> int:
     return sum(len(f.overloads) for f in (_run_items, _row_item, _general_item, fan_out))
 
 
-def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np.ndarray:
-    """`_run_items`' ``leaves`` for the arguments ``args`` (all of `_run_items`' from q on): the address and
-    signature tag of `_row_item` and of `_general_item` where ``uses`` says the call's items need them (compiled
-    or loaded on first use), else 0. Kept in the plan's work (``found``) under ``key``, (the pool's format spec,
-    whether a softcap is set): with the query path and the tables (the work's own), those fix every argument's
-    type (q is float32 and contiguous, sinks float32, the rest made by `_work` and `_run`); should one differ,
-    the tag check in `_run_items` raises instead. numba's argument fingerprints took ~1 us a call."""
-    leaves = found.get(key)
-    if leaves is None:
-        with_it = (_FIRST, *args)
-        row = _ROW_ITEM.address(with_it) if uses[0] else (0, 0)
-        general = _GENERAL_ITEM.address(with_it) if uses[1] else (0, 0)
-        leaves = found[key] = np.array([*row, *general], np.int64)
-    return leaves
-
-
-def _items_at(found: dict, key: tuple, args: tuple) -> tuple[int, int]:
-    """`_run_items`' address and tag for `calls.fan_out` (args: its arguments from `merge` on), kept as above."""
-    at = found.get(("fan_out", *key))
-    if at is None:
-        at = found[("fan_out", *key)] = _ITEMS.address((_FIRST, _FIRST, *args))
-    return at
-
-
-def _compiled() -> int:
-    """Specialisations compiled (or loaded) so far by the kernel's dispatchers: a call that changed it timed that."""
-    return sum(len(f.overloads) for f in (_run_items, _row_item, _general_item, fan_out))
-
-
-def _split_states(splits: int, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(m, l, acc) buffers of `splits` key ranges for every (row, head) of `out [n, Hq, D]`; empty for one."""
-    if splits <= 1:
-        return _NO_PARTS
-    n, hq, d = out.shape
-    return (np.empty((splits, n, hq), np.float32), np.empty((splits, n, hq), np.float32),
-            np.empty((splits, n, hq, d), np.float32))
-
-
 @njit(fastmath=True, inline="always")
 def normaliser(total, mx, sinks, head):
     """1 / the softmax denominator of a row whose unnormalised state has sum `total` relative to max `mx`: with
