@@ -30,7 +30,7 @@ FIRST = np.int64(0)
 
 
 def _run(lists: np.ndarray, args: tuple) -> None:
-    fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), lists, args)
+    fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), lists, args, 0, 0, ())
 
 
 @pytest.mark.parametrize("cuts", [[0, 7], [0, 3, 7], [0, 0, 5, 7], [0, 1, 2, 3, 4, 5, 6, 7], [0, 7, 7]])
@@ -72,10 +72,37 @@ def test_an_address_compiled_for_other_types_is_refused_and_runs_nothing():
     src = np.ones(3, np.float32)
     out = np.zeros(3, np.float32)
     with pytest.raises(TypeError, match="other argument types"):
-        fan_out(address, tag, np.array([0, 3], np.int64), (1.0, None, src, out))  # float32 arrays
+        fan_out(address, tag, np.array([0, 3], np.int64), (1.0, None, src, out), 0, 0, ())  # float32 arrays
     assert not out.any()
 
 
 def test_a_function_that_returns_a_value_is_refused_before_any_call():
     with pytest.raises(TypeError, match="must return None"):
         Compiled(_returns_a_value).address((FIRST, FIRST, np.zeros(2)))
+
+
+@njit
+def _total(src, into):
+    into[0] = src.sum()
+
+
+def test_the_finisher_runs_after_every_worker_on_the_calling_thread():
+    src = np.arange(6, dtype=np.float64)
+    out = np.zeros(6)
+    into = np.zeros(1)
+    then = Compiled(_total).address((out, into))
+    args = (1.0, None, src, out)
+    fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), np.array([0, 3, 6], np.int64), args, *then,
+            (out, into))
+    assert into[0] == (src**2).sum()  # the sum of every worker's rows: it ran after all of them
+
+
+def test_a_finisher_compiled_for_other_types_is_refused_and_nothing_runs():
+    src = np.arange(4, dtype=np.float64)
+    out = np.zeros(4)
+    address, tag = Compiled(_total).address((np.zeros(2, np.float32), np.zeros(1, np.float32)))
+    args = (1.0, None, src, out)
+    with pytest.raises(TypeError, match="other argument types"):
+        fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), np.array([0, 4], np.int64), args, address,
+                tag, (out, np.zeros(1)))
+    assert not out.any()

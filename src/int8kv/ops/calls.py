@@ -15,8 +15,9 @@ specialisation (:class:`Compiled`) comes from numba's own compile result, and th
 tag of the argument types it was compiled for with the tag of the specialisation behind the address before it
 calls anything: arguments of other types raise TypeError instead of running code built for other types.
 
-    fan_out(address, tag, lists [workers + 1] int64, args: tuple)
-        worker w runs ``function(lists[w], lists[w + 1], *args)``; lists rises from 0 to the item count.
+    fan_out(address, tag, lists [workers + 1] int64, args: tuple, then, then_tag, then_args: tuple)
+        worker w runs ``function(lists[w], lists[w + 1], *args)``; lists rises from 0 to the item count; then
+        (unless ``then`` is 0) the calling thread runs ``finisher(*then_args)``.
 """
 
 from __future__ import annotations
@@ -71,13 +72,17 @@ def call_at(typingctx, address, args):
 
 
 @njit(parallel=True, cache=True)
-def fan_out(address, tag, lists, args):
+def fan_out(address, tag, lists, args, then, then_tag, then_args):
     """Worker w runs ``f(lists[w], lists[w + 1], *args)`` for the specialisation ``f`` at ``address`` whose
-    signature tag is ``tag`` (:meth:`Compiled.address`); one worker per thread."""
-    if tag != tag_of((lists[0], lists[0]) + args):
+    signature tag is ``tag`` (:meth:`Compiled.address`), one worker per thread; then, unless ``then`` is 0, the
+    calling thread runs ``g(*then_args)`` for the specialisation ``g`` at ``then`` (tag ``then_tag``): a merge
+    of the workers' results without a second call from Python (~1.5 us)."""
+    if tag != tag_of((lists[0], lists[0]) + args) or (then != 0 and then_tag != tag_of(then_args)):
         raise TypeError("fan_out: the function at this address was compiled for other argument types")
     for w in prange(lists.shape[0] - 1):
         call_at(address, (lists[w], lists[w + 1]) + args)
+    if then != 0:
+        call_at(then, then_args)
 
 
 class Compiled:

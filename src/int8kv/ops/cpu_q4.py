@@ -357,7 +357,7 @@ def decode_attention(
     if parallel:  # the items are about equal by construction: an equal count per thread
         workers = max(1, min(threads, n))
         lists = (np.arange(workers + 1, dtype=np.int64) * n) // workers
-        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args))
+        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args), 0, 0, ())
         merge_parts(*parts, firsts, sinks, out)
     else:
         _run_items(0, n, True, *args)

@@ -330,7 +330,7 @@ def attend(pool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: Atte
     args = (q.numpy(), pool.num_kv_heads, unpack, np.float32(plan.softmax_scale), np.float32(softcap), sinks,
             *_layer_arrays(pool, layer), tables, window_of, sink_of, seq_of, len_of, items, firsts, out, *parts)
     if parallel:
-        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args))
+        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args), 0, 0, ())
         merge_parts(*parts, firsts, sinks, out)
     else:
         _run_items(0, n, True, *args)
