@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from int8kv.ops.calls import Compiled, fan_out, signature_tag
+from int8kv.ops.calls import INDEX, Compiled, fan_out, signature_tag
 
 
 @njit
@@ -26,11 +26,8 @@ def _returns_a_value(first, last, out):
     return first + last
 
 
-FIRST = np.int64(0)
-
-
 def _run(lists: np.ndarray, args: tuple) -> None:
-    fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), lists, args, 0, 0, ())
+    fan_out(*Compiled(_scaled_square).address((INDEX, INDEX, *args)), lists, args, 0, 0, ())
 
 
 @pytest.mark.parametrize("cuts", [[0, 7], [0, 3, 7], [0, 0, 5, 7], [0, 1, 2, 3, 4, 5, 6, 7], [0, 7, 7]])
@@ -58,17 +55,17 @@ def test_scalar_and_optional_arguments_reach_the_callee():
 
 def test_each_argument_type_tuple_has_its_own_address():
     compiled = Compiled(_scaled_square)
-    f32 = compiled.address((FIRST, FIRST, 1.0, None, np.zeros(2, np.float32), np.zeros(2, np.float32)))
-    f64 = compiled.address((FIRST, FIRST, 1.0, None, np.zeros(2), np.zeros(2)))
-    again = compiled.address((FIRST, FIRST, 2.0, None, np.ones(3, np.float32), np.ones(3, np.float32)))
+    f32 = compiled.address((INDEX, INDEX, 1.0, None, np.zeros(2, np.float32), np.zeros(2, np.float32)))
+    f64 = compiled.address((INDEX, INDEX, 1.0, None, np.zeros(2), np.zeros(2)))
+    again = compiled.address((INDEX, INDEX, 2.0, None, np.ones(3, np.float32), np.ones(3, np.float32)))
     assert f32 == again
     assert f32[0] != f64[0] and f32[1] != f64[1]
-    assert f64[1] == signature_tag(tuple(numba.typeof(a) for a in (FIRST, FIRST, 1.0, None, np.zeros(2), np.zeros(2))))
+    assert f64[1] == signature_tag(tuple(numba.typeof(a) for a in (INDEX, INDEX, 1.0, None, np.zeros(2), np.zeros(2))))
 
 
 def test_an_address_compiled_for_other_types_is_refused_and_runs_nothing():
     compiled = Compiled(_scaled_square)
-    address, tag = compiled.address((FIRST, FIRST, 1.0, None, np.zeros(3), np.zeros(3)))  # float64 arrays
+    address, tag = compiled.address((INDEX, INDEX, 1.0, None, np.zeros(3), np.zeros(3)))  # float64 arrays
     src = np.ones(3, np.float32)
     out = np.zeros(3, np.float32)
     with pytest.raises(TypeError, match="other argument types"):
@@ -78,7 +75,7 @@ def test_an_address_compiled_for_other_types_is_refused_and_runs_nothing():
 
 def test_a_function_that_returns_a_value_is_refused_before_any_call():
     with pytest.raises(TypeError, match="must return None"):
-        Compiled(_returns_a_value).address((FIRST, FIRST, np.zeros(2)))
+        Compiled(_returns_a_value).address((INDEX, INDEX, np.zeros(2)))
 
 
 @njit
@@ -92,7 +89,7 @@ def test_the_finisher_runs_after_every_worker_on_the_calling_thread():
     into = np.zeros(1)
     then = Compiled(_total).address((out, into))
     args = (1.0, None, src, out)
-    fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), np.array([0, 3, 6], np.int64), args, *then,
+    fan_out(*Compiled(_scaled_square).address((INDEX, INDEX, *args)), np.array([0, 3, 6], np.int64), args, *then,
             (out, into))
     assert into[0] == (src**2).sum()  # the sum of every worker's rows: it ran after all of them
 
@@ -103,6 +100,6 @@ def test_a_finisher_compiled_for_other_types_is_refused_and_nothing_runs():
     address, tag = Compiled(_total).address((np.zeros(2, np.float32), np.zeros(1, np.float32)))
     args = (1.0, None, src, out)
     with pytest.raises(TypeError, match="other argument types"):
-        fan_out(*Compiled(_scaled_square).address((FIRST, FIRST, *args)), np.array([0, 4], np.int64), args, address,
+        fan_out(*Compiled(_scaled_square).address((INDEX, INDEX, *args)), np.array([0, 4], np.int64), args, address,
                 tag, (out, np.zeros(1)))
     assert not out.any()

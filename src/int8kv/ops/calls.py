@@ -25,6 +25,7 @@ from __future__ import annotations
 import zlib
 
 import numba
+import numpy as np
 from numba import njit, prange, types
 from numba._dispatcher import compute_fingerprint
 from numba.core import cgutils
@@ -33,7 +34,9 @@ from numba.extending import intrinsic
 
 from ..numba_cache import share_compiles
 
-__all__ = ["Compiled", "call_at", "fan_out", "signature_tag", "tag_of"]
+__all__ = ["INDEX", "Compiled", "call_at", "compiled_count", "fan_out", "signature_tag", "tag_of"]
+
+INDEX = np.int64(0)  # an item index as the callers' compiled code types it (`first`, `last`, `it`: int64)
 
 
 def signature_tag(argtypes: tuple) -> int:
@@ -108,6 +111,12 @@ class Compiled:
             address = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
             found = self._found[key] = (address, signature_tag(argtypes))
         return found
+
+
+def compiled_count(*dispatchers: CPUDispatcher) -> int:
+    """Specialisations compiled (or loaded) so far by ``dispatchers`` and `fan_out`: a call that changed the
+    count timed a compile, not the kernel."""
+    return sum(len(d.overloads) for d in (*dispatchers, fan_out))
 
 
 share_compiles(globals())  # int8kv.numba_cache: one compile per signature across processes

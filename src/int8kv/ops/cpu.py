@@ -29,7 +29,7 @@ from numba.extending import intrinsic, overload
 from ..cache.pool import KvPool
 from ..numba_cache import share_compiles
 from . import cpu_simd
-from .calls import Compiled, call_at, fan_out, tag_of
+from .calls import INDEX, Compiled, call_at, compiled_count, fan_out, tag_of
 from .parts import KERNELS as PARTS_KERNELS
 from .parts import codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
@@ -654,7 +654,7 @@ def _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split,
 # and keys, then its rows stored (`_store_item`). Two leaves, each compiled once per specialisation and called
 # by address from `_run_items` (ops/calls.py: numba would otherwise build each again inside every caller):
 # `_row_item` for a single query row through the vector kernels (`_attend_row`: float32 kernels for an exact
-# row, integer ones for query codes or int16 rows on INT8 blocks), where the head_dim fits them (`_rows_fit`);
+# row, integer ones for query codes or int16 rows on INT8 blocks), where the head_dim fits them (`_work`);
 # `_general_item` for the rest (`_attend_item`: several rows, or a head_dim or query path the row kernels do
 # not take). A call compiles only the leaves its items use: a decode-only run never builds `_general_item`.
 @njit(fastmath=True, cache=True)
@@ -714,7 +714,6 @@ def _run_items(first, last, merge, splits, leaves, q, q_scale, sm, cap, sinks, k
 _ITEMS = Compiled(_run_items)
 _ROW_ITEM = Compiled(_row_item)
 _GENERAL_ITEM = Compiled(_general_item)
-_FIRST = np.int64(0)  # the type of `first` and `last` in fan_out's call (lists' elements)
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
 
 
@@ -738,7 +737,7 @@ def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np
     the tag check in `_run_items` raises instead. numba's argument fingerprints took ~1 us a call."""
     leaves = found.get(key)
     if leaves is None:
-        with_it = (_FIRST, *args)
+        with_it = (INDEX, *args)
         row = _ROW_ITEM.address(with_it) if uses[0] else (0, 0)
         general = _GENERAL_ITEM.address(with_it) if uses[1] else (0, 0)
         leaves = found[key] = np.array([*row, *general], np.int64)
@@ -749,7 +748,7 @@ def _items_at(found: dict, key: tuple, args: tuple) -> tuple[int, int]:
     """`_run_items`' address and tag for `calls.fan_out` (args: its arguments from `merge` on), kept as above."""
     at = found.get(("fan_out", *key))
     if at is None:
-        at = found[("fan_out", *key)] = _ITEMS.address((_FIRST, _FIRST, *args))
+        at = found[("fan_out", *key)] = _ITEMS.address((INDEX, INDEX, *args))
     return at
 
 
@@ -775,11 +774,6 @@ def _run_parallel(found: dict, key: tuple, uses: tuple, lists: np.ndarray, split
     fan_out(*_items_at(found, key, call), lists, call, *merge, merge_args)
     if splits > 1:
         found["parts"] = parts
-
-
-def _compiled() -> int:
-    """Specialisations compiled (or loaded) so far by the kernel's dispatchers: a call that changed it timed that."""
-    return sum(len(f.overloads) for f in (_run_items, _row_item, _general_item, _merge_states, fan_out))
 
 
 @njit(fastmath=True, inline="always")
@@ -843,6 +837,7 @@ def _merge_states(part_m, part_l, part_acc, out, sinks):
 
 
 _MERGE = Compiled(_merge_states)
+_KERNEL = (_run_items, _row_item, _general_item, _merge_states)  # the dispatchers a call may compile
 
 
 # -- host side ----------------------------------------------------------------------------------------------
@@ -1079,9 +1074,10 @@ def _run(
     pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: np.ndarray | None,
     sinks: np.ndarray,
 ) -> torch.Tensor:  # fmt: skip
-    """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice)``
-    (lows: each row's lowest key, None without a window or chunk); ``cap``
-    the softcap c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
+    """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice,
+    uses, found)`` (lows: each row's lowest key, None without a window or chunk; uses: whether the items need the
+    row and the general leaf; found: the addresses and buffers kept for this work, `_leaves`); ``cap`` the softcap
+    c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
     items, row_limits, lows, splits, pairs, lists, tables, choice, uses, found = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
@@ -1101,7 +1097,7 @@ def _run(
     workers = lists.shape[0] - 1
     units = pairs * q.shape[1]
     parallel = choice.parallel(units, workers)
-    compiled = _compiled() if choice.timed else 0
+    compiled = compiled_count(*_KERNEL) if choice.timed else 0
     start = time.perf_counter()
     args = (q_arg, q_scale, plan.softmax_scale, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, o)
     key = (pool.format, cap is None)
@@ -1113,7 +1109,7 @@ def _run(
         seconds = time.perf_counter() - start
         # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
         # kernel: one such 0.23 s sample once made the serial estimate 5,000x too high and every call parallel.
-        none_compiled = _compiled() == compiled
+        none_compiled = compiled_count(*_KERNEL) == compiled
         choice.record(parallel, units, workers, seconds if none_compiled else None)
     return out
 

@@ -39,7 +39,7 @@ from numba import njit
 from ..numba_cache import share_compiles
 from ..quant4 import BLOCK
 from . import cpu_simd
-from .calls import Compiled, fan_out
+from .calls import INDEX, Compiled, compiled_count, fan_out
 from .cpu import normaliser, thread_choice
 from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16, widen16
 from .plan import AttentionVariant
@@ -291,7 +291,6 @@ def _run_items(first, last, merge, q, kc, ks, km, vc, vs, vm, ko, vo, tables, le
 
 
 _ITEMS = Compiled(_run_items)
-_FIRST = np.int64(0)  # the type of `first` and `last` in fan_out's call (lists' elements)
 
 
 def decode_items(lows: np.ndarray, lens: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -343,7 +342,7 @@ def decode_attention(
     choice = thread_choice(("q4-decode", q.shape[1], d, variant is not None and variant.softcap is not None))
     work = int((lens - np.minimum(lows, lens)).sum()) * q.shape[1]
     parallel = choice.parallel(work, threads)
-    compiled = len(_run_items.overloads) + len(fan_out.overloads)
+    compiled = compiled_count(_run_items)
     start = time.perf_counter()
     n, hq = items.shape[0], q.shape[1]
     sinks = sinks.astype(np.float32)
@@ -357,13 +356,13 @@ def decode_attention(
     if parallel:  # the items are about equal by construction: an equal count per thread
         workers = max(1, min(threads, n))
         lists = (np.arange(workers + 1, dtype=np.int64) * n) // workers
-        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args), 0, 0, ())
+        fan_out(*_ITEMS.address((INDEX, INDEX, False, *args)), lists, (False, *args), 0, 0, ())
         merge_parts(*parts, firsts, sinks, out)
     else:
         _run_items(0, n, True, *args)
     if choice.timed:  # a call that compiled a specialisation measured that, not the kernel
         seconds = time.perf_counter() - start
-        none_compiled = len(_run_items.overloads) + len(fan_out.overloads) == compiled
+        none_compiled = compiled_count(_run_items) == compiled
         choice.record(parallel, work, threads, seconds if none_compiled else None)
     return out
 

@@ -49,7 +49,7 @@ from ..numba_cache import share_compiles
 from ..quant4w import BLOCK as PAGE
 from ..quant4w import SINKS, WINDOW
 from . import cpu_simd
-from .calls import Compiled, fan_out
+from .calls import INDEX, Compiled, compiled_count, fan_out
 from .cpu import thread_choice
 from .cpu_q4 import NEG, decode_items, merge_items, merge_parts, prefetch_block, softmax16, unpacked_channel
 from .cpu_q4_simd import fold, unpack16, weights16, widen16
@@ -239,7 +239,6 @@ def _run_items(first, last, merge, q, heads, unpack, sm, softcap, sinks, kc, ks,
 
 
 _ITEMS = Compiled(_run_items)
-_FIRST = np.int64(0)  # the type of `first` and `last` in fan_out's call (lists' elements)
 
 
 # -- host side ----------------------------------------------------------------------------------------------
@@ -322,7 +321,7 @@ def attend(pool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: Atte
     sinks = _NO_SINKS if variant is None or variant.sinks is None else variant.sinks.numpy()
     window_of, sink_of = pool.page_books()
     parallel = choice.parallel(units, lists.shape[0] - 1)
-    compiled = len(_run_items.overloads) + len(fan_out.overloads)
+    compiled = compiled_count(_run_items)
     start = time.perf_counter()
     unpack = None if pool.head_dim % 32 == 0 else _UNPACK
     n, hq, d = items.shape[0], q.shape[1], q.shape[2]
@@ -330,13 +329,13 @@ def attend(pool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: Atte
     args = (q.numpy(), pool.num_kv_heads, unpack, np.float32(plan.softmax_scale), np.float32(softcap), sinks,
             *_layer_arrays(pool, layer), tables, window_of, sink_of, seq_of, len_of, items, firsts, out, *parts)
     if parallel:
-        fan_out(*_ITEMS.address((_FIRST, _FIRST, False, *args)), lists, (False, *args), 0, 0, ())
+        fan_out(*_ITEMS.address((INDEX, INDEX, False, *args)), lists, (False, *args), 0, 0, ())
         merge_parts(*parts, firsts, sinks, out)
     else:
         _run_items(0, n, True, *args)
     if choice.timed:  # a call that compiled (or loaded) a specialisation measured that, not the kernel
         seconds = time.perf_counter() - start
-        none_compiled = len(_run_items.overloads) + len(fan_out.overloads) == compiled
+        none_compiled = compiled_count(_run_items) == compiled
         choice.record(parallel, units, lists.shape[0] - 1, seconds if none_compiled else None)
     return torch.from_numpy(out)
 
