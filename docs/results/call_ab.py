@@ -7,6 +7,7 @@ trials of `reps` calls: the fastest trial's microseconds per call. Cases: SmolLM
 at batch 1 x 512 keys, the same with a softcap of 30, and batch 4 x 1,024 keys.
 """
 
+import json
 import time
 
 import torch
@@ -42,5 +43,7 @@ def per_call(batch: int, context: int, q_heads: int, kv_heads: int, head_dim: in
 
 
 if __name__ == "__main__":
-    print(f"b1x512 {per_call(1, 512, 9, 3, 64):.1f} us  b1x512 softcap {per_call(1, 512, 9, 3, 64, 30.0):.1f} us  "
-          f"b4x1024 {per_call(4, 1024, 9, 3, 64):.1f} us")
+    result = {"b1x512_us": per_call(1, 512, 9, 3, 64), "b1x512_softcap_us": per_call(1, 512, 9, 3, 64, 30.0),
+              "b4x1024_us": per_call(4, 1024, 9, 3, 64)}
+    print("  ".join(f"{k} {v:.1f}" for k, v in result.items()))
+    print("json " + json.dumps({k: round(v, 2) for k, v in result.items()}))  # collected by ab_checkouts.py

@@ -6,11 +6,11 @@ Runs tests/warm_kernels.py's jobs (default 0: INT8, exact query, no window / sof
 parallel decode calls) in this process with an empty numba cache, then with ``p`` among the arguments a prefill
 call of the first job's kind (5 query rows per sequence: the several-row kernel), and prints the process's CPU
 seconds and, per dispatcher compiled, the CPU seconds of its compile (inclusive of the callees compiled inside
-it). Run it in
-two checkouts alternately (a fresh cache each time) to compare them on the same load; the output of such a run
-is docs/results/compile_ab.txt.
+it), and last a "json {...}" line of the same. docs/results/ab_checkouts.py runs it in two checkouts
+alternately (a fresh cache each time) to compare them on the same load: docs/results/compile_ab.json.
 """
 
+import json
 import os
 import sys
 import time
@@ -73,10 +73,12 @@ def main(argv: list[str]) -> None:
         warm_kernels.warm(*warm_kernels.JOBS[i], q_heads=warm_kernels.KV_HEADS * (i + 1))
     if "p" in argv:
         prefill(*warm_kernels.JOBS[jobs[0]])
-    print(f"cpu {time.process_time() - cpu:.1f} s wall {time.perf_counter() - wall:.1f} s")
-    for name, seconds in timer.records:
-        if name in KERNELS:
-            print(f"  {name:28s} {seconds:6.1f}")
+    result = {"cpu_s": round(time.process_time() - cpu, 2), "wall_s": round(time.perf_counter() - wall, 2),
+              "compiles_s": [[name, round(seconds, 2)] for name, seconds in timer.records if name in KERNELS]}
+    print(f"cpu {result['cpu_s']:.1f} s wall {result['wall_s']:.1f} s")
+    for name, seconds in result["compiles_s"]:
+        print(f"  {name:28s} {seconds:6.1f}")
+    print("json " + json.dumps(result))  # the last line: what docs/results/ab_checkouts.py collects
 
 
 if __name__ == "__main__":
