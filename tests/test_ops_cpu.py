@@ -13,7 +13,7 @@ import torch
 from int8kv.cache.paged import PagedKvCache
 from int8kv.errors import KvCacheError, LayerOutOfRange, PositionOutOfRange, ShapeMismatch
 from int8kv.formats import KvStorageFormat
-from int8kv.ops import append_paged_kv, cpu, paged_decode_attention, paged_prefill_attention, reference
+from int8kv.ops import append_paged_kv, cpu, paged_decode_attention, paged_prefill_attention, plan_attention, reference
 
 INT8 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
 F16 = KvStorageFormat.F16
@@ -35,6 +35,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert torch.isfinite(out).all(), "NaN: the kernel read a slot outside the sequence's window"
     return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def kernel_query(cache, q: torch.Tensor, tables: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """The decode query the CPU kernel multiplies under the default precision: on an INT8 cache whose head_dim
+    this CPU's integer kernel takes, each (row, head) rounded to int16 codes x scale (the int16 path, whose
+    rounding is its only change from exact: tests/test_ops_cpu_quantized.py bounds it against the true q); q
+    itself otherwise. The reference run on it checks everything after the rounding to float32 tolerance."""
+    pool = cache.pool if isinstance(cache, PagedKvCache) else cache
+    if cpu._query_path(plan_attention(pool, tables, context), pool) != "int16":
+        return q
+    codes, scale = cpu.quantize_query_int16(q)
+    return (codes.double() * scale.double().unsqueeze(2)).float()
 
 
 def poison(cache: PagedKvCache) -> None:
@@ -86,9 +98,13 @@ def test_decode_matches_reference(fmt, block_size, head_dim, group):
     q = torch.randn(len(lens), 2 * group, head_dim, generator=torch.Generator().manual_seed(seed))
     for starts in (None, starts_for(context, seed)):
         out = paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts, backend="cpu")
-        ref = reference.paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts)
+        ref = reference.paged_decode_attention(cache, 1, kernel_query(cache, q, tables, context), tables, context,
+                                               kv_starts=starts)
         assert rel_err(out, ref) < TOL
         assert not out[3].any()  # the empty sequence attends to nothing
+        # The float32 query path, selectable on any CPU and the default where no integer kernel fits.
+        out = paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts, backend="cpu", precision="exact")
+        assert rel_err(out, reference.paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts)) < TOL
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -102,7 +118,8 @@ def test_decode_split_keys_match_reference(fmt):
     q = torch.randn(2, 4, 64)
     for starts in (None, torch.tensor([2500, 10], dtype=torch.int32), torch.tensor([3000, 700], dtype=torch.int32)):
         out = paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts, backend="cpu")
-        ref = reference.paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts)
+        ref = reference.paged_decode_attention(cache, 1, kernel_query(cache, q, tables, context), tables, context,
+                                               kv_starts=starts)
         if starts is not None and starts[0] == 3000:
             assert not out.any() and not ref.any()  # empty windows give zeros
         else:
@@ -148,7 +165,8 @@ def test_decode_softmax_scale(fmt, scale):
     cache, tables, context = build(fmt, 16, 64, 2, [90, 200], seed=11)
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(int(scale * 100)))
     out = paged_decode_attention(cache, 1, q, tables, context, softmax_scale=scale, backend="cpu")
-    ref = reference.paged_decode_attention(cache, 1, q, tables, context, softmax_scale=scale)
+    ref = reference.paged_decode_attention(cache, 1, kernel_query(cache, q, tables, context), tables, context,
+                                           softmax_scale=scale)
     # At scale 30 the logits reach several hundred: rounding them to float32 alone moves the weights by ~1e-5,
     # for any float32 kernel, so that case gets a tolerance to match.
     assert rel_err(out, ref) < (TOL if scale <= 1.0 else 1e-4)
@@ -167,7 +185,8 @@ def test_decode_reads_only_its_layer():
     cache, tables, context = build(INT8, 16, 64, 2, [20, 33], seed=13, layer=0)
     q = torch.randn(2, 4, 64)
     out = paged_decode_attention(cache, 0, q, tables, context, backend="cpu")
-    assert rel_err(out, reference.paged_decode_attention(cache, 0, q, tables, context)) < TOL
+    ref = reference.paged_decode_attention(cache, 0, kernel_query(cache, q, tables, context), tables, context)
+    assert rel_err(out, ref) < TOL
 
 
 # -- prefill -----------------------------------------------------------------------------------------------
@@ -193,8 +212,10 @@ def test_prefill_of_one_token_each_equals_decode():
     q = torch.randn(3, 8, 64)
     cu = torch.arange(4, dtype=torch.int32)
     prefill = paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
-    decode = paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
+    decode = paged_decode_attention(cache, 1, q, tables, context, backend="cpu", precision="exact")
     assert torch.allclose(prefill, decode, rtol=1e-6, atol=1e-7)
+    # Under the default precision a prefill of one token each stays exact, a decode rounds its rows to int16.
+    assert torch.equal(prefill, paged_prefill_attention(cache, 1, q, cu, tables, context, precision="int16"))
 
 
 def test_prefill_window_start_past_a_query_gives_zeros():
@@ -214,7 +235,8 @@ def test_dispatcher_picks_cpu_for_cpu_tensors_and_reference_on_request():
     q = torch.randn(2, 4, 64)
     auto = paged_decode_attention(cache, 1, q, tables, context)
     assert torch.equal(auto, paged_decode_attention(cache, 1, q, tables, context, backend="cpu"))
-    ref = paged_decode_attention(cache, 1, q, tables, context, backend="reference")
+    ref = paged_decode_attention(cache, 1, kernel_query(cache, q, tables, context), tables, context,
+                                 backend="reference")
     assert ref.dtype == torch.float32 and torch.allclose(auto, ref, rtol=1e-5, atol=1e-6)
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     qp = torch.randn(5, 4, 64)

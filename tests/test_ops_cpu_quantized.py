@@ -235,6 +235,8 @@ def test_f16_cache_ignores_quantized_precisions():
 def test_precision_names_and_environment_default(monkeypatch):
     cache, tables, context = build(INT8, 16, 64, 1, [10], seed=45)
     monkeypatch.delenv(PRECISION_ENV, raising=False)
+    assert plan_attention(cache.pool, tables, context).precision == "int16"
+    monkeypatch.setenv(PRECISION_ENV, "exact")
     assert plan_attention(cache.pool, tables, context).precision == "exact"
     monkeypatch.setenv(PRECISION_ENV, "int8")
     assert plan_attention(cache.pool, tables, context).precision == "int8"

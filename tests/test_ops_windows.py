@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_ops_cpu import F16, FORMATS, INT8, TOL, build, one_torch_thread, rel_err  # noqa: F401
+from test_ops_cpu import F16, FORMATS, INT8, TOL, build, kernel_query, one_torch_thread, rel_err  # noqa: F401
 
 from int8kv.errors import KvCacheError, NonFiniteError, ShapeMismatch
 from int8kv.ops import AttentionVariant, attention, paged_decode_attention, plan_attention, reference
@@ -197,6 +197,8 @@ def run_backend(backend, cache, q, tables, context, starts, cu, args):
     tables = poison_outside(cache, 1, tables, context, starts, cu, args)
     plan = plan_attention(cache.pool, tables, context, kv_starts=starts, cu_seqlens_q=cu, num_queries=q.shape[0])
     out = attention(cache, 1, q, plan, backend=backend, **args)
+    if backend == "cpu" and cu is None:  # a decode step: the query as the default precision rounds it
+        q = kernel_query(cache, q, tables, context)
     ref = reference.attend(cache.pool, 1, q, plan, check_variant_of(cache, q, args))
     return out, ref
 
@@ -235,6 +237,21 @@ def test_cpu_matches_reference(fmt, decode, name):
             args = variant_args(VARIANTS[name], q.shape[1], seed)
             out, ref = run_backend("cpu", cache, q, tables, context, starts if padded else None, cu, args)
             assert rel_err(out, ref) < TOL, (block_size, head_dim, group, padded)
+
+
+@pytest.mark.parametrize("name", ["softcap", "all"])
+def test_cpu_exact_decode_matches_reference(name):
+    """The float32 query path on an INT8 cache (the default where no integer kernel fits), every variant's
+    branch: softcap alone, and window + chunk + softcap + sinks."""
+    for block_size, head_dim, group in ((16, 64, 2), (32, 128, 4)):
+        seed = block_size + head_dim + len(name)
+        cache, q, tables, context, starts, _ = ragged_step(INT8, block_size, head_dim, group, True, seed)
+        args = variant_args(VARIANTS[name], q.shape[1], seed)
+        tables = poison_outside(cache, 1, tables, context, starts, None, args)
+        plan = plan_attention(cache.pool, tables, context, kv_starts=starts, precision="exact")
+        out = attention(cache, 1, q, plan, backend="cpu", **args)
+        ref = reference.attend(cache.pool, 1, q, plan, check_variant_of(cache, q, args))
+        assert rel_err(out, ref) < TOL, (block_size, head_dim)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

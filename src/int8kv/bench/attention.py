@@ -8,9 +8,10 @@
 One decode step (one query token per sequence), all in one process; the methods take turns (interleaved
 bursts) and each reports the best and the median of its calls; with --trials N the whole timing runs N times in
 the process and each figure is the median of the N trial medians (best: the best call of all):
-  int8 paged    int8kv cpu backend, INT8 blocks read directly (scales folded into scores and weights), exact
-  int8 q16      the same with precision="int16": each (token, head) of q rounded to int16, q . k on the codes
-                in int32 (`vpdpwssd` / `vpmaddwd`, the variant of this CPU: "dot" in the JSON)
+  int8 paged    int8kv cpu backend, INT8 blocks read directly (scales folded into scores and weights), float32
+                query (precision="exact")
+  int8 q16      the same with precision="int16", the default: each (token, head) of q rounded to int16, q . k
+                on the codes in int32 (`vpdpwssd` / `vpmaddwd`, the variant of this CPU: "dot" in the JSON)
   int8 q8       the same with precision="int8": query quantized per (token, head) to int8, q . k in int32
   f16 paged     int8kv cpu backend, F16 blocks
   torch gather  vectorised torch: gather the INT8 blocks through the block table, dequantize, then SDPA
@@ -19,7 +20,7 @@ the process and each figure is the median of the N trial medians (best: the best
   int8 window   with --window N: int8 paged with a sliding window of N keys (`window=N`), on the same cache;
                 reported as its median over int8 paged's ("window/full")
 Block tables are a random permutation of the pool, as after a long run of allocations and frees.
-Presets (issue 11): smollm2 = batch 1, 9 q / 3 kv heads, head_dim 64, 7,000 tokens; batch8 = batch 8,
+Presets: smollm2 = batch 1, 9 q / 3 kv heads, head_dim 64, 7,000 tokens; batch8 = batch 8,
 32 / 8, 128, 4,096; long = batch 1, 32 / 8, 128, 32,768. They time int8, int8 q8, f16 and SDPA float32 (the
 gather and bf16 peers only run without --preset). The machine's load average is recorded beside the figures.
 """
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=1, help="timings per context; figures: median of the trials")
     parser.add_argument("--sweep", action="store_true", help=f"contexts {SWEEP_CONTEXTS[0]}..{SWEEP_CONTEXTS[-1]}")
     parser.add_argument(
-        "--preset", choices=(*PRESETS, "all"), help="issue 11's shapes (overrides batch, heads, head_dim, context)"
+        "--preset", choices=(*PRESETS, "all"), help="reference shapes (overrides batch, heads, head_dim, context)"
     )
     parser.add_argument("--contexts", help="comma-separated contexts, e.g. 512,7000 (overrides --context/--sweep)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random caches and queries")

@@ -7,7 +7,7 @@ For each peer and context: prefill `context` tokens of the license texts, then d
 at a time; the decode cost is the median milliseconds per new token. The slope between the shortest and the
 longest context, in ms per generated token per 1,000 tokens of context, is what attention adds as the context
 grows (the weights cost the same at every context). Peers, all in one process, taking turns per repetition:
-  engine int8         int8kv engine, INT8 paged cache, exact attention (precision "exact"), the model's own
+  engine int8         int8kv engine, INT8 paged cache, the default attention (precision "int16"), the model's own
                       weights, the default model path; "w:bfloat16" / "w:int8" after the name: those weights
                       (`LLM(weights=)`, one peer per --weights entry), "fused": the fused forward (one peer per
                       --implementations entry and weights)
@@ -32,7 +32,7 @@ from ..cli_common import CliError, bench_parser, check_minimums
 from ..engine.llm import IMPLEMENTATIONS
 from ..formats import KvStorageFormat
 from ..models.weights import WEIGHTS
-from ..ops.plan import PRECISION_ENV
+from ..ops.plan import DEFAULT_PRECISION, PRECISION_ENV
 from ..progress import note
 from .timing import emit
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
         for weights in args.weights:
             name = "engine int8" + ("" if weights == "model" else f" w:{weights}")
             name += "" if implementation == "transformers" else f" {implementation}"
-            peers[name] = _engine_peer(model, tokenizer, int8, "exact", longest, args.new_tokens, weights,
+            peers[name] = _engine_peer(model, tokenizer, int8, DEFAULT_PRECISION, longest, args.new_tokens, weights,
                                        implementation)  # fmt: skip
     peers["engine int8 q8"] = _engine_peer(model, tokenizer, int8, "int8", longest, args.new_tokens)
     peers["engine f16"] = _engine_peer(model, tokenizer, KvStorageFormat.F16, "exact", longest, args.new_tokens)

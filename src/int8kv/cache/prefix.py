@@ -12,7 +12,7 @@ the first's), the block size and the KV head range a rank holds.
 Because a key covers its parent, equal keys mean equal *prefixes*, not just equal blocks, so a lookup may walk a
 chain from its start and trust every block it finds. Only full blocks have keys (a partial block is still being
 written). Keys are plain digests, never Python's ``hash()``: they are equal across processes and machines, and
-the block store (issue 13, part 2) uses them as its keys.
+the block store uses them as its keys.
 """
 
 from __future__ import annotations

@@ -250,12 +250,16 @@ def paged_decode_attention(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """`q [batch, Hq, D]` attends to its sequence's positions [kv_start, context_len); float32 `[batch, Hq, D]`.
 
-    ``window``, ``chunk``, ``softcap``, ``sinks``: as in :func:`attention`."""
+    ``window``, ``chunk``, ``softcap``, ``sinks``: as in :func:`attention`; ``precision``: as in
+    :func:`plan_attention`."""
     pool = as_pool(cache)
-    plan = plan_attention(pool, block_tables, context_lens, kv_starts=kv_starts, softmax_scale=softmax_scale)
+    plan = plan_attention(
+        pool, block_tables, context_lens, kv_starts=kv_starts, softmax_scale=softmax_scale, precision=precision
+    )
     return attention(pool, layer, q, plan, backend=backend, window=window, chunk=chunk, softcap=softcap, sinks=sinks)
 
 
@@ -274,14 +278,16 @@ def paged_prefill_attention(
     chunk: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """Causal chunked prefill over `q [total, Hq, D]` packed by `cu_seqlens_q`; float32 `[total, Hq, D]`.
 
-    ``window``, ``chunk``, ``softcap``, ``sinks``: as in :func:`attention`."""
+    ``window``, ``chunk``, ``softcap``, ``sinks``: as in :func:`attention`; ``precision``: as in
+    :func:`plan_attention`."""
     pool = as_pool(cache)
     num_queries = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else None
     plan = plan_attention(
         pool, block_tables, context_lens, cu_seqlens_q=cu_seqlens_q, kv_starts=kv_starts,
-        num_queries=num_queries, softmax_scale=softmax_scale,
+        num_queries=num_queries, softmax_scale=softmax_scale, precision=precision,
     )  # fmt: skip
     return attention(pool, layer, q, plan, backend=backend, window=window, chunk=chunk, softcap=softcap, sinks=sinks)

@@ -39,9 +39,17 @@ from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch, UnknownB
 INDEX_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
 # How the CPU backend multiplies an INT8 cache: "exact" (float32 query and arithmetic, checked against the
-# float64 reference) or "int8" (query quantized per (token, head), q . k in int32; docs/design.md gives its
-# error bound). Default: exact, or the INT8KV_ATTENTION_PRECISION environment variable.
+# float64 reference), "int16" (each decode row's (token, head) rounded to int16 inside the kernel, q . k in
+# int32 on the int8 key codes; prefill runs exact) or "int8" (query quantized per (token, head) to int8, q . k
+# in int32); docs/design.md gives their error bounds. Default: int16, or the INT8KV_ATTENTION_PRECISION
+# environment variable. int16 is the default because its change is inside the noise of the quality metric
+# itself: on the 2,048-token decode run (docs/results/eval_decode_noise.json) moving each decode query by one
+# float32 ulp moved the exact path's perplexity over 13.064-13.101 (fp32 13.067) and its KL from fp32 over
+# 1.72-1.82e-3, and int16 gave 13.068-13.090 and 1.68-1.82e-3; it is 1.14-2.3x faster than exact per decode
+# call (docs/benchmarks.md). F16 and 4-bit caches, CPUs without an integer dot variant and head_dims its
+# kernel does not take run exact whatever the precision.
 PRECISIONS = ("exact", "int16", "int8")
+DEFAULT_PRECISION = "int16"
 PRECISION_ENV = "INT8KV_ATTENTION_PRECISION"
 
 
@@ -69,7 +77,7 @@ class AttentionPlan:
     slots: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     host: HostIndex | None = None
-    precision: str = "exact"
+    precision: str = DEFAULT_PRECISION
     # Backend-derived data that depends only on the plan (the CPU backend's sorted work items), computed by
     # the first layer and reused by the others. Not part of the plan's identity.
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -245,7 +253,7 @@ def plan_attention(
     Decode when ``cu_seqlens_q`` is None (one query per sequence). ``num_queries`` (the rows of q) defaults to
     ``cu_seqlens_q[-1]``; ``max_position`` bounds ``positions`` (the rows of the RoPE tables). With
     ``validate=False`` only dtypes are normalised: the caller vouches for shapes and values. ``precision``: one
-    of :data:`PRECISIONS` (None: the environment's ``INT8KV_ATTENTION_PRECISION``, else "exact").
+    of :data:`PRECISIONS` (None: the environment's ``INT8KV_ATTENTION_PRECISION``, else :data:`DEFAULT_PRECISION`).
     """
     precision = resolve_precision(precision)
     device = pool.device
@@ -301,7 +309,7 @@ def plan_attention(
 
 def resolve_precision(precision: str | None) -> str:
     """``precision``, or the environment's default when None; anything else is refused (UnknownBackend)."""
-    name = os.environ.get(PRECISION_ENV, "exact") if precision is None else precision
+    name = os.environ.get(PRECISION_ENV, DEFAULT_PRECISION) if precision is None else precision
     if name not in PRECISIONS:
         raise UnknownBackend(f"unknown attention precision {name!r}; accepted: {', '.join(PRECISIONS)}")
     return name
