@@ -74,33 +74,34 @@ def namespace() -> str:
     return f"e-{uuid.uuid4().hex[:12]}"
 
 
-def run_child(model_dir: str, url: str, ns: str, prompts: list[list[int]]) -> dict:
+def run_child(model_dir: str, stores: list[list[str]], prompts: list[list[int]]) -> list[dict]:
+    """One engine process (tests/engine_store_child.py) generating from ``prompts`` on each ``[url, namespace]``
+    of ``stores`` in turn; its results in the same order."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, CHILD, model_dir, url, ns, json.dumps(prompts)],
+        [sys.executable, CHILD, model_dir, json.dumps(stores), json.dumps(prompts)],
         capture_output=True, text=True, timeout=300, env=env, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("backend", ["valkey", "cluster", "disk"])
-def test_a_second_process_loads_the_first_ones_prefix(backend, model_dir, model, prompts, request, tmp_path):
-    url = {
-        "valkey": lambda: request.getfixturevalue("valkey_node").url,
-        "cluster": lambda: request.getfixturevalue("valkey_cluster").url,
-        "disk": lambda: f"disk:{tmp_path}",
-    }[backend]()
-    ns = namespace()
-    a = run_child(model_dir, url, ns, prompts[:1])
-    assert a["flushed"] and a["stats"]["store_hit_tokens"] == 0
-    assert a["store"]["puts"] == (len(prompts[0]) + MAX_TOKENS - 1) // BS  # every full block computed
-    b = run_child(model_dir, url, ns, prompts[1:])
+def test_a_second_process_loads_the_first_ones_prefix(model_dir, model, prompts, valkey_node, valkey_cluster,
+                                                      tmp_path):
+    """For a Valkey node, a 3-node cluster and `disk:`, one process computes a prompt and a second process finds
+    its shared blocks in the store: two processes serve the three stores, each store in a namespace of its own."""
+    urls = {"valkey": valkey_node.url, "cluster": valkey_cluster.url, "disk": f"disk:{tmp_path}"}
+    stores = [[url, namespace()] for url in urls.values()]
+    first = run_child(model_dir, stores, prompts[:1])
+    second = run_child(model_dir, stores, prompts[1:])
     want = recompute(model, prompts)
-    assert a["outputs"] == want[:1] and b["outputs"] == want[1:]
-    assert b["stats"]["store_hit_tokens"] == SHARED_BLOCKS * BS
-    assert b["stats"]["prefill_tokens"] == len(prompts[1]) - SHARED_BLOCKS * BS
-    assert b["stats"]["store_faults"] == 0 and b["store"]["errors"] == 0
+    for backend, a, b in zip(urls, first, second, strict=True):
+        assert a["flushed"] and a["stats"]["store_hit_tokens"] == 0, backend
+        assert a["store"]["puts"] == (len(prompts[0]) + MAX_TOKENS - 1) // BS, backend  # every full block computed
+        assert a["outputs"] == want[:1] and b["outputs"] == want[1:], backend
+        assert b["stats"]["store_hit_tokens"] == SHARED_BLOCKS * BS, backend
+        assert b["stats"]["prefill_tokens"] == len(prompts[1]) - SHARED_BLOCKS * BS, backend
+        assert b["stats"]["store_faults"] == 0 and b["store"]["errors"] == 0, backend
 
 
 def _raw_client(server) -> redis.Redis:
