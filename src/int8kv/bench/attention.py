@@ -21,8 +21,9 @@ the process and each figure is the median of the N trial medians (best: the best
                 reported as its median over int8 paged's ("window/full")
 Block tables are a random permutation of the pool, as after a long run of allocations and frees.
 Presets: smollm2 = batch 1, 9 q / 3 kv heads, head_dim 64, 7,000 tokens; batch8 = batch 8,
-32 / 8, 128, 4,096; long = batch 1, 32 / 8, 128, 32,768. They time int8, int8 q8, f16 and SDPA float32 (the
-gather and bf16 peers only run without --preset). The machine's load average is recorded beside the figures.
+32 / 8, 128, 4,096; long = batch 1, 32 / 8, 128, 32,768. They time int8 (exact), int8 q16 (the default), int8
+q8, f16 and SDPA float32 (the gather and bf16 peers only run without --preset). The machine's load average is
+recorded beside the figures.
 """
 
 from __future__ import annotations
