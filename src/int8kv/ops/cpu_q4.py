@@ -45,8 +45,8 @@ from .cpu_q4_simd import expsum16, fold, max16, unpack16, weights16, widen16
 from .plan import AttentionVariant
 
 __all__ = [
-    "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "prefetch_block", "merge_parts",
-    "softmax16", "unpacked_channel",
+    "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "merge_parts", "new_parts",
+    "prefetch_block", "run_items", "softmax16", "unpacked_channel",
 ]
 
 assert BLOCK == cpu_simd.LANES  # a sealed block is one call of the 16-key kernels
@@ -293,6 +293,25 @@ def _run_items(first, last, merge, q, kc, ks, km, vc, vs, vm, ko, vo, tables, le
 _ITEMS = Compiled(_run_items)
 
 
+def new_parts(n: int, hq: int, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The part_* buffers of `_run_items`: each of the ``n`` items' unnormalised state (max, sum, output) per
+    query head, for the merge."""
+    return np.empty((n, hq), np.float32), np.empty((n, hq), np.float32), np.empty((n, hq, d), np.float32)
+
+
+def run_items(items: Compiled, n: int, parallel: bool, lists: np.ndarray | None, args: tuple, firsts: np.ndarray,
+              sinks: np.ndarray, out: np.ndarray) -> None:
+    """A 4-bit kernel's ``_run_items(first, last, merge, *args)`` over its ``n`` items (``args`` ending in ``out``
+    and the three part_* buffers): on the calling thread, merge included; or, ``parallel``, worker w on items
+    lists[w]..lists[w + 1] through `calls.fan_out`, then `merge_parts` on the calling thread. Here and in
+    ops/cpu_q4w.py."""
+    if parallel:
+        fan_out(*items.address((INDEX, INDEX, False, *args)), lists, (False, *args), 0, 0, ())
+        merge_parts(*args[-3:], firsts, sinks, out)
+    else:
+        items.dispatcher(0, n, True, *args)
+
+
 def decode_items(lows: np.ndarray, lens: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
     """Work items ``[n, 3]`` int64 (sequence, first key, end) and each sequence's first item ``[batch + 1]``:
     sequence b's keys [lows[b], lens[b]) in about ``2 * threads / batch`` ranges (at least MIN_SPLIT_KEYS keys
@@ -332,13 +351,13 @@ def decode_attention(
     lens = context_lens.astype(np.int64)
     starts = np.zeros(batch, np.int64) if kv_starts is None else kv_starts.astype(np.int64)
     lows = starts if variant is None else variant.key_lows(lens - 1, starts)
-    items, firsts = decode_items(np.minimum(lows, lens), lens, numba.get_num_threads())
+    threads = numba.get_num_threads()
+    items, firsts = decode_items(np.minimum(lows, lens), lens, threads)
     softcap = 0.0 if variant is None or variant.softcap is None else variant.softcap
     sinks = np.zeros(0, np.float32) if variant is None or variant.sinks is None else variant.sinks.numpy()
     out = np.zeros(q.shape, np.float32)
     # One thread or all, whichever has measured cheaper for calls of this size (cpu.ThreadChoice: on a loaded
     # machine waking a second thread can cost more than the call); the items, so the numerics, are the same.
-    threads = numba.get_num_threads()
     choice = thread_choice(("q4-decode", q.shape[1], d, variant is not None and variant.softcap is not None))
     work = int((lens - np.minimum(lows, lens)).sum()) * q.shape[1]
     parallel = choice.parallel(work, threads)
@@ -346,20 +365,18 @@ def decode_attention(
     start = time.perf_counter()
     n, hq = items.shape[0], q.shape[1]
     sinks = sinks.astype(np.float32)
-    parts = (np.empty((n, hq), np.float32), np.empty((n, hq), np.float32), np.empty((n, hq, d), np.float32))
+    parts = new_parts(n, hq, d)
     args = (
         np.ascontiguousarray(q, np.float32), k_codes, k_scale.view(np.int16), k_min.view(np.int16), v_codes,
         v_scale.view(np.int16), v_min.view(np.int16), k_open.view(np.uint16), v_open.view(np.uint16),
         block_tables, context_lens, items, firsts, np.float32(1 / math.sqrt(d) if softmax_scale is None else
         softmax_scale), np.float32(softcap), sinks, F16_TABLE, out, *parts,
     )  # fmt: skip
+    lists = None
     if parallel:  # the items are about equal by construction: an equal count per thread
         workers = max(1, min(threads, n))
         lists = (np.arange(workers + 1, dtype=np.int64) * n) // workers
-        fan_out(*_ITEMS.address((INDEX, INDEX, False, *args)), lists, (False, *args), 0, 0, ())
-        merge_parts(*parts, firsts, sinks, out)
-    else:
-        _run_items(0, n, True, *args)
+    run_items(_ITEMS, n, parallel, lists, args, firsts, sinks, out)
     if choice.timed:  # a call that compiled a specialisation measured that, not the kernel
         seconds = time.perf_counter() - start
         none_compiled = compiled_count(_run_items) == compiled

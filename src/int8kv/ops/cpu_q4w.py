@@ -49,9 +49,9 @@ from ..numba_cache import share_compiles
 from ..quant4w import BLOCK as PAGE
 from ..quant4w import SINKS, WINDOW
 from . import cpu_simd
-from .calls import INDEX, Compiled, compiled_count, fan_out
+from .calls import Compiled, compiled_count
 from .cpu import thread_choice
-from .cpu_q4 import NEG, decode_items, merge_items, merge_parts, prefetch_block, softmax16, unpacked_channel
+from .cpu_q4 import NEG, decode_items, merge_items, new_parts, prefetch_block, run_items, softmax16, unpacked_channel
 from .cpu_q4_simd import fold, unpack16, weights16, widen16
 from .plan import AttentionPlan, AttentionVariant
 
@@ -325,14 +325,10 @@ def attend(pool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: Atte
     start = time.perf_counter()
     unpack = None if pool.head_dim % 32 == 0 else _UNPACK
     n, hq, d = items.shape[0], q.shape[1], q.shape[2]
-    parts = (np.empty((n, hq), np.float32), np.empty((n, hq), np.float32), np.empty((n, hq, d), np.float32))
+    parts = new_parts(n, hq, d)
     args = (q.numpy(), pool.num_kv_heads, unpack, np.float32(plan.softmax_scale), np.float32(softcap), sinks,
             *_layer_arrays(pool, layer), tables, window_of, sink_of, seq_of, len_of, items, firsts, out, *parts)
-    if parallel:
-        fan_out(*_ITEMS.address((INDEX, INDEX, False, *args)), lists, (False, *args), 0, 0, ())
-        merge_parts(*parts, firsts, sinks, out)
-    else:
-        _run_items(0, n, True, *args)
+    run_items(_ITEMS, n, parallel, lists, args, firsts, sinks, out)
     if choice.timed:  # a call that compiled (or loaded) a specialisation measured that, not the kernel
         seconds = time.perf_counter() - start
         none_compiled = compiled_count(_run_items) == compiled
