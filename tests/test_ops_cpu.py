@@ -37,13 +37,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def kernel_query(cache, q: torch.Tensor, tables: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-    """The decode query the CPU kernel multiplies under the default precision: on an INT8 cache whose head_dim
-    this CPU's integer kernel takes, each (row, head) rounded to int16 codes x scale (the int16 path, whose
+def kernel_query(cache, q: torch.Tensor, tables: torch.Tensor, context: torch.Tensor, precision=None) -> torch.Tensor:
+    """The decode query the CPU kernel multiplies under ``precision`` (None: the default): on an INT8 cache whose
+    head_dim this CPU's integer kernel takes, each (row, head) rounded to int16 codes x scale (the int16 path, whose
     rounding is its only change from exact: tests/test_ops_cpu_quantized.py bounds it against the true q); q
     itself otherwise. The reference run on it checks everything after the rounding to float32 tolerance."""
     pool = cache.pool if isinstance(cache, PagedKvCache) else cache
-    if cpu._query_path(plan_attention(pool, tables, context), pool) != "int16":
+    if cpu._query_path(plan_attention(pool, tables, context, precision=precision), pool) != "int16":
         return q
     codes, scale = cpu.quantize_query_int16(q)
     return (codes.double() * scale.double().unsqueeze(2)).float()

@@ -192,13 +192,15 @@ def test_huge_window_is_full_attention():
 
 
 # -- every backend against the reference ---------------------------------------------------------------------
-def run_backend(backend, cache, q, tables, context, starts, cu, args):
-    """`backend` and the reference over the same step, out-of-window keys poisoned; returns (out, ref)."""
+def run_backend(backend, cache, q, tables, context, starts, cu, args, precision=None):
+    """`backend` and the reference over the same step, out-of-window keys poisoned; returns (out, ref).
+    ``precision``: the plan's (None: the default)."""
     tables = poison_outside(cache, 1, tables, context, starts, cu, args)
-    plan = plan_attention(cache.pool, tables, context, kv_starts=starts, cu_seqlens_q=cu, num_queries=q.shape[0])
+    plan = plan_attention(cache.pool, tables, context, kv_starts=starts, cu_seqlens_q=cu, num_queries=q.shape[0],
+                          precision=precision)
     out = attention(cache, 1, q, plan, backend=backend, **args)
-    if backend == "cpu" and cu is None:  # a decode step: the query as the default precision rounds it
-        q = kernel_query(cache, q, tables, context)
+    if backend == "cpu" and cu is None:  # a decode step: the query as its precision rounds it
+        q = kernel_query(cache, q, tables, context, precision)
     ref = reference.attend(cache.pool, 1, q, plan, check_variant_of(cache, q, args))
     return out, ref
 
@@ -247,10 +249,7 @@ def test_cpu_exact_decode_matches_reference(name):
         seed = block_size + head_dim + len(name)
         cache, q, tables, context, starts, _ = ragged_step(INT8, block_size, head_dim, group, True, seed)
         args = variant_args(VARIANTS[name], q.shape[1], seed)
-        tables = poison_outside(cache, 1, tables, context, starts, None, args)
-        plan = plan_attention(cache.pool, tables, context, kv_starts=starts, precision="exact")
-        out = attention(cache, 1, q, plan, backend="cpu", **args)
-        ref = reference.attend(cache.pool, 1, q, plan, check_variant_of(cache, q, args))
+        out, ref = run_backend("cpu", cache, q, tables, context, starts, None, args, precision="exact")
         assert rel_err(out, ref) < TOL, (block_size, head_dim)
 
 
