@@ -18,28 +18,15 @@ import os
 import sys
 import time
 
-import numba
 import torch
+from decode_run import decode_logits, setup
 
 from int8kv import ops
-from int8kv.eval import cache_kinds, read_text, windows
-from int8kv.models import load_model
-from int8kv.ops import cpu_simd
 from int8kv.ops.plan import PRECISION_ENV
 
 out_path = sys.argv[1]
 seeds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-torch.set_num_threads(1)
-numba.set_num_threads(1)
-model, tok = load_model(None, quiet=True)
-base, _, int8 = cache_kinds(include_fp8=False)
-wins = torch.tensor(windows(tok(read_text(None))["input_ids"], 512, 8))
-half = wins.shape[1] // 2
-result = {
-    "command": f"python docs/results/eval_decode_noise.py {out_path} {seeds}",
-    "windows": wins.shape[0], "scored_tokens": wins.shape[0] * half, "dot": cpu_simd.DOT,
-    "load_average_before": os.getloadavg(), "rows": [],
-}
+model, base, int8, wins, half, result = setup(f"python docs/results/eval_decode_noise.py {out_path} {seeds}")
 attention = ops.attention
 noise = {"gen": None}
 
@@ -54,16 +41,9 @@ def perturbed(pool, layer, q, plan, **kw):
 ops.attention = perturbed  # the drop-in calls ops.attention by the module's attribute
 
 
-@torch.inference_mode()
 def log_probs(make) -> torch.Tensor:
     """float32 log-probabilities [windows, half, vocab] of positions half..end, the prefix prefilled."""
-    cache = make(model.config)
-    for start in range(0, half, 128):
-        logits = model(input_ids=wins[:, start : start + 128], cache=cache, use_cache=True).logits[:, -1:]
-    steps = [torch.log_softmax(logits.double(), -1).float()]
-    for pos in range(half, wins.shape[1] - 1):
-        logits = model(input_ids=wins[:, pos : pos + 1], cache=cache, use_cache=True).logits
-        steps.append(torch.log_softmax(logits.double(), -1).float())
+    steps = [torch.log_softmax(logits.double(), -1).float() for logits in decode_logits(model, make, wins, half)]
     return torch.cat(steps, dim=1)
 
 

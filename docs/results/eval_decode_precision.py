@@ -16,37 +16,20 @@ import os
 import sys
 import time
 
-import numba
 import torch
+from decode_run import decode_logits, setup
 
-from int8kv.eval import cache_kinds, read_text, windows
-from int8kv.models import load_model
-from int8kv.ops import cpu_simd
 from int8kv.ops.plan import PRECISION_ENV
 
 out_path = sys.argv[1]
-torch.set_num_threads(1)
-numba.set_num_threads(1)
-model, tok = load_model(None, quiet=True)
-base, _, int8 = cache_kinds(include_fp8=False)
-wins = torch.tensor(windows(tok(read_text(None))["input_ids"], 512, 8))
-half = wins.shape[1] // 2
-result = {
-    "command": "python docs/results/eval_decode_precision.py docs/results/eval_decode_precision.json",
-    "windows": wins.shape[0], "scored_tokens": wins.shape[0] * half, "dot": cpu_simd.DOT,
-    "load_average_before": os.getloadavg(), "rows": [],
-}
+model, base, int8, wins, half, result = setup(
+    "python docs/results/eval_decode_precision.py docs/results/eval_decode_precision.json"
+)
 
 
-@torch.inference_mode()
 def nll(make) -> float:
     """Mean negative log-likelihood of the second halves, the prefix prefilled, the rest decoded."""
-    cache = make(model.config)
-    for start in range(0, half, 128):
-        logits = model(input_ids=wins[:, start : start + 128], cache=cache, use_cache=True).logits[:, -1:]
-    steps = [logits.double()]
-    for pos in range(half, wins.shape[1] - 1):
-        steps.append(model(input_ids=wins[:, pos : pos + 1], cache=cache, use_cache=True).logits.double())
+    steps = [logits.double() for logits in decode_logits(model, make, wins, half)]
     lp = torch.log_softmax(torch.cat(steps, dim=1), dim=-1)  # [windows, half, vocab]: positions half..end
     return float(-lp.gather(2, wins[:, half:, None]).sum()) / (wins.shape[0] * half)
 
