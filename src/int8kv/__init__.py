@@ -1,7 +1,8 @@
 """int8kv: INT8 KV-cache storage for LLM inference.
 
-The core (formats, codec, caches, paged ops, save/load) imports only torch, numpy and safetensors.
-`int8kv.hf` (transformers drop-in), `int8kv.engine` and `int8kv.models` load on first use.
+The core (formats, codec, caches, paged ops, save/load) imports only torch, numpy and safetensors;
+`int8kv.hf` (transformers drop-in), `int8kv.engine` and `int8kv.models` add transformers. Every name here loads
+on first use, so importing the package alone imports neither.
 """
 
 from __future__ import annotations
@@ -9,49 +10,77 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .cache import KvLayout, KvPool, PagedKvCache, QuantizedKvCache, QuantizedKvLayer
-from .cache.allocator import BlockAllocator
-from .codec import dequantize_int8, quantize_int8
-from .errors import (
-    CapacityExceeded,
-    HeadOutOfRange,
-    InvalidModelError,
-    KvCacheError,
-    KvPoolExhausted,
-    LayerOutOfRange,
-    ModelNotFoundError,
-    NonFiniteError,
-    PositionOutOfRange,
-    ShapeMismatch,
-    StoreError,
-    UnknownBackend,
-    UnknownSequence,
-    UnsupportedAttention,
-    UnsupportedModel,
-)
-from .formats import KvStorageFormat
-from .ops import (
-    AttentionPlan,
-    append_paged_kv,
-    attention,
-    paged_decode_attention,
-    paged_prefill_attention,
-    paged_write,
-    plan_attention,
-)
-from .store import inspect_kv, load_kv, model_fingerprint, save_kv
-
 if TYPE_CHECKING:
     from . import engine, hf, models
+    from .cache import KvLayout, KvPool, PagedKvCache, QuantizedKvCache, QuantizedKvLayer
+    from .cache.allocator import BlockAllocator
+    from .codec import dequantize_int8, quantize_int8
+    from .errors import (
+        CapacityExceeded,
+        HeadOutOfRange,
+        InvalidModelError,
+        KvCacheError,
+        KvPoolExhausted,
+        LayerOutOfRange,
+        ModelNotFoundError,
+        NonFiniteError,
+        PositionOutOfRange,
+        ShapeMismatch,
+        StoreError,
+        UnknownBackend,
+        UnknownSequence,
+        UnsupportedAttention,
+        UnsupportedModel,
+    )
+    from .formats import KvStorageFormat
+    from .ops import (
+        AttentionPlan,
+        append_paged_kv,
+        attention,
+        paged_decode_attention,
+        paged_prefill_attention,
+        paged_write,
+        plan_attention,
+    )
+    from .store import inspect_kv, load_kv, model_fingerprint, save_kv
 
 __version__ = "0.1.0"
-_LAZY = ("hf", "engine", "models")
+
+# Every public name loads on first use (PEP 562), from the module that defines it: `import int8kv.bench.gpu_check`
+# or `int8kv.errors` then costs no torch import (2.4 s of CPU on the 2-core dev VM, paid by each child process
+# such a tool starts).
+_ERRORS = (
+    "CapacityExceeded", "HeadOutOfRange", "InvalidModelError", "KvCacheError", "KvPoolExhausted", "LayerOutOfRange",
+    "ModelNotFoundError", "NonFiniteError", "PositionOutOfRange", "ShapeMismatch", "StoreError", "UnknownBackend",
+    "UnknownSequence", "UnsupportedAttention", "UnsupportedModel",
+)
+_HOME = {
+    **dict.fromkeys(("KvLayout", "KvPool", "PagedKvCache", "QuantizedKvCache", "QuantizedKvLayer"), "cache"),
+    "BlockAllocator": "cache.allocator",
+    "dequantize_int8": "codec",
+    "quantize_int8": "codec",
+    **dict.fromkeys(_ERRORS, "errors"),
+    "KvStorageFormat": "formats",
+    **dict.fromkeys(("AttentionPlan", "append_paged_kv", "attention", "paged_decode_attention",
+                     "paged_prefill_attention", "paged_write", "plan_attention"), "ops"),
+    **dict.fromkeys(("inspect_kv", "load_kv", "model_fingerprint", "save_kv"), "store"),
+}
+_SUBMODULES = ("hf", "engine", "models")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [

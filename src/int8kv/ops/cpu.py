@@ -387,7 +387,8 @@ def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi
     for h in range(hkv):
         for i in range(nrows):
             for j in range(g):
-                qr[h, i * g + j] = q[row0 + i, h * g + j]
+                for c in range(d):  # element by element: a row slice assignment compiles numba's shape-error message
+                    qr[h, i * g + j, c] = q[row0 + i, h * g + j, c]
                 if q_scale.shape[0]:
                     qs[h, i * g + j] = q_scale[row0 + i, h * g + j] * sm
     for i in range(nrows):
