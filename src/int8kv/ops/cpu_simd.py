@@ -44,7 +44,12 @@ p . v stays float32 (`pv16`): int16 weights (each row's 16 weights rounded to in
 int8 value rows interleaved in pairs, `vpdpwssd` into int32 per 16-key block, measured in a prototype at 3
 rows x 64 (SmolLM2's group) on 1,024 keys, ns per key, best of 15, load 15: 4.3 vs 4.7 (AVX-512 VNNI) and 9.2
 vs 7.7 (AVX2) with the weights already quantized, 12.3-13.1 vs 5.6-8.2 once each block's weights are
-quantized (max, scale, round, pack per row and block), which is the only way to get them.
+quantized (max, scale, round, pack per row and block), which is the only way to get them. Converting int8 rows
+without byte shuffles (64 codes loaded as 16 int32 lanes, each byte sign-extended in place by a left and a right
+shift, the accumulator kept in that permuted order) measured 0.90x `pv16` at 3 rows x 64 and 0.91x at 4 x 128
+(one thread, 2,048 / 1,024 keys hot in cache, AVX-512, Zen 4): the widening is not what limits `pv16`. In the
+whole kernel at batch 8 x 4,096 keys (32 / 8 x 128, K and V from DRAM) p . v takes ~30 ns per (key, KV head) and
+thread against ~11 hot, so there it waits on memory, not on arithmetic.
 """
 
 from __future__ import annotations
