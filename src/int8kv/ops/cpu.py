@@ -138,13 +138,7 @@ def _scale_of(scales, block_id, offset, h):
     return scales[block_id, offset, h]
 
 
-# The tile helpers of `_attend_item` (_load_tile, _scores, _scores_pair, _accumulate, _accumulate_pair) are plain
-# njit functions, inlined by LLVM, not by numba (inline="always" types and lowers a copy per call site): one
-# specialisation of `_attend_item` compiles in 5.7 s instead of 8.4 (`_general_item` 7.8 against 10.9), nine of
-# them in a test run, and a 128-query prefill chunk over 2,048 keys runs as fast (one thread, SmolLM2's 9/3 x 64:
-# 8.6-8.7 against 8.7-8.9 ms INT8; 32/8 x 128, 64 queries: 30.9-31.1 against 30.4-31.1 ms). `_softmax_step`
-# stays inlined: called from the decode loop too, a call of its own cost decode 2-3 %.
-@njit(fastmath=True)
+@njit(fastmath=True, inline="always")
 def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
     """Positions [p0, p0 + nt) of every head -> dst[h, t] (float32, or the raw int8 codes for an int8 `dst`) and
     dst_scale[h, t] (1 for F16), reading each block in memory order."""
@@ -193,7 +187,7 @@ def _prod_impl(x, k):
     return lambda x, k: x * k
 
 
-@njit(fastmath=True)
+@njit(fastmath=True, inline="always")
 def _scores(qr, kt, nt, out):
     """out[t] = q . k_t for t < nt; four keys per pass share each load of q. float32 q and keys, or int16 q
     (int8 values) and int8 keys summed exactly in int32."""
@@ -219,7 +213,7 @@ def _scores(qr, kt, nt, out):
         t += 1
 
 
-@njit(fastmath=True)
+@njit(fastmath=True, inline="always")
 def _scores_pair(qa, qb, kt, nt, out_a, out_b):
     """`_scores` for two query rows at once: each key load feeds two rows (8 sums in registers)."""
     d = qa.shape[0]
@@ -247,7 +241,7 @@ def _scores_pair(qa, qb, kt, nt, out_a, out_b):
         _scores(qb, kt[t:], nt - t, out_b[t:])
 
 
-@njit(fastmath=True)
+@njit(fastmath=True, inline="always")
 def _accumulate(acc, w, vt, nt):
     """acc += sum_t w[t] v_t; four values per pass so acc is loaded and stored a quarter as often."""
     d = acc.shape[0]
@@ -266,7 +260,7 @@ def _accumulate(acc, w, vt, nt):
         t += 1
 
 
-@njit(fastmath=True)
+@njit(fastmath=True, inline="always")
 def _accumulate_pair(acc_a, acc_b, wa, wb, vt, nt):
     """`_accumulate` for two rows: each value load feeds both accumulators."""
     d = acc_a.shape[0]
