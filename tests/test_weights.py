@@ -149,7 +149,7 @@ def test_unknown_weights_refused_by_name(bad):
     with pytest.raises(UnsupportedWeights, match="weights must be one of") as info:
         convert_weights(model, bad)
     assert isinstance(info.value, ValueError)
-    assert set(WEIGHTS) == {"model", "bfloat16", "int8"}
+    assert set(WEIGHTS) == {"model", "dense", "bfloat16", "int8"}
 
 
 def test_conversion_refusals_change_nothing():

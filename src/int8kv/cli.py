@@ -42,8 +42,9 @@ DEMO_PROMPTS = (
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 WEIGHTS_HELP = (
-    "precision of the model's matmuls: model (as loaded; SmolLM2's are float32), bfloat16, or int8 (per-row int8 "
-    "weights, bfloat16 inputs; CPU only); perplexity and speed of each in docs/benchmarks.md"
+    "precision of the model's matmuls: model (its own weights exactly; an engine runs GGUF Q4_1 / Q8_0 blocks "
+    "packed), dense (as loaded, torch's matmuls: SmolLM2's are float32), bfloat16, or int8 (per-row int8 weights, "
+    "bfloat16 inputs; CPU only); perplexity and speed of each in docs/benchmarks.md"
 )
 KV_STORE_HELP = (
     "share prefix KV blocks through a block store: embedded, disk:PATH, redis://host:6379/0, "
@@ -161,14 +162,16 @@ def _chat(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
-def _load(args: argparse.Namespace):
-    """(model, tokenizer) of --model, with a line before and after: the first use of a GGUF converts it."""
+def _load(args: argparse.Namespace, engine: bool = True):
+    """(model, tokenizer) of --model, with a line before and after: the first use of a GGUF converts it. For an
+    engine, "model" weights run GGUF blocks packed (int8kv.models.packed); `int8kv eval` runs the model's own
+    forward over whole chunks, where packed layers would only decode their weights to the same float32 values."""
     from .models import load_model
 
     progress.note(f"loading model {args.model or '(packaged SmolLM2-135M-Instruct)'} ...")
     start = time.perf_counter()
     model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
-    if args.weights != "model":
+    if engine or args.weights not in ("model", "dense"):
         from .models import convert_weights
 
         model = convert_weights(model, args.weights, inplace=True)
@@ -379,7 +382,7 @@ def run_eval(args: argparse.Namespace) -> dict:
         except ValueError as exc:
             raise CliError(f"--kv-format: {exc}") from None
     text = read_text(args.text)
-    model, tokenizer = _load(args)
+    model, tokenizer = _load(args, engine=False)
     result = evaluate(
         model, tokenizer, text, ctx=args.ctx, chunk=args.chunk, max_windows=args.windows,
         gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts],

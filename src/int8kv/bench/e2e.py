@@ -8,6 +8,9 @@ Peers, each given `batch` copies of the same `context`-token prompt:
   hf int8kv     transformers generate, int8kv.hf.Int8KvCache (INT8), int8kv attention kernels
   engine int8   int8kv.engine.LLM, INT8 paged cache
   engine f16    int8kv.engine.LLM, F16 paged cache
+The engine peers run the model's float32 weights through torch's matmuls (`weights="dense"`), as transformers'
+generate does: this benchmark compares caches and attention on the same matmuls (the engine's default packed
+GGUF blocks are measured by `bench slope` and docs/results/packed_weights_bench.py).
 `--peers hf` runs the two transformers peers only (the drop-in against DynamicCache, in about half the time);
 the ratios are those of the peers run.
 
@@ -119,7 +122,8 @@ def _peers(model, tokenizer, ids: list[int], batch: int, new_tokens: int, names:
         # No prefix caching: the batch is copies of one prompt and runs repeat it, so cached blocks would let
         # the engine's sequences share K/V pages (and skip prefill) that transformers' copies each hold apart.
         llm = LLM(model, kv_format=fmt, memory=memory, max_num_seqs=batch,
-                  max_num_batched_tokens=batch * context, tokenizer=tokenizer, prefix_caching=False)
+                  max_num_batched_tokens=batch * context, tokenizer=tokenizer, prefix_caching=False,
+                  weights="dense")  # fmt: skip
         engine_decode(llm, ids[:64], batch, 3)  # compile (or load) the kernels outside the timings
         return lambda: engine_decode(llm, ids, batch, new_tokens)
 

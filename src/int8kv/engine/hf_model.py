@@ -663,7 +663,8 @@ class TransformersModel:
         # The format is the engine's choice per cache (make_cache). num_kv_heads / head_dim: the first group's.
         self.layout = self.layouts[0]
         self.num_layers, (self.num_kv_heads, self.head_dim) = len(self.kv_layers), groups[0]
-        self.vocab_size = int(hf_model.get_output_embeddings().weight.shape[0])
+        head = hf_model.get_output_embeddings()  # a Linear, or a converted / packed one (int8kv.models)
+        self.vocab_size = int(head.out_features if hasattr(head, "out_features") else head.weight.shape[0])
         self.max_positions = int(self.config.max_position_embeddings)
         self.step_cache = StepCache([])
         kv = {layer: k for k, layer in enumerate(self.kv_layers)}

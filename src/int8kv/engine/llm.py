@@ -218,8 +218,9 @@ class LLM:
         interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py, refusing
         every config field it does not implement). `backend`: the attention kernels (int8kv.ops.BACKENDS;
         None: "cpu" or "triton" from the pool's device). `weights`: the precision of the model's matmuls,
-        "model" (as loaded), "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not
-        changed; the prefix-cache key root hashes the converted weights). `block_size`: None is 16 positions, 64
+        "model" (its own weights exactly, GGUF blocks run packed), "dense" (as loaded, torch's matmuls),
+        "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not changed; the prefix-cache key
+        root hashes the weights that run). `block_size`: None is 16 positions, 64
         for ``int4_kchan64_vtok_asym_sink4_win64_v1`` (its pages; another size is refused by name), which runs
         with prefix caching, forks (cache/paged_q4w.py) and the block store (its pages: engine/store_tier.py)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
@@ -272,7 +273,8 @@ class LLM:
         # bfloat16 matmuls a K/V's F16 rounding flips roundings downstream, and SmolLM2's probe logits moved by
         # 0.025 (int8) / 0.10 (bfloat16) of their range against its own forward, beyond any tolerance that
         # still tells a wrong mask (0.65) from noise; the conversion changes no module the probe depends on.
-        probe_first = implementation == "transformers" and weights != "model"
+        # Packing ("model") keeps every weight's value: the probe runs on the packed layers.
+        probe_first = implementation == "transformers" and weights in ("bfloat16", "int8")
         try:
             if probe_first:
                 hf_model = copy.deepcopy(hf_model) if hf_model is model else hf_model

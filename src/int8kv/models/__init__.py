@@ -13,6 +13,7 @@ from .loader import (
     model_dir,
     packaged_model_dir,
 )
+from .packed import PackedLinear, pack_weights
 from .weights import WEIGHTS, convert_weights
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_GGUF_NAME",
     "InvalidModelError",
     "ModelNotFoundError",
+    "PackedLinear",
     "cache_root",
     "convert_weights",
     "default_gguf_path",
@@ -28,5 +30,6 @@ __all__ = [
     "load_model",
     "model_config",
     "model_dir",
+    "pack_weights",
     "packaged_model_dir",
 ]

@@ -2,7 +2,10 @@
 
     model = convert_weights(model, "int8")        # a copy whose nn.Linear layers hold int8 weights
 
-- ``"model"``: the weights as loaded (SmolLM2's are float32, dequantized from its Q4_1 GGUF file).
+- ``"model"``: the model's own weights, exactly. Linear layers whose float32 weights are GGUF Q4_1 / Q8_0
+  blocks decoded (SmolLM2's: transformers decodes its GGUF file to float32) run as those blocks
+  (int8kv.models.packed: every weight checked to decode back bit for bit), the others as loaded.
+- ``"dense"``: the weights as loaded, in torch's matmuls (float32 for SmolLM2), nothing packed.
 - ``"bfloat16"``: each Linear's weight rounded to bfloat16 (half the bytes read per token); its input is
   rounded to bfloat16 for the matmul and the output comes back in the input's dtype, so norms, residuals and
   attention keep the model's precision.
@@ -36,8 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedWeights
+from .packed import PackedLinear, pack_weights
 
-WEIGHTS = ("model", "bfloat16", "int8")
+WEIGHTS = ("model", "dense", "bfloat16", "int8")
 
 
 def check_weights(weights: object) -> str:
@@ -130,16 +134,19 @@ KINDS = {"bfloat16": BFloat16Linear, "int8": Int8Linear}
 
 
 def _kind(module: torch.nn.Module) -> str | None:
-    return getattr(module, "kind", None) if isinstance(module, BFloat16Linear | Int8Linear) else None
+    return getattr(module, "kind", None) if isinstance(module, BFloat16Linear | Int8Linear | PackedLinear) else None
 
 
 def convert_weights(model: torch.nn.Module, weights: str, inplace: bool = False) -> torch.nn.Module:
     """``model`` with every ``torch.nn.Linear`` holding ``weights`` (module docs): a deep copy, or ``model``
-    itself with ``inplace``; "model" returns ``model`` as it is. UnsupportedWeights (nothing changed) for an
-    unknown name, a model already converted to another precision, or int8 weights off the CPU."""
+    itself with ``inplace``; "dense" returns ``model`` as it is, and so does "model" where no layer is exact
+    GGUF blocks. UnsupportedWeights (nothing changed) for an unknown name, a model already converted to another
+    precision, or int8 weights off the CPU."""
     check_weights(weights)
-    if weights == "model":
+    if weights == "dense":
         return model
+    if weights == "model":
+        return pack_weights(model, inplace=inplace)
     others = sorted({k for m in model.modules() if (k := _kind(m)) not in (None, weights)})
     if others:
         raise UnsupportedWeights(
@@ -166,6 +173,10 @@ def fused_linear(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
     """One Linear computing ``modules`` side by side (their outputs concatenated), in their precision:
     float32 for plain ``nn.Linear`` (the fused forward's own precision), else their common converted kind."""
     kinds = {_kind(m) for m in modules}
+    if len(kinds) == 1 and isinstance(modules[0], PackedLinear):  # blocks along the input: rows concatenate
+        return modules[0] if len(modules) == 1 else PackedLinear.concatenated(list(modules))
+    if kinds <= {None, *PackedLinear.KINDS}:  # packed and float32 layers side by side: exact float32 weights
+        kinds = {None}
     if len(kinds) != 1:
         raise UnsupportedWeights(f"cannot fuse Linear layers of different precisions ({sorted(map(str, kinds))})")
     (kind,) = kinds
@@ -178,7 +189,7 @@ def fused_linear(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
         return Int8Linear.from_codes(
             torch.cat([m.weight for m in modules]), torch.cat([m.scale for m in modules]), bias, modules[0].in_features
         )
-    parts = [m.float_weights() if kind is not None else (m.weight.detach().float(), m.bias) for m in modules]
+    parts = [m.float_weights() if _kind(m) is not None else (m.weight.detach().float(), m.bias) for m in modules]
     if any((b is None) != (parts[0][1] is None) for _, b in parts):
         raise UnsupportedWeights("cannot fuse Linear layers of which only some have a bias")
     # One module: its own tensors (float32 weights are shared, not copied).
