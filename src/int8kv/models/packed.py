@@ -113,6 +113,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("low", None if low is None else torch.from_numpy(np.ascontiguousarray(low)))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._views: tuple[np.ndarray, ...] | None = None
+        self._has_bias = bias is not None
         cpu_packed.check_parts(self.kind, self._parts(), in_features)
 
     @classmethod
@@ -145,21 +146,26 @@ class PackedLinear(torch.nn.Module):
         return self.decoded(), self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step calls this ~200 times: attribute reads of plain fields, no reshape of a 2-d input.
+        shape = x.shape
+        if shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs of {self.in_features} features, got shape {tuple(shape)}")
         if x.device.type != "cpu":
             raise UnsupportedWeights(f"packed {self.kind} weights run on the CPU only, got an input on {x.device}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected inputs of {self.in_features} features, got shape {tuple(x.shape)}")
-        rows = x.reshape(-1, self.in_features)
+        rows = x if len(shape) == 2 else x.reshape(-1, self.in_features)
         if rows.shape[0] > DENSE_ROWS:
             y = torch.nn.functional.linear(rows.float(), self.decoded())
         else:
             if rows.dtype != torch.float32 or not rows.is_contiguous():
                 rows = rows.float().contiguous()
-            y = torch.from_numpy(cpu_packed.matmul_rows(rows.detach().numpy(), self._parts()))
-        if self.bias is not None:
+            if rows.requires_grad:
+                rows = rows.detach()
+            y = torch.from_numpy(cpu_packed.matmul_rows(rows.numpy(), self._views or self._parts()))
+        if self._has_bias:
             y = y + self.bias
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        if len(shape) != 2:
+            y = y.view(*shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"

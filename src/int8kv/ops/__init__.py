@@ -228,9 +228,17 @@ def paged_write(
     if planned and plan.positions is None:
         raise ShapeMismatch("the plan holds no positions: build it with positions= or pass them here")
     pos = plan.positions if planned else positions
+    rows = None
+    if planned:  # the tables' rows at the step's positions: checked and picked once for every layer of the step
+
+        def pick() -> tuple[torch.Tensor, torch.Tensor]:
+            write.check_rope_tables(cos, sin, pool.head_dim, rope_style)
+            return write.rope_rows(pos, cos, sin)
+
+        rows = plan.derived(("rope-rows", cos, sin, pool.head_dim, rope_style), pick)
     q, k, v = prepare_qkv(
         pool, qkv, pos, cos, sin, num_q_heads, q_norm_weight, k_norm_weight, eps, rope_style,
-        positions_checked=planned,
+        positions_checked=planned, rows=rows,
     )  # fmt: skip
     write.append_paged_kv(pool, layer, k, v, slots, plan=plan if slots is None else None, backend=name)
     return q

@@ -258,10 +258,11 @@ def matmul_rows(x: np.ndarray, parts: tuple[np.ndarray, ...]) -> np.ndarray:
     """x (m, k) C-contiguous float32 times the weights of ``parts`` (checked by check_parts) transposed: (m, n).
     Only x's width is checked here: the per-call path of a layer whose parts were checked once."""
     codes = parts[0]
-    if x.ndim != 2 or x.shape[1] != codes.shape[1] * (2 if len(parts) == 3 else 1):
-        raise ValueError(f"x must be (m, {codes.shape[1] * (2 if len(parts) == 3 else 1)}), got {x.shape}")
+    q4 = len(parts) == 3
+    if x.ndim != 2 or x.shape[1] != codes.shape[1] * (2 if q4 else 1):
+        raise ValueError(f"x must be (m, {codes.shape[1] * (2 if q4 else 1)}), got {x.shape}")
     out = np.empty((x.shape[0], codes.shape[0]), np.float32)
-    _matmul(x, codes, parts[1], parts[2] if len(parts) == 3 else _NO_LOW, out)
+    _matmul(x, codes, parts[1], parts[2] if q4 else _NO_LOW, out)
     return out
 
 
