@@ -151,6 +151,27 @@ def test_fused_forward_refuses_windows_rope_and_foreign_modules():
         DecoderModel(build("mistral-window"))
 
 
+def test_the_default_path_is_the_fused_forward_only_where_it_runs_the_model_exactly():
+    assert isinstance(LLM(build("llama"), memory="1MiB").model, DecoderModel)
+    assert isinstance(LLM(build("llama"), memory="1MiB", implementation="transformers").model, TransformersModel)
+    assert isinstance(LLM(build("phi3"), memory="1MiB").model, TransformersModel)  # not an architecture it runs
+    # A forward replaced on an instance or a class is code the fused forward would not run: the model's own path
+    # serves it, and asking for the fused forward is refused by name.
+    model = build("llama")
+    rotary = model.model.rotary_emb
+    rotary.forward = rotary.forward
+    assert isinstance(LLM(model, memory="1MiB").model, TransformersModel)
+    with pytest.raises(UnsupportedModel, match="model.rotary_emb has a forward of its own instance"):
+        LLM(model, memory="1MiB", implementation="fused")
+    model = build("llama")
+    patched = type("PatchedMLP", (type(model.model.layers[0].mlp),), {"forward": lambda self, x: x})
+    patched.__name__ = type(model.model.layers[0].mlp).__name__  # the class name check alone would pass it
+    model.model.layers[1].mlp.__class__ = patched
+    with pytest.raises(UnsupportedModel, match="model.layers.1.mlp's forward comes from test_engine_models"):
+        LLM(model, memory="1MiB", implementation="fused")
+    assert isinstance(LLM(model, memory="1MiB").model, TransformersModel)
+
+
 def test_training_mode_with_dropout_is_refused():
     model = build("phi3")  # Phi-3 has residual dropout modules
     model.config.resid_pdrop = 0.1

@@ -55,17 +55,28 @@ from ..formats import KvStorageFormat
 from ..models.weights import check_weights, convert_weights
 from ..ops import BACKENDS
 from .chat import chat_prompt_ids
-from .model import DecoderModel
+from .model import DecoderModel, check_fused
 from .runner import ModelRunner
 from .sampler import TokenLogprob, make_generator, sample, token_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
 from .store_tier import PageStoreTier, StoreTier
 
-# "transformers" serves every model by default: on SmolLM2 (decode, 2,048 tokens of context, INT8, one thread)
-# it runs at 0.94x / 0.91x the fused forward's speed at batch 1 and 1.06x / 0.97x at batch 8 (loads 3.3 / 6.5;
-# docs/benchmarks.md, `python -m int8kv.bench engine_paths`), and it is exact for every config field.
+# "transformers" serves every model; None (the default) picks "fused" for a model the fused forward implements
+# exactly (check_fused: Llama / Qwen3 with nothing it refuses) and "transformers" for every other. With float32
+# weights the generic path ran at 0.94x / 0.91x the fused forward's decode speed (SmolLM2, 2,048 tokens, batch
+# 1; `python -m int8kv.bench engine_paths`), but once the matmuls read packed GGUF blocks the rest of the step is
+# what differs: 21.62 against 15.56 ms per token at 512 tokens (0.72x; `bench slope`, docs/benchmarks.md,
+# "Packed GGUF weights"), where the fused forward makes 121 matmul calls a step and the model's own 211.
 IMPLEMENTATIONS = ("transformers", "fused")
+
+
+def choose_implementation(hf_model: torch.nn.Module, implementation: str | None) -> str:
+    """``implementation``, or for None "fused" where the fused forward runs ``hf_model`` exactly (check_fused; a
+    model in training mode goes to the generic path, which refuses it by name), else "transformers"."""
+    if implementation is not None:
+        return implementation
+    return "fused" if not hf_model.training and check_fused(hf_model) is None else "transformers"
 logger = logging.getLogger("int8kv.engine")
 
 
@@ -203,7 +214,7 @@ class LLM:
         kv_namespace: str = "int8kv",
         model_id: str | None = None,
         kv_store_secret: str | bytes | None = None,
-        implementation: str = "transformers",
+        implementation: str | None = None,
         backend: str | None = None,
         weights: str = "model",
     ) -> None:
@@ -213,10 +224,11 @@ class LLM:
         bytes; default: the INT8KV_KV_STORE_SECRET variable) authenticates the store's values with an HMAC, for a
         URL (an open store has its own). `model_id`
         replaces the weights' SHA-256 in the key root (the model fingerprint, int8kv.store.model_fingerprint):
-        equal ids must mean equal K/V. `implementation`: "transformers" (the default) runs the model's own
-        forward over the paged cache (any decoder whose attention goes through transformers' attention
-        interface, engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py, refusing
-        every config field it does not implement). `backend`: the attention kernels (int8kv.ops.BACKENDS;
+        equal ids must mean equal K/V. `implementation`: "transformers" runs the model's own forward over the
+        paged cache (any decoder whose attention goes through transformers' attention interface,
+        engine/hf_model.py), "fused" the engine's own Llama/Qwen3 forward (engine/model.py, refusing every config
+        field it does not implement), None (the default) the fused one where it implements the model exactly
+        and the model's own otherwise (`choose_implementation`). `backend`: the attention kernels (int8kv.ops.BACKENDS;
         None: "cpu" or "triton" from the pool's device). `weights`: the precision of the model's matmuls,
         "model" (its own weights exactly, GGUF blocks run packed), "dense" (as loaded, torch's matmuls),
         "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not changed; the prefix-cache key
@@ -239,7 +251,7 @@ class LLM:
             check_secret(kv_store_secret)  # InvalidStoreSecret
             if kv_store_secret is not None and isinstance(kv_store, BlockStore):
                 raise InvalidEngineConfig("kv_store_secret is for a store URL; an open BlockStore has its own secret")
-        if implementation not in IMPLEMENTATIONS:
+        if implementation is not None and implementation not in IMPLEMENTATIONS:
             raise InvalidEngineConfig(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         try:
             check_weights(weights)
@@ -268,6 +280,7 @@ class LLM:
 
             hf_model, loaded_tokenizer = load_model(model)
             tokenizer = tokenizer or loaded_tokenizer
+        implementation = choose_implementation(hf_model, implementation)
         # A model of the caller's is copied; one loaded here is converted in place. The generic path probes the
         # architecture (does the model's own forward follow the engine's plan?) before the conversion: in
         # bfloat16 matmuls a K/V's F16 rounding flips roundings downstream, and SmolLM2's probe logits moved by

@@ -60,6 +60,18 @@ def check_fused(hf_model: torch.nn.Module) -> str | None:
         got = type(modules.get(path)).__name__
         if got != cls:
             return f"module {path or 'model'} is {got} (the fused forward implements {cls})"
+    # A forward replaced on an instance or on the class is code the fused forward would not run (a model that
+    # builds its own mask, or computes RoPE from something other than positions): the model's own path runs it.
+    for path in (*expected, "model"):
+        module = modules.get(path)
+        if module is None:
+            continue
+        where = path or "model"
+        if "forward" in vars(module):
+            return f"module {where} has a forward of its own instance (the fused forward runs its class's, not it)"
+        origin = getattr(type(module).forward, "__module__", None) or ""
+        if not origin.startswith("transformers."):
+            return f"module {where}'s forward comes from {origin or 'an unknown module'}, not transformers"
     return None
 
 
