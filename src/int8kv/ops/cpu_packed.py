@@ -81,31 +81,28 @@ def _sum_lanes(builder, lo, hi):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _row_dot(codes_dtype):
-    """The codegen of one weight row against one x row, over `blocks` blocks: returns the float32 sum."""
+def _rows_dot(codes_dtype, group: int):
+    """The codegen of one weight row against ``group`` rows of x, over `blocks` blocks: each block decoded once,
+    each x row's float32 sum stored to out. A row's lanes and tree are the same whatever the group."""
     nibbles = codes_dtype == types.uint8
 
     def codegen(context, builder, signature, args):
-        x, xo, c, co, s, so, lo_arr, blocks = args
-        xp = _data(context, builder, signature.args[0], x)
-        cp = _data(context, builder, signature.args[2], c)
-        sp = _data(context, builder, signature.args[4], s)
-        mp = _data(context, builder, signature.args[6], lo_arr)
+        x, xo, xs, c, co, s, so, lo_arr, blocks, o, oo, ostride = args
+        xp, cp, sp, mp, op = (_data(context, builder, signature.args[a], v)
+                              for a, v in ((0, x), (3, c), (5, s), (7, lo_arr), (9, o)))  # fmt: skip
         i64 = xo.type
         zero = ir.Constant(_VEC, [0.0] * _HALF)
-        # Accumulators live in allocas that LLVM promotes to registers: one chain per half block.
+        # Accumulators live in allocas that LLVM promotes to registers: per x row, one chain per half block.
         with builder.goto_entry_block():
-            acc_lo = builder.alloca(_VEC)
-            acc_hi = builder.alloca(_VEC)
-        builder.store(zero, acc_lo)
-        builder.store(zero, acc_hi)
+            accs = [(builder.alloca(_VEC), builder.alloca(_VEC)) for _ in range(group)]
+        for pair in accs:
+            for a in pair:
+                builder.store(zero, a)
+        rows = [builder.add(xo, builder.mul(xs, ir.Constant(i64, i))) for i in range(group)]
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
             sb = builder.add(so, b)
             d = _splat(builder, builder.load(builder.gep(sp, [sb])))
-            xb = builder.add(xo, builder.mul(b, ir.Constant(i64, BLOCK)))
-            x_lo = _vec_at(builder, xp, xb, _VEC, 4)
-            x_hi = _vec_at(builder, xp, builder.add(xb, ir.Constant(i64, _HALF)), _VEC, 4)
             if nibbles:
                 raw = _vec_at(builder, cp, builder.add(co, builder.mul(b, ir.Constant(i64, _HALF))), _BYTES, 1)
                 q_lo = builder.uitofp(builder.and_(raw, ir.Constant(_BYTES, [15] * _HALF)), _VEC)
@@ -119,24 +116,42 @@ def _row_dot(codes_dtype):
                 q_hi = builder.sitofp(_vec_at(builder, cp, builder.add(cb, ir.Constant(i64, _HALF)), _BYTES, 1), _VEC)
                 w_lo = builder.fmul(d, q_lo)  # exact
                 w_hi = builder.fmul(d, q_hi)
-            builder.store(_fma(builder, x_lo, w_lo, builder.load(acc_lo)), acc_lo)
-            builder.store(_fma(builder, x_hi, w_hi, builder.load(acc_hi)), acc_hi)
-        return _sum_lanes(builder, builder.load(acc_lo), builder.load(acc_hi))
+            step = builder.mul(b, ir.Constant(i64, BLOCK))
+            for start, (acc_lo, acc_hi) in zip(rows, accs, strict=True):
+                xb = builder.add(start, step)
+                x_lo = _vec_at(builder, xp, xb, _VEC, 4)
+                x_hi = _vec_at(builder, xp, builder.add(xb, ir.Constant(i64, _HALF)), _VEC, 4)
+                builder.store(_fma(builder, x_lo, w_lo, builder.load(acc_lo)), acc_lo)
+                builder.store(_fma(builder, x_hi, w_hi, builder.load(acc_hi)), acc_hi)
+        for i, (acc_lo, acc_hi) in enumerate(accs):
+            where = builder.add(oo, builder.mul(ostride, ir.Constant(i64, i)))
+            builder.store(_sum_lanes(builder, builder.load(acc_lo), builder.load(acc_hi)), builder.gep(op, [where]))
+        return context.get_dummy_value()
 
     return codegen
 
 
-@intrinsic
-def _dot(typingctx, x, xoff, codes, coff, scale, soff, low, blocks):
-    """sum over `blocks` blocks of x[xoff + 32 b + j] * w_b[j]; w decoded from codes at coff (byte or element
-    offset of the row's first block), scale[soff + b] and (Q4_1) low[soff + b]. Flat arrays, int64 offsets."""
-    for arr, dtype in ((x, types.float32), (scale, types.float32), (low, types.float32)):
-        if not isinstance(arr, types.Array) or arr.dtype != dtype:
-            raise TypingError("x, scale and low must be float32 arrays")
-    if not isinstance(codes, types.Array) or codes.dtype not in (types.uint8, types.int8):
-        raise TypingError("codes must be uint8 (Q4_1) or int8 (Q8_0)")
-    sig = types.float32(x, xoff, codes, coff, scale, soff, low, blocks)
-    return sig, _row_dot(codes.dtype)
+def _make_dots(group: int):
+    @intrinsic
+    def dots(typingctx, x, xoff, xstride, codes, coff, scale, soff, low, blocks, out, ooff, ostride):
+        """For i < group: out[ooff + i ostride] = sum over `blocks` blocks of x[xoff + i xstride + 32 b + j] w_b[j];
+        w decoded from codes at coff (byte or element offset of the row's first block), scale[soff + b] and
+        (Q4_1) low[soff + b]. Flat arrays, int64 offsets and strides."""
+        for arr in (x, scale, low, out):
+            if not isinstance(arr, types.Array) or arr.dtype != types.float32:
+                raise TypingError("x, scale, low and out must be float32 arrays")
+        if not isinstance(codes, types.Array) or codes.dtype not in (types.uint8, types.int8):
+            raise TypingError("codes must be uint8 (Q4_1) or int8 (Q8_0)")
+        sig = types.void(x, xoff, xstride, codes, coff, scale, soff, low, blocks, out, ooff, ostride)
+        return sig, _rows_dot(codes.dtype, group)
+
+    return dots
+
+
+# Four rows of x per decoded block: a batch-8 decode step decodes each block twice instead of 8 times.
+_GROUP = 4
+_dots_group = _make_dots(_GROUP)
+_dots_one = _make_dots(1)
 
 
 @njit(inline="always")
@@ -155,12 +170,18 @@ def _matmul(x, codes, scale, low, out):
     cf = codes.ravel()
     sf = scale.ravel()
     lf = low.ravel()
+    of = out.ravel()
     chunks = min(n, 256)
     for c in prange(chunks):
         first, last = _chunk(c, chunks, n)
         for r in range(first, last):
-            for i in range(rows):
-                out[i, r] = _dot(xf, i * k, cf, r * per_row, sf, r * blocks, lf, blocks)
+            i = 0
+            while i + _GROUP <= rows:
+                _dots_group(xf, i * k, k, cf, r * per_row, sf, r * blocks, lf, blocks, of, i * n + r, n)
+                i += _GROUP
+            while i < rows:
+                _dots_one(xf, i * k, k, cf, r * per_row, sf, r * blocks, lf, blocks, of, i * n + r, n)
+                i += 1
 
 
 @njit(parallel=True, cache=True)
