@@ -21,10 +21,10 @@ A block quantized otherwise (an importance matrix can move d and m off the extre
 layer stays float32.
 
 Rows of x above `DENSE_ROWS` (a prefill chunk) decode the layer's weights to float32 for one torch matmul: the
-block kernel reads each block once per row of x, and measured on the 2-core Zen 4 VM (one 1,536 x 576 layer,
-hot in cache) it ran 2.2x torch's float32 matmul at 1 row, 1.6x at 4 and 0.82x at 8; in a decode step, where
-torch's float32 weights come from memory and the blocks read a sixth of the bytes, it is the faster one up to
-DENSE_ROWS rows (docs/benchmarks.md, "Packed GGUF weights").
+block kernel decodes each block once per four rows of x, and its cost grows with the rows (SmolLM2's 211 layers
+on the 2-core Zen 4 VM: 5.6 ms at 1 row, 10.2 at 4, 20.1 at 8, 44.3 at 16) where torch's float32 matmul of a
+decode step is bound by reading 540 MB of weights (~50-60 ms at any of these row counts; docs/benchmarks.md,
+"Packed GGUF weights"): beyond 16 rows the dense product is the faster one.
 """
 
 from __future__ import annotations
