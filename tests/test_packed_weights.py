@@ -282,3 +282,20 @@ def test_smollm2_layers_are_its_gguf_blocks(smollm2):
     top2 = want.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 1e-2 * scale
     assert clear.sum() > 20 and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("weights", ["model", "dense"])
+def test_cli_engines_pack_for_model_weights_and_not_for_dense(monkeypatch, weights):
+    """`int8kv demo / serve` load the model once (`_load`) and hand it to their engines with `_engine_weights`:
+    "model" packs the GGUF blocks there (and the engine finds nothing left to pack), "dense" packs nothing."""
+    import int8kv.models
+    from int8kv import cli
+
+    model = blockwise(tiny("llama", seed=8))
+    monkeypatch.setattr(int8kv.models, "load_model", lambda *a, **k: (model, None))
+    args = cli.build_parser().parse_args(["demo", "--weights", weights, "--quiet"])
+    loaded, _ = cli._load(args)
+    packed = [m for m in loaded.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == (15 if weights == "model" else 0)  # 2 layers x 7 Linear and the lm_head
+    llm = LLM(loaded, kv_format=F16, memory="2MiB", weights=cli._engine_weights(args))
+    assert isinstance(llm.model.lm_head, PackedLinear) == (weights == "model")  # the fused forward's layers

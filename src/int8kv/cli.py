@@ -179,6 +179,12 @@ def _load(args: argparse.Namespace, engine: bool = True):
     return model, tokenizer
 
 
+def _engine_weights(args: argparse.Namespace) -> str:
+    """`LLM(weights=)` for a model `_load` made: "dense" keeps the loaded float Linear layers out of packing; any
+    other choice was applied by `_load` already ("model" packed them, bfloat16 / int8 left no float Linear)."""
+    return "dense" if args.weights == "dense" else "model"
+
+
 def _check_memory_holds_a_block(args: argparse.Namespace, budget: int, fmt: KvStorageFormat, what: str) -> None:
     """Refuse --memory below one 16-token block of the model in ``fmt`` (the 4-bit format: one 64-position page
     next to the window pages and sink slots of the engine's worst step), reading only the model's config."""
@@ -232,7 +238,8 @@ def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvSto
     for fmt in formats:
         name = fmt.as_str().split("_")[0].upper()
         kv_store = store  # block values, or the 4-bit format's page values (engine/store_tier.py)
-        engine = dict(kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts), kv_store=kv_store)
+        engine = dict(kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts), kv_store=kv_store,
+                      weights=_engine_weights(args))  # fmt: skip
         llm = LLM(model, **engine)
         progress.note(f"{name}: warming up (the first run compiles the kernels, cached afterwards) ...")
         llm.generate([prompt_ids[0][:8]], SamplingParams(max_tokens=2))  # compile kernels before timing
@@ -459,7 +466,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # a port already taken fails now, not after the model has loaded
     model, tokenizer = _load(args)
     llm = LLM(model, kv_format=fmt[0], memory=args.memory, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, **extra)
+              max_num_batched_tokens=args.max_num_batched_tokens, weights=_engine_weights(args), **extra)
     name = args.served_model_name or (
         os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
     limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
