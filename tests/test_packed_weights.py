@@ -10,7 +10,7 @@ from test_engine import SMALL, hf_logits, tiny
 
 from int8kv import KvStorageFormat
 from int8kv.engine import LLM, SamplingParams
-from int8kv.errors import UnsupportedWeights
+from int8kv.errors import ShapeMismatch, UnsupportedWeights
 from int8kv.models import convert_weights
 from int8kv.models.packed import DENSE_ROWS, PackedLinear, pack_blocks, pack_weights
 from int8kv.models.weights import fused_linear
@@ -181,6 +181,8 @@ def test_packed_linear_within_float32_rounding_of_float64(rows):
         lin.weight.copy_(torch.from_numpy(q4_1_blocks(weights(rng, 40, 96))[0]))
     layer = PackedLinear.from_linear(lin)
     assert layer is not None and layer.kind == "q4_1"
+    with pytest.raises(ShapeMismatch, match="expected inputs of 96 features"):
+        layer(torch.randn(rows, 48))
     x = torch.randn(2, rows, 96)
     y = layer(x)
     assert y.shape == (2, rows, 40) and y.dtype == torch.float32

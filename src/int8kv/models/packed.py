@@ -34,7 +34,7 @@ import copy
 import numpy as np
 import torch
 
-from ..errors import UnsupportedWeights
+from ..errors import ShapeMismatch, UnsupportedWeights
 from ..ops import cpu_packed
 
 __all__ = ["DENSE_ROWS", "PackedLinear", "pack_blocks", "pack_weights"]
@@ -149,7 +149,7 @@ class PackedLinear(torch.nn.Module):
         # A decode step calls this ~200 times: attribute reads of plain fields, no reshape of a 2-d input.
         shape = x.shape
         if shape[-1] != self.in_features:
-            raise ValueError(f"expected inputs of {self.in_features} features, got shape {tuple(shape)}")
+            raise ShapeMismatch(f"expected inputs of {self.in_features} features, got shape {tuple(shape)}")
         if x.device.type != "cpu":
             raise UnsupportedWeights(f"packed {self.kind} weights run on the CPU only, got an input on {x.device}")
         rows = x if len(shape) == 2 else x.reshape(-1, self.in_features)
