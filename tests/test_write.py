@@ -357,3 +357,21 @@ def test_transformers_cache_writes_through_the_write_path(monkeypatch):
     with torch.no_grad():
         model(ids, cache=cache, use_cache=True)
     assert stored == [2 * 5] * 3  # every layer, batch x tokens rows, through ops.write
+
+
+@pytest.mark.parametrize("tokens, heads, dim", [(1, 12, 64), (3, 5, 16), (64, 2, 128), (7, 1, 2)])
+def test_compiled_rotation_of_few_rows_is_torchs_bit_for_bit(tokens, heads, dim):
+    """A decode step's rows rotate in one compiled loop (ops/cpu_rope.py); more rows through torch's operations.
+    Both are the same arithmetic in the same order: equal bits, on contiguous rows and on a strided view (q and k
+    side by side inside the packed qkv, as the write path rotates them)."""
+    g = torch.Generator().manual_seed(tokens * 1000 + heads)
+    packed = torch.randn(tokens, heads * dim + 5, generator=g) * 3
+    strided = packed[:, : heads * dim].view(tokens, heads, dim)  # row stride heads * dim + 5
+    cos, sin = (torch.randn(80, dim // 2, generator=g) for _ in range(2))
+    positions = torch.randint(0, 80, (tokens,), generator=g)
+    for x in (strided, strided.contiguous()):
+        got = write_mod.apply_rope(x, positions, cos, sin)
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        a, b = x.chunk(2, dim=-1)
+        want = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+        assert got.is_contiguous() and torch.equal(got.view(torch.int32), want.contiguous().view(torch.int32))
