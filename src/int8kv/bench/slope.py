@@ -8,9 +8,10 @@ at a time; the decode cost is the median milliseconds per new token. The slope b
 longest context, in ms per generated token per 1,000 tokens of context, is what attention adds as the context
 grows (the weights cost the same at every context). Peers, all in one process, taking turns per repetition:
   engine int8         int8kv engine, INT8 paged cache, the default attention (precision "int16"), the model's own
-                      weights, the default model path; "w:bfloat16" / "w:int8" after the name: those weights
-                      (`LLM(weights=)`, one peer per --weights entry), "fused": the fused forward (one peer per
-                      --implementations entry and weights)
+                      weights (GGUF blocks packed), the model's own forward (`implementation="transformers"`);
+                      "w:dense" / "w:bfloat16" / "w:int8" after the name: those weights (`LLM(weights=)`, one peer
+                      per --weights entry), "fused": the fused forward, the engine's default for Llama / Qwen3 (one
+                      peer per --implementations entry and weights)
   engine int8 q8      the same with the quantized-query attention (precision "int8")
   engine f16          int8kv engine, F16 paged cache
   llama.cpp f16 / q8_0  llama-cpp-python (the optional `peers` extra), same GGUF, flash attention on, F16 or
