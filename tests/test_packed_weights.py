@@ -191,6 +191,26 @@ def test_packed_linear_within_float32_rounding_of_float64(rows):
     assert_within_float32_of_float64(y.reshape(-1, 40).numpy() - lin.bias.detach().numpy(), flat, w)
 
 
+def test_copies_and_dtype_changes_of_a_packed_layer():
+    import copy
+
+    rng = np.random.default_rng()
+    lin = torch.nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(q4_1_blocks(weights(rng, 8, 64))[0]))
+    layer = PackedLinear.from_linear(lin)
+    x = torch.randn(2, 64)
+    want = layer(x)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.scale.mul_(2)  # the copy's own buffers, seen by its kernel; the original's unchanged
+    assert torch.equal(layer(x), want) and not torch.equal(twin(x), want)
+    with pytest.raises(ValueError, match="scales must be C-contiguous float32"):
+        layer.half()(x)  # float16 scales: refused by name, not run
+    with pytest.raises(UnsupportedWeights, match="must stay float32"):
+        copy.deepcopy(twin).bfloat16()(x)
+
+
 def test_fused_packed_layers_compute_each_part_exactly():
     rng = np.random.default_rng()
     parts = []

@@ -114,7 +114,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._views: tuple[np.ndarray, ...] | None = None
         self._has_bias = bias is not None
-        cpu_packed.check_parts(self.kind, self._parts(), in_features)
+        self._parts()  # checks the arrays (cpu_packed.check_parts)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> PackedLinear | None:
@@ -128,13 +128,24 @@ class PackedLinear(torch.nn.Module):
         """The kernels' arrays: numpy views of the buffers, made once (a decode step calls 211 layers) and again
         after anything replaces the buffers (``_apply``: .to(), .float(), ...)."""
         if self._views is None:
-            parts = (self.codes.numpy(), self.scale.numpy())
-            self._views = parts if self.low is None else (*parts, self.low.numpy())
+            buffers = [t for t in (self.codes, self.scale, self.low) if t is not None]
+            if any(t.device.type != "cpu" for t in buffers):
+                raise UnsupportedWeights(f"packed {self.kind} weights run on the CPU only, got them on "
+                                         f"{self.codes.device}")  # fmt: skip
+            if any(t.dtype == torch.bfloat16 for t in buffers):
+                raise UnsupportedWeights(f"packed {self.kind} scales must stay float32, got bfloat16")
+            views = tuple(t.numpy() for t in buffers)
+            cpu_packed.check_parts(self.kind, views, self.in_features)  # e.g. after .half(): refused, not run
+            self._views = views
         return self._views
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (torch's signature)
         self._views = None
         return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickle) gets its own buffers: views of the original's would go stale.
+        return {**self.__dict__, "_views": None}
 
     def decoded(self) -> torch.Tensor:
         """The float32 weight (out_features, in_features): exactly the model's."""
