@@ -97,7 +97,7 @@ class PackedLinear(torch.nn.Module):
     """``y = x W^T + b`` with W kept as Q4_1 or Q8_0 blocks (int8kv.ops.cpu_packed's layouts); y in x's dtype.
     Up to DENSE_ROWS rows of x run the block kernel, more decode W to float32 for one torch matmul. CPU only."""
 
-    KINDS = ("q4_1", "q8_0")
+    KINDS = cpu_packed.KINDS
 
     def __init__(self, kind: str, parts: tuple[np.ndarray, ...], bias: torch.Tensor | None, in_features: int) -> None:
         super().__init__()

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 from ..numba_cache import share_compiles
 
 __all__ = [
-    "BLOCK", "block_ranges", "check_parts", "decode_q4_1", "decode_q8_0", "encode_q4_1", "encode_q8_0",
+    "BLOCK", "KINDS", "block_ranges", "check_parts", "decode_q4_1", "decode_q8_0", "encode_q4_1", "encode_q8_0",
     "matmul_q4_1", "matmul_q8_0", "matmul_rows",
 ]
 
@@ -254,15 +254,17 @@ def _encode(w, scale, low, codes) -> int:
 share_compiles(globals())
 
 _NO_LOW = np.zeros((1, 1), np.float32)
+# Each kind's codes: dtype, weights per byte, and the arrays its weights take (codes, scale[, low]).
+_LAYOUTS = {"q4_1": (np.uint8, 2, 3), "q8_0": (np.int8, 1, 2)}
+KINDS = tuple(_LAYOUTS)
 
 
 def check_parts(kind: str, parts: tuple[np.ndarray, ...], k: int) -> None:
     """ValueError unless ``parts`` are the arrays of ``kind`` ("q4_1": codes, scale, low; "q8_0": codes, scale;
     module docs) for rows of ``k`` weights."""
-    want = {"q4_1": (np.uint8, 2, 3), "q8_0": (np.int8, 1, 2)}
-    if kind not in want:
+    if kind not in _LAYOUTS:
         raise ValueError(f"no block kernel for {kind!r}")
-    dtype, per_byte, count = want[kind]
+    dtype, per_byte, count = _LAYOUTS[kind]
     if len(parts) != count or k % BLOCK or k < BLOCK:
         raise ValueError(f"{kind} takes {count} arrays for rows of a multiple of {BLOCK} weights, got {len(parts)}"
                          f" arrays for rows of {k}")

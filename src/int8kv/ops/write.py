@@ -62,6 +62,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * w
 
 
+# Rows at most this many (a decode step's batch) go through the CPU's compiled rotation and numpy's finiteness
+# check; more through torch's operations, whose per-call cost is then small beside the work.
+_FEW_ROWS = 64
+
+
 def rope_rows(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of `cos/sin [max_pos, dim // 2]` at `positions [tokens]`, float32 `[tokens, 1, dim // 2]` each:
     the same for every layer of a step (a planned write keeps them in its plan)."""
@@ -114,11 +119,6 @@ def check_positions(positions: torch.Tensor, tokens: int, max_pos: int) -> torch
     if tokens and (int(positions.min()) < 0 or int(positions.max()) >= max_pos):
         raise PositionOutOfRange(f"positions must lie in [0, {max_pos}) (rows of the cos/sin tables)")
     return positions.to(torch.int64)
-
-
-# Rows at most this many go through the compiled CPU paths below (a decode step's batch); more through torch's
-# operations, whose per-call cost is then small beside the work.
-_FEW_ROWS = 64
 
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
