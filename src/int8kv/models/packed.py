@@ -20,11 +20,13 @@ Recovering a block of 32 decoded weights (ggml's reference quantizers):
 A block quantized otherwise (an importance matrix can move d and m off the extremes) fails the check and its
 layer stays float32.
 
-Rows of x above `DENSE_ROWS` (a prefill chunk) decode the layer's weights to float32 for one torch matmul: the
-block kernel decodes each block once per four rows of x, and its cost grows with the rows (SmolLM2's 211 layers
-on the 2-core Zen 4 VM: 5.6 ms at 1 row, 10.2 at 4, 20.1 at 8, 44.3 at 16) where torch's float32 matmul of a
-decode step is bound by reading 540 MB of weights (~50-60 ms at any of these row counts; docs/benchmarks.md,
-"Packed GGUF weights"): beyond 16 rows the dense product is the faster one.
+Rows of x above `DENSE_ROWS` (a prefill chunk) decode the layer's weights to float32 for one torch matmul (the
+dense product, bit for bit torch's over the model's float32 weights). The block kernel decodes each block once per
+four rows of x, so its cost grows with the rows, while decoding the weights costs the same at any row count.
+SmolLM2's 211 layers on the 2-core Zen 4 VM (`docs/results/packed_kernel_rows.py`, docs/benchmarks.md, "Packed
+GGUF weights"): block kernel against decode + dense 43.9 / 117.1 ms at 16 rows, 85.6 / 146.1 at 32, 134.5 /
+171.3 at 48, 166.0 / 186.5 at 64 (the AVX2 build: 193.1 / 392.7 at 64): the block kernel is the faster one up to
+64 rows.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..ops import cpu_packed
 __all__ = ["DENSE_ROWS", "PackedLinear", "pack_blocks", "pack_weights"]
 
 BLOCK = cpu_packed.BLOCK
-DENSE_ROWS = 16  # rows of x at which a layer decodes its weights for one float32 matmul instead
+DENSE_ROWS = 64  # rows of x above which a layer decodes its weights for one float32 matmul instead
 _F16 = np.float16
 
 
@@ -164,19 +166,24 @@ class PackedLinear(torch.nn.Module):
         if x.device.type != "cpu":
             raise UnsupportedWeights(f"packed {self.kind} weights run on the CPU only, got an input on {x.device}")
         rows = x if len(shape) == 2 else x.reshape(-1, self.in_features)
-        if rows.shape[0] > DENSE_ROWS:
-            y = torch.nn.functional.linear(rows.float(), self.decoded())
-        else:
-            if rows.dtype != torch.float32 or not rows.is_contiguous():
-                rows = rows.float().contiguous()
-            if rows.requires_grad:
-                rows = rows.detach()
-            y = torch.from_numpy(cpu_packed.matmul_rows(rows.numpy(), self._views or self._parts()))
+        y = self.dense_product(rows) if rows.shape[0] > DENSE_ROWS else self.block_product(rows)
         if self._has_bias:
             y = y + self.bias
         if len(shape) != 2:
             y = y.view(*shape[:-1], self.out_features)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def block_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows [m, in_features] W^T`` (no bias) by the block kernel, whatever m: float32 ``[m, out_features]``."""
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        if rows.requires_grad:
+            rows = rows.detach()
+        return torch.from_numpy(cpu_packed.matmul_rows(rows.numpy(), self._views or self._parts()))
+
+    def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
+        """The same by decoding W to float32 for one torch matmul: torch's float32 product of the model's weights."""
+        return torch.nn.functional.linear(rows.float(), self.decoded())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
