@@ -46,7 +46,7 @@ from .plan import AttentionVariant
 
 __all__ = [
     "F16_TABLE", "MIN_SPLIT_KEYS", "decode_attention", "decode_items", "merge_items", "merge_parts", "new_parts",
-    "prefetch_block", "run_items", "softmax16", "unpacked_channel",
+    "prefetch_scales", "run_items", "softmax16", "unpacked_channel",
 ]
 
 assert BLOCK == cpu_simd.LANES  # a sealed block is one call of the 16-key kernels
@@ -176,12 +176,11 @@ def softmax16(sflat, n_rows, skip, softcap, m, den, macc, bias, acc, d):
 
 
 @njit(fastmath=True, inline="always")
-def prefetch_block(blk, positions, heads, d, k_codes, v_codes, k_scale, k_min, v_scale, v_min):
-    """Prefetch sealed block `blk` of `positions` positions (flat arrays, 4-bit codes two a byte): its codes,
-    the keys' channel scales and minimums, the values' per-position ones."""
-    size = positions * heads * (d // 2)
-    cpu_simd.prefetch(k_codes, blk * size, size)
-    cpu_simd.prefetch(v_codes, blk * size, size)
+def prefetch_scales(blk, positions, heads, d, k_scale, k_min, v_scale, v_min):
+    """Prefetch the keys' channel scales and minimums and the values' per-position ones of sealed block `blk` of
+    `positions` positions (flat arrays). Its codes are asked for a head's share at a time by the kernels, before
+    each head's vector call: all of a block's lines at once left the INT8 kernel waiting on memory in the engine
+    (ops/cpu.py, `_enter_run`)."""
     cpu_simd.prefetch(k_scale, blk * heads * d, heads * d)
     cpu_simd.prefetch(k_min, blk * heads * d, heads * d)
     cpu_simd.prefetch(v_scale, blk * positions * heads, positions * heads)
@@ -220,22 +219,28 @@ def _run_item(it, q, kc, ks, km, vc, vs, vm, ko, vo, tables, lens, items, sm, so
     kflat, vflat = kc.reshape(-1), vc.reshape(-1)
     ksb, kmb, vsb, vmb = ks.reshape(-1), km.reshape(-1), vs.reshape(-1), vm.reshape(-1)
     last = (hi - 1) // BLOCK
+    share = BLOCK * half  # a block's codes of one KV head, in elements (two codes a byte)
     for j in range(lo // BLOCK, last + 1):
         skip = max(lo - j * BLOCK, 0)
         if j >= sealed:
             _open_block(qp, ko, vo, b, n - j * BLOCK, skip, softcap, m, den, macc, bias, s, acc, f16)
             continue
         blk = tables[b, j]
+        nxt = -1  # the next block's codes start, prefetched a head's share before each head's call
         if j + 1 < sealed and j < last:
-            nxt = tables[b, j + 1]
-            prefetch_block(nxt, BLOCK, heads, d, kflat, vflat, ksb, kmb, vsb, vmb)
+            nxt = tables[b, j + 1] * share * heads
+            prefetch_scales(tables[b, j + 1], BLOCK, heads, d, ksb, kmb, vsb, vmb)
         for h in range(heads):
+            if nxt >= 0:
+                cpu_simd.prefetch(kflat, nxt + h * share, share)
             _block_scores(qp, kc, ks, km, (kflat, ksb, kmb), blk, h, g, h * g, ksp, kmp, qf, bias, s, kbuf, fbuf, f16)
         softmax16(s, BLOCK, skip, softcap, m, den, macc, bias, acc, d)
         for h in range(heads):  # the block's value scales and minimums, [heads, 16]
             widen16(vsb, blk * BLOCK * heads + h, heads, vst, h * BLOCK)
             widen16(vmb, blk * BLOCK * heads + h, heads, vmt, h * BLOCK)
         for h in range(heads):
+            if nxt >= 0:
+                cpu_simd.prefetch(vflat, nxt + h * share, share)
             _block_values(vc, vflat, blk, h, g, h * g, vst, vmt, s, acc, macc, kbuf)
     for h in range(hq):
         part_m[it, h] = m[h]

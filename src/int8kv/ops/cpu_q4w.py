@@ -51,7 +51,7 @@ from ..quant4w import SINKS, WINDOW
 from . import cpu_simd
 from .calls import Compiled, compiled_count
 from .cpu import thread_choice
-from .cpu_q4 import NEG, decode_items, merge_items, new_parts, prefetch_block, run_items, softmax16, unpacked_channel
+from .cpu_q4 import NEG, decode_items, merge_items, new_parts, prefetch_scales, run_items, softmax16, unpacked_channel
 from .cpu_q4_simd import fold, unpack16, weights16, widen16
 from .plan import AttentionPlan, AttentionVariant
 
@@ -180,6 +180,7 @@ def _run_item(it, q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw,
             if side == 0:
                 softmax16(s, min(hi, sinks), lo, softcap, m, den, no_min, no_bias, acc, d)
     first = max(lo, SINKS)  # below it, the sinks (done)
+    share = LANES * half  # 16 positions' codes of one KV head, in elements (two codes a byte)
     page = -1
     p0 = first // LANES * LANES
     while p0 < hi:
@@ -189,14 +190,19 @@ def _run_item(it, q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw,
         off = p0 - j * PAGE
         if j < sealed:
             blk = table[j]
+            ahead = j + 1 < sealed and (j + 1) * PAGE < hi
             if j != page:  # a new page: its key scales into q
                 page = j
-                if j + 1 < sealed and (j + 1) * PAGE < hi:
-                    prefetch_block(table[j + 1], PAGE, heads, d, kc, vc, ks, km, vs, vm)
+                if ahead:
+                    prefetch_scales(table[j + 1], PAGE, heads, d, ks, km, vs, vm)
                 for h in range(heads):
                     fold(qp, h * g * d, ks, km, (blk * heads + h) * d, qf[h], page_bias, h * g, g, d)
             base = (blk * PAGE + off) * heads
+            # The same 16 positions of the next page, their codes a head's share before each head's call.
+            nxt = (table[j + 1] * PAGE + off) * heads * half if ahead else -1
             for h in range(heads):
+                if nxt >= 0:
+                    cpu_simd.prefetch(kc, nxt + h * share, share)
                 _sealed_scores(qf[h], kc, (base + h) * half, heads * half, half, s, h * g * LANES, g, d, codes, fbuf)
             for r in range(hq):  # softmax16 folds the bias into capped scores and zeroes it: a copy per run
                 bias[r] = page_bias[r]
@@ -206,6 +212,8 @@ def _run_item(it, q, heads, unpack, sm, softcap, kc, ks, km, vc, vs, vm, kw, vw,
                 widen16(vm, base + h, heads, vmt, h * LANES)
             for h in range(heads):
                 weights16(s, h * g * LANES, LANES, vst, vmt, h * LANES, macc, h * g, g)
+                if nxt >= 0:
+                    cpu_simd.prefetch(vc, nxt + h * share, share)
                 _sealed_values(s, h * g * LANES, vc, (base + h) * half, heads * half, half, accp, h * g * d, g, d,
                                codes)
         else:
