@@ -21,10 +21,11 @@ and so the numerics, are the same either way. Per sealed block (the vector kerne
              `weights16`), the nibbles unpacked, then `pv16`.
 
 Unpacking puts a row's even channels first (low nibbles), then its odd ones; q and the value accumulator are
-kept in that order, which is undone once per item. The next block's codes and scales are prefetched while one
-is computed. A head_dim the vector kernels do not take (not a multiple of 16) runs the same steps as plain
-loops, and the open block's F16 rows (at most 15 per sequence) always do, their float16 values read through a
-65,536-entry float32 table. Figures: docs/benchmarks.md, "4-bit KV".
+kept in that order, which is undone once per item. While a block is computed, the next block's scales are
+prefetched when it is entered and its codes a head's share before each head's call (`prefetch_scales`). A
+head_dim the vector kernels do not take (not a multiple of 16) runs the same steps as plain loops, and the open
+block's F16 rows (at most 15 per sequence) always do, their float16 values read through a 65,536-entry float32
+table. Figures: docs/benchmarks.md, "4-bit KV".
 """
 
 from __future__ import annotations
