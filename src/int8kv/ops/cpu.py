@@ -519,24 +519,29 @@ def _scores16_impl(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf
 
 
 @njit(fastmath=True, inline="always")
-def _enter_run(table, pos, bs, left, tile_start, blocks, block_elems):
+def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems, spread):
     """The run of keys from position `pos` to the end of its block (at most `left`): ``(block_id, offset, run,
-    following)``, `following` the first element of the next block when the run starts a block or a tile, else -1.
-    The caller prefetches that block (K in the score pass, V in the value pass) while it computes this one, a
-    head's share before each head's vector call rather than the whole block at once: at SmolLM2's 3 x 64 over 7,000
-    keys in the engine's decode step, the attention entry took 6.8-7.2 ms a step against 11.4-13.0 with the whole
-    block asked for at the run's start (docs/results/engine_attention_split.py, two checkouts taking turns; likely
-    because a burst of 48 line requests takes the core's line-fill slots the compute's own loads then wait for).
-    One block ahead, whole, against none
-    (one thread, per key and KV head): 68 -> 54 ns at 8 KV heads x 128 over 32,768 keys from DRAM (a head's rows
-    are 1 KB apart), 48 -> 40 ns over 4,096; 22 -> 19 ns at SmolLM2's 3 x 64 over 7,000. Two blocks ahead: no
-    better."""
+    following)``. A run that starts a block or a tile prefetches the next block of `flat` (K in the score pass, V
+    in the value pass) while this one is computed: whole, here, or, for a run of the vector kernels' 16 keys with
+    `spread` (INT8 codes), a head's share before each head's call by the caller, `following` then being that
+    block's first element (-1 otherwise). Spread against whole: at SmolLM2's 3 x 64 over 7,000 keys in the
+    engine's decode step the attention entry took 6.8-7.2 ms a step against 11.4-13.0
+    (docs/results/engine_attention_split.py, two checkouts taking turns; likely because a burst of 48 line requests
+    takes the core's line-fill slots the compute's own loads then wait for); F16's blocks, twice the bytes, took
+    5-15 % longer spread at 8 KV heads x 128 over 2,048-7,000 keys in the attention benchmark, so they stay whole.
+    One block ahead, whole, against none (one thread, per key and KV head): 68 -> 54 ns at 8 KV heads x 128 over
+    32,768 keys from DRAM (a head's rows are 1 KB apart), 48 -> 40 ns over 4,096; 22 -> 19 ns at SmolLM2's 3 x 64
+    over 7,000. Two blocks ahead: no better."""
     index = pos // bs
     offset = pos - index * bs
+    run = min(bs - offset, left)
     following = -1
     if (offset == 0 or tile_start) and index + 1 < blocks:
         following = table[index + 1] * block_elems
-    return table[index], offset, min(bs - offset, left), following
+        if not spread or run < cpu_simd.LANES:
+            cpu_simd.prefetch(flat, following, block_elems)
+            following = -1
+    return table[index], offset, run, following
 
 
 @njit(fastmath=True, cache=True)
@@ -565,10 +570,7 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
     acc[:] = 0.0
     row_stride = hkv * d
     block_elems = bs * row_stride
-    # The next block's prefetch (`_enter_run`): INT8 codes a head's share before each head's vector call; F16's,
-    # twice the bytes, whole when the run is entered (spread, F16 took 5-15 % longer at 8 KV heads x 128 over
-    # 2,048-7,000 keys in the attention benchmark).
-    spread = kflat.itemsize == 1
+    spread = kflat.itemsize == 1  # INT8 codes: the next block prefetched a head's share at a time (`_enter_run`)
     share = block_elems // hkv
     blocks = min(table.shape[0], (hi + bs - 1) // bs)  # table entries this range may read
     lanes = cpu_simd.LANES
@@ -577,9 +579,8 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
         nt = min(TILE, hi - p0)
         t = 0
         while t < nt:  # scores of the tile, and both scales
-            block_id, offset, run, following = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, block_elems)
-            if following >= 0 and not spread:
-                cpu_simd.prefetch(kflat, following, block_elems)
+            block_id, offset, run, following = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, kflat,
+                                                          block_elems, spread)
             for j in range(run):
                 for h in range(hkv):
                     k_scale[h, t + j] = _scale_of(ks, block_id, offset + j, h)
@@ -588,13 +589,11 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
                 run = lanes
                 base = (block_id * bs + offset) * row_stride
                 for h in range(hkv):
-                    if following >= 0 and spread:
+                    if following >= 0:
                         cpu_simd.prefetch(kflat, following + h * share, share)
                     _scores16(qflat, h * g * d, kflat, base + h * d, row_stride, sflat, h * g * TILE + t,
                               TILE, g, d, kbuf)
             else:
-                if following >= 0 and spread:
-                    cpu_simd.prefetch(kflat, following, block_elems)
                 for j in range(run):
                     for h in range(hkv):
                         krow = kc[block_id, offset + j, h]
@@ -611,20 +610,17 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
                     w[j] *= vsc[j]
         t = 0
         while t < nt:  # p . v
-            block_id, offset, run, following = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, block_elems)
-            if following >= 0 and not spread:
-                cpu_simd.prefetch(vflat, following, block_elems)
+            block_id, offset, run, following = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, vflat,
+                                                          block_elems, spread)
             if run >= lanes:
                 run = lanes
                 base = (block_id * bs + offset) * row_stride
                 for h in range(hkv):
-                    if following >= 0 and spread:
+                    if following >= 0:
                         cpu_simd.prefetch(vflat, following + h * share, share)
                     cpu_simd.pv16(sflat, h * g * TILE + t, TILE, vflat, base + h * d, row_stride, accflat,
                                   h * g * d, g, d)
             else:
-                if following >= 0 and spread:
-                    cpu_simd.prefetch(vflat, following, block_elems)
                 for j in range(run):
                     for h in range(hkv):
                         vrow = vc[block_id, offset + j, h]
