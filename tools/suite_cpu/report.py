@@ -20,7 +20,8 @@ def main() -> None:
     parser.add_argument("--compiles", action="store_true", help="the log is numba_compile_log's")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    rows = [json.loads(line) for line in open(args.log)]
+    with open(args.log) as f:
+        rows = [json.loads(line) for line in f]
     if args.compiles:
         rows = [r for r in rows if r["depth"] == 0]
         key = lambda r: f"{r['module']}.{r['fn']}"  # noqa: E731
