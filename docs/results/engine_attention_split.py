@@ -1,5 +1,6 @@
 """An engine decode step of SmolLM2 (the defaults: INT8, packed GGUF blocks, fused forward) split into the time
-inside the CPU attention kernels' entry (`ops.cpu.attend`) and the rest, at two contexts: per decoded token, the
+inside the CPU attention kernels' entry (what `ops.cpu.prepare` returns, run per layer; `ops.cpu.attend` in
+checkouts before it) and the rest, at two contexts: per decoded token, the
 difference of an 18-token and a 2-token generate of the same prompt (a GPL-3 prefix from
 /usr/share/common-licenses), three rounds each, for whichever checkout PYTHONPATH names:
 
@@ -24,16 +25,22 @@ def main() -> None:
     model, tok = load_model(quiet=True)
     ids = tok(open("/usr/share/common-licenses/GPL-3").read())["input_ids"]
     spent = [0.0]
-    attend = cpu.attend
 
-    def timed(*a, **k):
-        start = time.perf_counter()
-        try:
-            return attend(*a, **k)
-        finally:
-            spent[0] += time.perf_counter() - start
+    def timed(fn):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - start
 
-    cpu.attend = timed  # ops.attention looks the backend's `attend` up at each call
+        return call
+
+    if hasattr(cpu, "prepare"):  # ops.PreparedAttention runs what `cpu.prepare` returns, once per layer
+        prepare = cpu.prepare
+        cpu.prepare = lambda *a, **k: timed(prepare(*a, **k))
+    else:  # older checkouts: ops.attention looks the backend's `attend` up at each call
+        cpu.attend = timed(cpu.attend)
 
     def run(llm: LLM, prompt: list[int], tokens: int) -> tuple[float, float]:
         spent[0] = 0.0

@@ -197,6 +197,7 @@ class DecoderModel:
         if plan is None:
             plan = self.plan(cache, batch)
         x = self.embed[batch.input_ids]
+        attention = ops.PreparedAttention(cache, plan, self.num_q_heads, backend=self.backend)  # once for all layers
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, self.eps)
             qkv = w.qkv(h)
@@ -205,7 +206,7 @@ class DecoderModel:
                 q_norm_weight=w.q_norm, k_norm_weight=w.k_norm, eps=self.eps, plan=plan, backend=self.backend,
             )  # fmt: skip
             # q was checked (shape, finiteness) by the write path.
-            attn = ops.attention(cache, i, q, plan, check_q=False, backend=self.backend)
+            attn = attention.run(cache, i, q, check_q=False)
             x = x + w.o(attn.reshape(x.shape[0], -1))
             h = rms_norm(x, w.post_norm, self.eps)
             gate, up = w.gate_up(h).chunk(2, dim=-1)

@@ -217,6 +217,8 @@ class SharedPlan:
     plan: AttentionPlan
     valid: torch.Tensor | None  # [batch, n] bool: queries that are not padding (None: all are)
     mask: Any  # held, so its identity cannot be reused by another tensor while the plan refers to it
+    # (q heads, softcap, backend) -> the plan's attention prepared for the layers that share them
+    calls: dict[tuple, ops.PreparedAttention] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -355,13 +357,7 @@ def int8kv_attention_forward(
             q = query.reshape(batch, q_heads, dim)
         else:
             q = query.transpose(1, 2).reshape(batch * n, q_heads, dim)
-        if opts.plain:
-            out = ops.attention(p, 0, q, shared.plan, backend=layer.backend)
-        else:
-            extra = {k: v for k, v in opts.as_kwargs().items() if v is not None}
-            if opts.sinks is not None:
-                extra["sinks"] = opts.sinks.detach().to(device=p.device, dtype=torch.float32)
-            out = ops.attention(p, 0, q, shared.plan, backend=layer.backend, **extra)
+        out = _prepared(shared, layer, q_heads, opts).run(p, 0, q)
         if shared.valid is None:
             out = out.view(batch, n, q_heads, dim)
         else:
@@ -376,6 +372,23 @@ def int8kv_attention_forward(
     except Exception as e:
         book.abort(e)
         raise
+
+
+def _prepared(shared: SharedPlan, layer: Any, q_heads: int, opts: AttentionOptions) -> ops.PreparedAttention:
+    """The shared plan's attention prepared for this layer's options (`ops.PreparedAttention`): built by the first
+    layer with these query heads, softcap and backend and run by the others (the plan's key fixes the window and
+    chunk). Sinks are a layer's own tensor (gpt-oss ``s_aux``), so a layer with sinks prepares its own."""
+    key = (q_heads, opts.softcap, layer.backend)
+    call = shared.calls.get(key) if opts.sinks is None else None
+    if call is None:
+        sinks = None if opts.sinks is None else opts.sinks.detach().to(device=layer.pool.device, dtype=torch.float32)
+        call = ops.PreparedAttention(
+            layer.pool, shared.plan, q_heads, backend=layer.backend, window=opts.window, chunk=opts.chunk,
+            softcap=opts.softcap, sinks=sinks,
+        )  # fmt: skip
+        if opts.sinks is None:
+            shared.calls[key] = call
+    return call
 
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:

@@ -1093,12 +1093,13 @@ def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
 
 def _run(
     pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: np.ndarray | None,
-    sinks: np.ndarray,
+    sinks: np.ndarray, path: str,
 ) -> torch.Tensor:  # fmt: skip
     """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice,
     uses, found)`` (lows: each row's lowest key, None without a window or chunk; uses: whether the items need the
     row and the general leaf; found: the addresses and buffers kept for this work, `_leaves`); ``cap`` the softcap
-    c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none)."""
+    c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none), ``path`` the query path
+    (`_query_path`)."""
     items, row_limits, lows, splits, pairs, lists, tables, choice, uses, found = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
@@ -1106,7 +1107,6 @@ def _run(
     # to zeros (queries before a window's start). numpy's allocation: 0.5 us against torch.empty's 1.8.
     o = np.empty(q.shape, np.float32) if plan.is_decode else np.zeros(q.shape, np.float32)
     out = torch.from_numpy(o)
-    path = _query_path(plan, pool)
     if path == "int8":
         codes, scales = quantize_query(q)
         q_arg, q_scale = codes.numpy(), scales.numpy()
@@ -1299,15 +1299,15 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
     return work, np.flatnonzero(long), lows
 
 
-def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
-    """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape.
-    ``variant``: a window, chunk, softcap or sinks of this call (:class:`~.plan.AttentionVariant`)."""
+def prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: AttentionVariant | None = None):
+    """`attend` for every layer that shares ``plan``, ``num_q_heads`` and ``variant``: ``run(pool, layer, q)``,
+    with the work items, thread choice, query path and softcap resolved here once (`ops.PreparedAttention`)."""
     if getattr(pool, "writes_by_step", False):  # int8kv.cache.pool_q4w: its own kernel
         from .cpu_q4w import attend as attend_q4w
 
-        return attend_q4w(pool, layer, q, plan, variant)
+        return lambda pool, layer, q: attend_q4w(pool, layer, q, plan, variant)
     threads = numba.get_num_threads()
-    key: tuple = ("cpu-work", q.shape[1], threads)
+    key: tuple = ("cpu-work", num_q_heads, threads)
     cap, sinks = None, _NO_SINKS
     if variant is not None:
         if variant.softcap is not None:
@@ -1315,11 +1315,22 @@ def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, varia
         sinks = _NO_SINKS if variant.sinks is None else variant.sinks.numpy()
         if variant.bounds_keys or cap is not None:  # sinks alone change no key range: the plain work serves them
             key = (*key, variant.window, variant.chunk, cap is not None)
-    work, long, lows = plan.derived(key, lambda: _work(plan, pool, q.shape[1], threads, variant))
-    out = _run(pool, layer, q, plan, work, cap, sinks)
-    if long.size:
-        _flash_prefill(pool, layer, q, plan, out, long, variant, lows)
-    return out
+    work, long, lows = plan.derived(key, lambda: _work(plan, pool, num_q_heads, threads, variant))
+    path = _query_path(plan, pool)
+
+    def run(pool: KvPool, layer: int, q: torch.Tensor) -> torch.Tensor:
+        out = _run(pool, layer, q, plan, work, cap, sinks, path)
+        if long.size:
+            _flash_prefill(pool, layer, q, plan, out, long, variant, lows)
+        return out
+
+    return run
+
+
+def attend(pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: AttentionVariant | None = None):
+    """Causal attention of ``q [num_queries, Hq, D]`` (float32, contiguous) over ``plan``: float32, q's shape.
+    ``variant``: a window, chunk, softcap or sinks of this call (:class:`~.plan.AttentionVariant`)."""
+    return prepare(pool, plan, q.shape[1], variant)(pool, layer, q)
 
 
 share_compiles(globals())  # one compile per signature across processes, and a safe disk cache (int8kv.numba_cache)
