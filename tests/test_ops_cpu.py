@@ -108,6 +108,24 @@ def test_decode_matches_reference(fmt, block_size, head_dim, group):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [100, 256])
+def test_decode_over_blocks_longer_than_a_tile_matches_reference(fmt, block_size):
+    """Blocks longer than the kernel's tile (the transformers drop-in keeps a batch row in one block): runs
+    inside a block prefetch the keys after them instead of the next block; sequences of one block, several,
+    none, cut mid-run, from kv_starts mid-block and split across work items."""
+    seed = block_size + 3
+    lens = [1, 70, block_size, 2 * block_size + 37, 0, 3000]
+    cache, tables, context = build(fmt, block_size, 64, 3, lens, seed)
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(seed))
+    for starts in (None, starts_for(context, seed)):
+        out = paged_decode_attention(cache, 1, q, tables, context, kv_starts=starts, backend="cpu")
+        ref = reference.paged_decode_attention(cache, 1, kernel_query(cache, q, tables, context), tables, context,
+                                               kv_starts=starts)
+        assert rel_err(out, ref) < TOL
+        assert not out[4].any()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_decode_split_keys_match_reference(fmt):
     """Few (sequence, KV head) pairs and long contexts: the keys are split across work items and merged."""
     cache, tables, context = build(fmt, 32, 64, 1, [3000, 700], seed=7)

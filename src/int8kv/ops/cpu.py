@@ -521,10 +521,11 @@ def _scores16_impl(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf
 @njit(fastmath=True, inline="always")
 def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems, spread):
     """The run of keys from position `pos` to the end of its block (at most `left`): ``(block_id, offset, run,
-    following)``. A run that starts a block or a tile prefetches the next block of `flat` (K in the score pass, V
-    in the value pass) while this one is computed: whole, here, or, for a run of the vector kernels' 16 keys with
-    `spread` (INT8 codes), a head's share before each head's call by the caller, `following` then being that
-    block's first element (-1 otherwise). Spread against whole: at SmolLM2's 3 x 64 over 7,000 keys in the
+    following, count)``. A run that starts a block or a tile prefetches the next block of `flat` (K in the score
+    pass, V in the value pass) while this one is computed; in a block longer than a tile, a run of 16 keys
+    prefetches the 16 keys after it instead. Whole, here, or, for a run of the vector kernels' 16 keys with
+    `spread` (INT8 codes), a head's share before each head's call by the caller, `following` then being the first
+    element of the `count` to prefetch (-1 otherwise). Spread against whole: at SmolLM2's 3 x 64 over 7,000 keys in the
     engine's decode step the attention entry took 6.8-7.2 ms a step against 11.4-13.0
     (docs/results/engine_attention_split.py, two checkouts taking turns; likely because a burst of 48 line requests
     takes the core's line-fill slots the compute's own loads then wait for); F16's blocks, twice the bytes, took
@@ -535,13 +536,20 @@ def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems, spre
     index = pos // bs
     offset = pos - index * bs
     run = min(bs - offset, left)
+    lanes = cpu_simd.LANES
     following = -1
+    count = block_elems
     if (offset == 0 or tile_start) and index + 1 < blocks:
         following = table[index + 1] * block_elems
-        if not spread or run < cpu_simd.LANES:
-            cpu_simd.prefetch(flat, following, block_elems)
-            following = -1
-    return table[index], offset, run, following
+    elif bs > TILE and run >= lanes and offset + 2 * lanes <= bs:
+        # A block longer than a tile (the transformers drop-in's: a batch row's whole storage is one block, so
+        # there is no next block to ask for): the 16 keys after this run, in the same block.
+        count = lanes * (block_elems // bs)
+        following = (table[index] * bs + offset + lanes) * (block_elems // bs)
+    if following >= 0 and (not spread or run < lanes):
+        cpu_simd.prefetch(flat, following, count)
+        following = -1
+    return table[index], offset, run, following, count
 
 
 @njit(fastmath=True, cache=True)
@@ -571,7 +579,6 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
     row_stride = hkv * d
     block_elems = bs * row_stride
     spread = kflat.itemsize == 1  # INT8 codes: the next block prefetched a head's share at a time (`_enter_run`)
-    share = block_elems // hkv
     blocks = min(table.shape[0], (hi + bs - 1) // bs)  # table entries this range may read
     lanes = cpu_simd.LANES
     p0 = lo
@@ -579,8 +586,8 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
         nt = min(TILE, hi - p0)
         t = 0
         while t < nt:  # scores of the tile, and both scales
-            block_id, offset, run, following = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, kflat,
-                                                          block_elems, spread)
+            block_id, offset, run, following, count = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, kflat,
+                                                                 block_elems, spread)
             for j in range(run):
                 for h in range(hkv):
                     k_scale[h, t + j] = _scale_of(ks, block_id, offset + j, h)
@@ -590,7 +597,7 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
                 base = (block_id * bs + offset) * row_stride
                 for h in range(hkv):
                     if following >= 0:
-                        cpu_simd.prefetch(kflat, following + h * share, share)
+                        cpu_simd.prefetch(kflat, following + h * (count // hkv), count // hkv)
                     _scores16(qflat, h * g * d, kflat, base + h * d, row_stride, sflat, h * g * TILE + t,
                               TILE, g, d, kbuf)
             else:
@@ -610,14 +617,14 @@ def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, deno
                     w[j] *= vsc[j]
         t = 0
         while t < nt:  # p . v
-            block_id, offset, run, following = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, vflat,
-                                                          block_elems, spread)
+            block_id, offset, run, following, count = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, vflat,
+                                                                 block_elems, spread)
             if run >= lanes:
                 run = lanes
                 base = (block_id * bs + offset) * row_stride
                 for h in range(hkv):
                     if following >= 0:
-                        cpu_simd.prefetch(vflat, following + h * share, share)
+                        cpu_simd.prefetch(vflat, following + h * (count // hkv), count // hkv)
                     cpu_simd.pv16(sflat, h * g * TILE + t, TILE, vflat, base + h * d, row_stride, accflat,
                                   h * g * d, g, d)
             else:
