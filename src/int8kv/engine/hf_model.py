@@ -11,7 +11,8 @@ the row to the paged cache:
   but the int8kv attention raises);
 - the attention function registered with transformers as ``"int8kv_engine"``: it takes the tagged handles, the
   step's :class:`~int8kv.ops.plan.AttentionPlan` (built once per step, shared by every layer) and the layer's
-  window, chunk, softcap and sinks, and calls :func:`int8kv.ops.attention`. Its mask function returns None:
+  window, chunk, softcap and sinks, and runs the plan's :class:`int8kv.ops.PreparedAttention` (prepared once per
+  step for the layers sharing those options). Its mask function returns None:
   the packed row has no 4-D mask (the plan says which keys each query sees).
 
 The model's config is switched to ``"int8kv_engine"`` only for the duration of each forward and switched back
@@ -155,8 +156,26 @@ class _Step:
         self.plans: dict[tuple[float | None, int, int], AttentionPlan] = {}
         for t, plan in enumerate(plans):
             self.plans[(None, 0, t)] = self.plans[(plan.softmax_scale, 0, t)] = plan
+        # By (plan, pool group, query heads, window, chunk, softcap): the plan's attention prepared once per step
+        # for the layers that share them (ops.PreparedAttention); the plans it names live as long as the step.
+        self.prepared: dict[tuple, ops.PreparedAttention] = {}
         self.written = [0] * len(layers)
         self.read = [0] * len(layers)
+
+    def attention_for(self, plan: AttentionPlan, group: int, num_q_heads: int, opts: Any) -> ops.PreparedAttention:
+        """``plan``'s attention prepared for a layer of pool ``group`` with ``num_q_heads`` and the options
+        ``opts`` (window, chunk, softcap, sinks), built by the first such layer of the step; a layer with sinks
+        (its own tensor: gpt-oss ``s_aux``) prepares its own."""
+        key = (id(plan), group, num_q_heads, opts.window, opts.chunk, opts.softcap)
+        call = self.prepared.get(key) if opts.sinks is None else None
+        if call is None:
+            call = ops.PreparedAttention(
+                self.pools[group], plan, num_q_heads, backend=self.backend, window=opts.window, chunk=opts.chunk,
+                softcap=opts.softcap, sinks=None if opts.sinks is None else opts.sinks.detach(),
+            )  # fmt: skip
+            if opts.sinks is None:
+                self.prepared[key] = call
+        return call
 
     def plan_for(self, scaling: float | None, group: int, table: int = 0) -> AttentionPlan:
         """The plan for a layer of pool ``group`` and block table ``table`` attending with ``scaling`` (None: that
@@ -349,11 +368,9 @@ def engine_attention_forward(
     if query.dim() != 4 or query.shape[0] != 1:
         raise ShapeMismatch(f"the packed query must be [1, q_heads, tokens, head_dim], got {tuple(query.shape)}")
     q = query[0].transpose(0, 1)  # [tokens, q_heads, dim]
-    sinks = None if opts.sinks is None else opts.sinks.detach()
     group, table, kv = step.locate(layer)
     plan = step.plan_for(scaling, group, table)
-    out = ops.attention(step.pools[group], kv, q, plan, backend=step.backend, window=opts.window,
-                        chunk=opts.chunk, softcap=opts.softcap, sinks=sinks)  # fmt: skip
+    out = step.attention_for(plan, group, q.shape[1], opts).run(step.pools[group], kv, q)
     step.read[layer.layer_idx] += 1
     return out.unsqueeze(0).to(query.dtype), None
 
