@@ -6,11 +6,12 @@
         out = attention(cache, layer, q, plan)
 
 Every backend ("reference": float64 oracle, returned as float32; "cpu": numba; "triton") is a module with one
-function ``attend(pool, layer, q, plan, variant=None)`` that checks nothing: the plan was validated when it was
-built and :func:`attention` checks ``q`` (shape, device, finiteness) and the per-call variant (sliding
-``window``, ``chunk``-ed attention, logit ``softcap``, attention ``sinks``: :class:`~.plan.AttentionVariant`),
-the same way for all of them. ``backend=None``
-picks "triton" for a CUDA cache and "cpu" otherwise. Backend modules are imported lazily, so importing
+function ``attend(pool, layer, q, plan, variant=None)`` (the CPU's also ``prepare(pool, plan, num_q_heads,
+variant)``, that ``attend`` resolved once for every layer of the plan) that checks nothing: the plan was
+validated when it was built and :func:`attention` checks ``q`` (shape, device, finiteness) and the per-call
+variant (sliding ``window``, ``chunk``-ed attention, logit ``softcap``, attention ``sinks``:
+:class:`~.plan.AttentionVariant`), the same way for all of them. ``backend=None`` picks "triton" for a CUDA
+cache and "cpu" otherwise. Backend modules are imported lazily, so importing
 int8kv never pulls in numba compilation or triton.
 
 Where many layers share one plan, :class:`PreparedAttention` resolves what :func:`attention` works out at each
