@@ -76,7 +76,7 @@ from ..errors import (
 )
 from ..formats import KvStorageFormat
 from ..hf.attention import TAG, make_handle
-from ..hf.layers import LayerSpec, attention_options, layer_specs
+from ..hf.layers import LayerSpec, attention_options, layer_specs, prepared_attention
 from ..ops import write
 from ..ops.plan import AttentionPlan
 from .model import Batch, plan_tables
@@ -164,18 +164,10 @@ class _Step:
 
     def attention_for(self, plan: AttentionPlan, group: int, num_q_heads: int, opts: Any) -> ops.PreparedAttention:
         """``plan``'s attention prepared for a layer of pool ``group`` with ``num_q_heads`` and the options
-        ``opts`` (window, chunk, softcap, sinks), built by the first such layer of the step; a layer with sinks
-        (its own tensor: gpt-oss ``s_aux``) prepares its own."""
+        ``opts`` (window, chunk, softcap, sinks), built by the first such layer of the step (`prepared_attention`)."""
         key = (id(plan), group, num_q_heads, opts.window, opts.chunk, opts.softcap)
-        call = self.prepared.get(key) if opts.sinks is None else None
-        if call is None:
-            call = ops.PreparedAttention(
-                self.pools[group], plan, num_q_heads, backend=self.backend, window=opts.window, chunk=opts.chunk,
-                softcap=opts.softcap, sinks=None if opts.sinks is None else opts.sinks.detach(),
-            )  # fmt: skip
-            if opts.sinks is None:
-                self.prepared[key] = call
-        return call
+        sinks = None if opts.sinks is None else opts.sinks.detach()
+        return prepared_attention(self.prepared, key, self.pools[group], plan, num_q_heads, self.backend, opts, sinks)
 
     def plan_for(self, scaling: float | None, group: int, table: int = 0) -> AttentionPlan:
         """The plan for a layer of pool ``group`` and block table ``table`` attending with ``scaling`` (None: that

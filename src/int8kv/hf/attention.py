@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from .. import ops
 from ..errors import AttentionBypassed, UnsupportedAttention
 from ..ops.plan import AttentionPlan, plan_attention
-from .layers import AttentionOptions, attention_options
+from .layers import AttentionOptions, attention_options, prepared_attention
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -375,20 +375,11 @@ def int8kv_attention_forward(
 
 
 def _prepared(shared: SharedPlan, layer: Any, q_heads: int, opts: AttentionOptions) -> ops.PreparedAttention:
-    """The shared plan's attention prepared for this layer's options (`ops.PreparedAttention`): built by the first
-    layer with these query heads, softcap and backend and run by the others (the plan's key fixes the window and
-    chunk). Sinks are a layer's own tensor (gpt-oss ``s_aux``), so a layer with sinks prepares its own."""
+    """The shared plan's attention prepared for this layer's options: built by the first layer with these query
+    heads, softcap and backend and run by the others (the plan's key fixes the window and chunk)."""
+    sinks = None if opts.sinks is None else opts.sinks.detach().to(device=layer.pool.device, dtype=torch.float32)
     key = (q_heads, opts.softcap, layer.backend)
-    call = shared.calls.get(key) if opts.sinks is None else None
-    if call is None:
-        sinks = None if opts.sinks is None else opts.sinks.detach().to(device=layer.pool.device, dtype=torch.float32)
-        call = ops.PreparedAttention(
-            layer.pool, shared.plan, q_heads, backend=layer.backend, window=opts.window, chunk=opts.chunk,
-            softcap=opts.softcap, sinks=sinks,
-        )  # fmt: skip
-        if opts.sinks is None:
-            shared.calls[key] = call
-    return call
+    return prepared_attention(shared.calls, key, layer.pool, shared.plan, q_heads, layer.backend, opts, sinks)
 
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:

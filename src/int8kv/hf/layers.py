@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from .. import ops
 from ..errors import UnsupportedAttention
 
 __all__ = [
@@ -185,3 +186,21 @@ def attention_options(kwargs: dict[str, Any], spec: LayerSpec | None = None) -> 
         got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         raise UnsupportedAttention(f"s_aux (attention sinks) must be a [num_q_heads] tensor, got {got}")
     return AttentionOptions(window, chunk, softcap, sinks)
+
+
+def prepared_attention(
+    calls: dict, key: tuple, pool: Any, plan: Any, num_q_heads: int, backend: str | None, opts: AttentionOptions,
+    sinks: torch.Tensor | None,
+) -> ops.PreparedAttention:
+    """``plan``'s attention over ``pool`` with ``opts`` (:class:`int8kv.ops.PreparedAttention`), kept in ``calls``
+    under ``key`` for the layers that share it. ``sinks``: ``opts.sinks`` as the caller hands them to the kernels;
+    a layer with sinks (its own tensor: gpt-oss ``s_aux``) prepares its own, never kept."""
+    call = calls.get(key) if sinks is None else None
+    if call is None:
+        call = ops.PreparedAttention(
+            pool, plan, num_q_heads, backend=backend, window=opts.window, chunk=opts.chunk, softcap=opts.softcap,
+            sinks=sinks,
+        )  # fmt: skip
+        if sinks is None:
+            calls[key] = call
+    return call

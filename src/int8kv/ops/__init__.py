@@ -184,13 +184,26 @@ def attention(
     pool = as_pool(cache)
     pool.check_layer(layer)
     q = check_query(pool, q, plan) if check_q else q
-    module = backend_module(pool, backend)
-    if window is None and chunk is None and softcap is None and sinks is None:  # plain causal: no extra work
-        out = module.attend(pool, layer, q, plan)
-    else:
-        variant = check_variant(pool, q.shape[1], window=window, chunk=chunk, softcap=softcap, sinks=sinks)
-        out = module.attend(pool, layer, q, plan, variant)
+    out = _resolve(pool, plan, q.shape[1], backend, window, chunk, softcap, sinks)(pool, layer, q)
     return out if out.dtype == torch.float32 else out.to(torch.float32)
+
+
+def _resolve(
+    pool: KvPool, plan: AttentionPlan, num_q_heads: int, backend: str | None, window: int | None, chunk: int | None,
+    softcap: float | None, sinks: torch.Tensor | None,
+) -> Any:  # fmt: skip
+    """``attend(pool, layer, q)`` of the backend for ``plan``, ``num_q_heads`` and the variant, checked: what
+    :func:`attention` runs once and :class:`PreparedAttention` keeps for every layer."""
+    module = backend_module(pool, backend)
+    variant = None
+    if window is not None or chunk is not None or softcap is not None or sinks is not None:
+        variant = check_variant(pool, num_q_heads, window=window, chunk=chunk, softcap=softcap, sinks=sinks)
+    prepare = getattr(module, "prepare", None)
+    if prepare is not None:
+        return prepare(pool, plan, num_q_heads, variant)
+    if variant is None:  # plain causal: the backends run it with no variant at all
+        return lambda pool, layer, q: module.attend(pool, layer, q, plan)
+    return lambda pool, layer, q: module.attend(pool, layer, q, plan, variant)
 
 
 def _geometry(pool: KvPool) -> tuple:
@@ -201,12 +214,13 @@ def _geometry(pool: KvPool) -> tuple:
 class PreparedAttention:
     """:func:`attention` for every layer that shares one plan, number of query heads and variant, resolved once.
 
-    :func:`attention` works out at each call what only the plan and the variant decide: the backend module, the
-    variant's checks and, on the CPU, the kernel's work items, thread choice and query path. Built once, this
-    runs each layer with only what changes per layer checked: the pool against the one it was prepared with
-    (format, heads, head_dim, blocks, device), the layer index and q (:func:`check_query`). The transformers
-    drop-in's attention function, SmolLM2-135M's 30 layers at 512 tokens in a loop: 50.7-57.1 us a layer against
-    56.4-57.7 through :func:`attention` (docs/benchmarks.md, "The drop-in's per-layer decode path").
+    Built once, it resolves what only the plan and the variant decide (`_resolve`: the backend module, the
+    variant's checks and, on the CPU, the kernel's work items, thread choice and query path; :func:`attention`
+    resolves them at each call), then runs each layer with only what changes per layer checked: the pool against
+    the one it was prepared with (format, heads, head_dim, blocks, device), the layer index and q
+    (:func:`check_query`). The transformers drop-in's attention function, SmolLM2-135M's 30 layers at 512 tokens
+    in a loop: 50.7-57.1 us a layer against 56.4-57.7 when each layer resolved it again (docs/benchmarks.md, "The
+    drop-in's per-layer decode path").
 
     The backend is resolved when this is built (a "triton" one under ``TRITON_INTERPRET`` is not asked again),
     and so is the CPU kernel's split of the keys over threads: a later ``numba.set_num_threads`` changes how many
@@ -229,17 +243,7 @@ class PreparedAttention:
             raise ShapeMismatch(f"num_q_heads must be an int, got {num_q_heads!r}")
         if num_q_heads <= 0 or num_q_heads % pool.num_kv_heads:
             raise ShapeMismatch(f"num_q_heads ({num_q_heads}) must be a positive multiple of {pool.num_kv_heads}")
-        module = backend_module(pool, backend)
-        variant = None
-        if window is not None or chunk is not None or softcap is not None or sinks is not None:
-            variant = check_variant(pool, num_q_heads, window=window, chunk=chunk, softcap=softcap, sinks=sinks)
-        prepare = getattr(module, "prepare", None)
-        if prepare is not None:
-            self._attend = prepare(pool, plan, num_q_heads, variant)
-        elif variant is None:
-            self._attend = lambda pool, layer, q: module.attend(pool, layer, q, plan)
-        else:
-            self._attend = lambda pool, layer, q: module.attend(pool, layer, q, plan, variant)
+        self._attend = _resolve(pool, plan, num_q_heads, backend, window, chunk, softcap, sinks)
         self.plan = plan
         self.num_q_heads = num_q_heads
         self._geometry = _geometry(pool)
