@@ -39,7 +39,7 @@ CALLS = 8  # a kind of call tries each of the two kernels twice (after the call 
 # gpt-oss: sinks on full and sliding layers) and all three at once (tests/test_ops_windows.py). The sinks are a
 # runtime array in the kernels (no specialisation of their own), so each is warmed alongside a window or softcap.
 VARIANTS = [(None, None, False), (4, None, True), (None, 30.0, False), (4, 30.0, True)]
-JOBS = [(fmt, precision, variant) for fmt in (INT8, F16) for precision in ("exact", "int8") for variant in VARIANTS
+JOBS = [(fmt, precision, variant) for fmt in (INT8, F16) for precision in ("exact", "int16") for variant in VARIANTS
         if precision == "exact" or fmt is INT8 and variant == VARIANTS[0]]  # fmt: skip
 
 

@@ -34,8 +34,10 @@ def nll(make) -> float:
     return float(-lp.gather(2, wins[:, half:, None]).sum()) / (wins.shape[0] * half)
 
 
+# The int8 query's row in eval_decode_precision.json (+0.294 %) came from a run of a tree that still offered it;
+# `precision="int8"` is refused now (+0.24 pp against exact, beyond the 0.02 budget).
 for name, precision, kind in (("int8kv INT8, exact", "exact", int8), ("int8kv INT8, int16", "int16", int8),
-                              ("int8kv INT8, int8", "int8", int8), ("DynamicCache fp32", "exact", base)):
+                              ("DynamicCache fp32", "exact", base)):
     os.environ[PRECISION_ENV] = precision
     start = time.time()
     value = nll(kind.make)

@@ -12,7 +12,6 @@ the process and each figure is the median of the N trial medians (best: the best
                 query (precision="exact")
   int8 q16      the same with precision="int16", the default: each (token, head) of q rounded to int16, q . k
                 on the codes in int32 (`vpdpwssd` / `vpmaddwd`, the variant of this CPU: "dot" in the JSON)
-  int8 q8       the same with precision="int8": query quantized per (token, head) to int8, q . k in int32
   f16 paged     int8kv cpu backend, F16 blocks
   torch gather  vectorised torch: gather the INT8 blocks through the block table, dequantize, then SDPA
   sdpa f32/bf16 torch scaled_dot_product_attention (enable_gqa) over contiguous caches of the same shape
@@ -21,9 +20,9 @@ the process and each figure is the median of the N trial medians (best: the best
                 reported as its median over int8 paged's ("window/full")
 Block tables are a random permutation of the pool, as after a long run of allocations and frees.
 Presets: smollm2 = batch 1, 9 q / 3 kv heads, head_dim 64, 7,000 tokens; batch8 = batch 8,
-32 / 8, 128, 4,096; long = batch 1, 32 / 8, 128, 32,768. They time int8 (exact), int8 q16 (the default), int8
-q8, f16 and SDPA float32 (the gather and bf16 peers only run without --preset). The machine's load average is
-recorded beside the figures.
+32 / 8, 128, 4,096; long = batch 1, 32 / 8, 128, 32,768. They time int8 (exact), int8 q16 (the default), f16
+and SDPA float32 (the gather and bf16 peers only run without --preset). The machine's load average is recorded
+beside the figures.
 """
 
 from __future__ import annotations
@@ -47,9 +46,9 @@ from ..progress import progress
 from .timing import copy_bandwidth, emit
 
 SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-METHODS = ("int8_paged", "int8_q16_paged", "int8_q8_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
-PRESET_METHODS = ("int8_paged", "int8_q16_paged", "int8_q8_paged", "f16_paged", "sdpa_f32")
-OURS = ("int8_paged", "int8_q16_paged", "int8_q8_paged")  # the INT8 paths, each compared with every peer
+METHODS = ("int8_paged", "int8_q16_paged", "f16_paged", "torch_gather_int8", "sdpa_f32", "sdpa_bf16")
+PRESET_METHODS = ("int8_paged", "int8_q16_paged", "f16_paged", "sdpa_f32")
+OURS = ("int8_paged", "int8_q16_paged")  # the INT8 paths, each compared with every peer
 # name: (batch, q heads, kv heads, head_dim, context)
 PRESETS = {
     "smollm2": (1, 9, 3, 64, 7000),
@@ -178,7 +177,6 @@ def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: to
     # One plan per cache, as a model step builds it once for all its layers.
     plans = {
         "exact": plan_attention(int8.pool, tables, lens, precision="exact"),
-        "int8": plan_attention(int8.pool, tables, lens, precision="int8"),
         "int16": plan_attention(int8.pool, tables, lens, precision="int16"),
         "f16": plan_attention(f16.pool, f16_tables, f16_lens),
     }
@@ -190,7 +188,6 @@ def _methods(args: argparse.Namespace, context: int, gen: torch.Generator, q: to
 
     fns = {
         "int8_paged": lambda: attention(int8, 0, q, plans["exact"], backend="cpu"),
-        "int8_q8_paged": lambda: attention(int8, 0, q, plans["int8"], backend="cpu"),
         "int8_q16_paged": lambda: attention(int8, 0, q, plans["int16"], backend="cpu"),
         "f16_paged": lambda: attention(f16, 0, q, plans["f16"], backend="cpu"),
         "torch_gather_int8": lambda: _torch_gather(int8, q, tables, lens),
@@ -212,7 +209,6 @@ def run_context(args: argparse.Namespace, context: int, bandwidth: float, names=
         agreement = _rel_diff(exact, fns["torch_gather_int8"]())
     else:  # the float32 exact path stands in for the gather (both agree with the float64 reference to ~1e-6)
         agreement = None
-    q8_diff = _rel_diff(fns["int8_q8_paged"](), exact)
     q16_diff = _rel_diff(fns["int8_q16_paged"](), exact)
     trials = [interleaved_samples(fns, args.repeat) for _ in range(args.trials)]
     samples = {name: [t for trial in trials for t in trial[name]] for name in fns}
@@ -230,10 +226,8 @@ def run_context(args: argparse.Namespace, context: int, bandwidth: float, names=
         "int8_bytes_read": int8_bytes,
         "floor_ms": floor * 1e3,
         "int8_over_floor": best["int8_paged"] / floor,
-        "q8_over_floor": best["int8_q8_paged"] / floor,
         "q16_over_floor": best["int8_q16_paged"] / floor,
         "int8_rel_diff_vs_torch_gather": agreement,
-        "q8_rel_diff_vs_exact": q8_diff,
         "q16_rel_diff_vs_exact": q16_diff,
     }
     for fast in OURS:  # peer time / ours, on medians: > 1 means ours is faster
@@ -291,7 +285,7 @@ def _run_config(args: argparse.Namespace, bandwidth: float, names: tuple[str, ..
         },
         "machine": {
             "cpu": _cpu_model(),
-            "dot": cpu_simd.DOT,  # the integer q . k variant of the int16 / int8 paths (None: float fallback)
+            "dot": cpu_simd.DOT,  # the integer q . k variant of the int16 path (None: float fallback)
             "torch_threads": torch.get_num_threads(),
             "numba_threads": numba.get_num_threads(),
             "numba_threading_layer": _threading_layer(),
@@ -346,7 +340,7 @@ def report(result: dict) -> str:
         f"({m['cpu']['llvm_name']}), integer dot {m['dot']}; median ms (best)",
         f"{'context':>8}" + "".join(f"{name:>22}" for name in names) + f"{'floor':>9}"
         + "".join(f"{'x ' + peer:>22}" for peer in names if not peer.startswith("int8"))
-        + f"{'int8/floor':>11}{'q16/floor':>10}{'q8/floor':>9}{'q16 diff':>9}{'q8 diff':>9}{'q16 x int8':>11}",
+        + f"{'int8/floor':>11}{'q16/floor':>10}{'q16 diff':>9}{'q16 x int8':>11}",
     ]
     for r in result["results"]:
         lines.append(
@@ -354,16 +348,15 @@ def report(result: dict) -> str:
             + "".join(f"{r['median_ms'][n]:>13.3f} ({r['ms'][n]:>6.3f})" for n in names)
             + f"{r['floor_ms']:>9.3f}"
             + "".join(
-                f"{r[f'int8_paged_speedup_vs_{p}']:>8.2f}/{r[f'int8_q16_paged_speedup_vs_{p}']:.2f}/"
-                f"{r[f'int8_q8_paged_speedup_vs_{p}']:<5.2f}"
+                f"{r[f'int8_paged_speedup_vs_{p}']:>11.2f}/{r[f'int8_q16_paged_speedup_vs_{p}']:<5.2f}"
                 for p in names if not p.startswith("int8")
             )
-            + f"{r['int8_over_floor']:>10.2f}x{r['q16_over_floor']:>9.2f}x{r['q8_over_floor']:>8.2f}x"
-            + f"{r['q16_rel_diff_vs_exact']:>9.1e}{r['q8_rel_diff_vs_exact']:>9.1e}"
+            + f"{r['int8_over_floor']:>10.2f}x{r['q16_over_floor']:>9.2f}x"
+            + f"{r['q16_rel_diff_vs_exact']:>9.1e}"
             + f"{r['int8_q16_paged_speedup_vs_int8_paged']:>10.2f}x"
             + (f"  window {r['window']}/full {r['window_over_full']:.3f}" if "window_over_full" in r else "")
         )
-    lines.append("x peer: peer median / int8 exact median, then / int8 q16, then / int8 q8 (> 1: int8kv faster)")
+    lines.append("x peer: peer median / int8 exact median, then / int8 q16 (> 1: int8kv faster)")
     return "\n".join(lines)
 
 

@@ -12,7 +12,6 @@ grows (the weights cost the same at every context). Peers, all in one process, t
                       "w:dense" / "w:bfloat16" / "w:int8" after the name: those weights (`LLM(weights=)`, one peer
                       per --weights entry), "fused": the fused forward, the engine's default for Llama / Qwen3 (one
                       peer per --implementations entry and weights)
-  engine int8 q8      the same with the quantized-query attention (precision "int8")
   engine f16          int8kv engine, F16 paged cache
   llama.cpp f16 / q8_0  llama-cpp-python (the optional `peers` extra), same GGUF, flash attention on, F16 or
                       q8_0 K and V cache; skipped with a note when llama_cpp is not installed
@@ -159,7 +158,6 @@ def run(args: argparse.Namespace) -> dict:
             name += "" if implementation == "transformers" else f" {implementation}"
             peers[name] = _engine_peer(model, tokenizer, int8, DEFAULT_PRECISION, longest, args.new_tokens, weights,
                                        implementation)  # fmt: skip
-    peers["engine int8 q8"] = _engine_peer(model, tokenizer, int8, "int8", longest, args.new_tokens)
     peers["engine f16"] = _engine_peer(model, tokenizer, KvStorageFormat.F16, "exact", longest, args.new_tokens)
     llama_note = None
     if args.no_llama:

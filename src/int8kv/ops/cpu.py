@@ -34,7 +34,7 @@ from .parts import KERNELS as PARTS_KERNELS
 from .parts import codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
 
-__all__ = ["KERNELS", "attend", "quantize_query", "quantize_query_int16"]
+__all__ = ["KERNELS", "attend", "prepare", "quantize_query_int16"]
 
 TILE = 64  # key positions per online-softmax step: long enough for vector loops, the buffers fit in L2
 ROWS_PER_ITEM = 32  # query rows x heads of a group per prefill work item: each converted K/V tile serves them all
@@ -125,7 +125,7 @@ def _tile_value(x, like):  # typed by the overload below: a code as the tile's e
 
 @overload(_tile_value, inline="always")
 def _tile_value_impl(x, like):
-    if isinstance(like, types.Integer):  # an INT8 tile of the quantized-query path: codes copied as they are
+    if isinstance(like, types.Integer):  # int8 key codes against int16 query codes: kept as they are
         return lambda x, like: x
     return lambda x, like: _code_to_f32(x)
 
@@ -140,8 +140,8 @@ def _scale_of(scales, block_id, offset, h):
 
 @njit(fastmath=True, inline="always")
 def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
-    """Positions [p0, p0 + nt) of every head -> dst[h, t] (float32, or the raw int8 codes for an int8 `dst`) and
-    dst_scale[h, t] (1 for F16), reading each block in memory order."""
+    """Positions [p0, p0 + nt) of every head -> dst[h, t] (float32) and dst_scale[h, t] (1 for F16), reading
+    each block in memory order."""
     bs = codes.shape[1]
     hkv = codes.shape[2]
     d = codes.shape[3]
@@ -175,40 +175,39 @@ def _zero_impl(q):
     return lambda q: np.float32(0.0)
 
 
-def _prod(x, k):  # typed by the overload below: one term of q . k, exact in int32 for int8 x int8
+def _prod(x, k):  # typed by the overload below: one term of q . k, exact in int32 for integer codes
     raise NotImplementedError
 
 
 @overload(_prod, inline="always")
 def _prod_impl(x, k):
     if isinstance(x, types.Integer):
-        # int16 q (holding int8 values) x int8 k: LLVM widens to int16 pairs and multiplies with vpmaddwd
+        # int16 query codes x int8 key codes (the int16 path's keys outside the 16-key runs): |product| < 2^22
         return lambda x, k: np.int32(x) * np.int32(k)
     return lambda x, k: x * k
 
 
 @njit(fastmath=True, inline="always")
 def _scores(qr, kt, nt, out):
-    """out[t] = q . k_t for t < nt; four keys per pass share each load of q. float32 q and keys, or int16 q
-    (int8 values) and int8 keys summed exactly in int32."""
+    """out[t] = q . k_t for t < nt (float32 q and keys); four keys per pass share each load of q."""
     d = qr.shape[0]
     t = 0
     while t + 4 <= nt:
         k0, k1, k2, k3 = kt[t], kt[t + 1], kt[t + 2], kt[t + 3]
-        a0 = a1 = a2 = a3 = _zero(qr[0])
+        a0 = a1 = a2 = a3 = np.float32(0.0)
         for i in range(d):
             x = qr[i]
-            a0 += _prod(x, k0[i])
-            a1 += _prod(x, k1[i])
-            a2 += _prod(x, k2[i])
-            a3 += _prod(x, k3[i])
+            a0 += x * k0[i]
+            a1 += x * k1[i]
+            a2 += x * k2[i]
+            a3 += x * k3[i]
         out[t], out[t + 1], out[t + 2], out[t + 3] = a0, a1, a2, a3
         t += 4
     while t < nt:
         k0 = kt[t]
-        a0 = _zero(qr[0])
+        a0 = np.float32(0.0)
         for i in range(d):
-            a0 += _prod(qr[i], k0[i])
+            a0 += qr[i] * k0[i]
         out[t] = a0
         t += 1
 
@@ -220,19 +219,19 @@ def _scores_pair(qa, qb, kt, nt, out_a, out_b):
     t = 0
     while t + 4 <= nt:
         k0, k1, k2, k3 = kt[t], kt[t + 1], kt[t + 2], kt[t + 3]
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _zero(qa[0])
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
         for i in range(d):
             x = qa[i]
             y = qb[i]
             c0, c1, c2, c3 = k0[i], k1[i], k2[i], k3[i]
-            a0 += _prod(x, c0)
-            a1 += _prod(x, c1)
-            a2 += _prod(x, c2)
-            a3 += _prod(x, c3)
-            b0 += _prod(y, c0)
-            b1 += _prod(y, c1)
-            b2 += _prod(y, c2)
-            b3 += _prod(y, c3)
+            a0 += x * c0
+            a1 += x * c1
+            a2 += x * c2
+            a3 += x * c3
+            b0 += y * c0
+            b1 += y * c1
+            b2 += y * c2
+            b3 += y * c3
         out_a[t], out_a[t + 1], out_a[t + 2], out_a[t + 3] = a0, a1, a2, a3
         out_b[t], out_b[t + 1], out_b[t + 2], out_b[t + 3] = b0, b1, b2, b3
         t += 4
@@ -331,17 +330,6 @@ def _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc, cap):
             a[i] *= alpha
 
 
-def _key_tile(q, tile):  # typed by the overload below: the buffer K tiles are loaded into
-    raise NotImplementedError
-
-
-@overload(_key_tile, inline="always")
-def _key_tile_impl(q, tile):
-    if isinstance(q.dtype, types.Integer):  # quantized query: int8 codes, multiplied in integers
-        return lambda q, tile: np.empty(tile.shape, np.int8)
-    return lambda q, tile: tile  # exact: K and V share one float32 tile
-
-
 def _row_low(lows, row, lo):  # typed by the overload below: the first key row `row` of an item sees
     raise NotImplementedError
 
@@ -368,14 +356,13 @@ def _tile_offset_impl(lows, low, p0):
 
 
 @njit(fastmath=True, cache=True)
-def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
+def _attend_item(q, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
     """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, hi) of one
     sequence, row i seeing keys [lows[row0 + i], limits[row0 + i]) of them (lows None: from lo).
     State per (KV head, row of its group): running max m, sum denom, unnormalised output acc.
-    q is float32 (exact path; q_scale is empty) or int16 holding int8 codes with one float32 scale per
-    (row, head) in q_scale (quantized-query path, INT8 caches only: q . k runs in int32). sm: the softmax
-    scale, applied with the key scales to each tile's raw scores (never to a copy of q); cap: None, or the
-    softcap c as (c, 1 / c)."""
+    q is float32 (the exact path: several rows and head_dims the row kernels do not take are never quantized).
+    sm: the softmax scale, applied with the key scales to each tile's raw scores (never to a copy of q); cap:
+    None, or the softcap c as (c, 1 / c)."""
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
@@ -389,8 +376,6 @@ def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi
             for j in range(g):
                 for c in range(d):  # element by element: a row slice assignment compiles numba's shape-error message
                     qr[h, i * g + j, c] = q[row0 + i, h * g + j, c]
-                if q_scale.shape[0]:
-                    qs[h, i * g + j] = q_scale[row0 + i, h * g + j] * sm
     for i in range(nrows):
         for j in range(g):
             low[i * g + j] = _row_low(lows, row0 + i, lo)
@@ -399,16 +384,15 @@ def _attend_item(q, q_scale, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi
     denom[:] = 0.0
     acc[:] = 0.0
     tile = np.empty((hkv, TILE, d), np.float32)
-    ktile = _key_tile(q, tile)
     tile_scale = np.empty((hkv, TILE), np.float32)
     s = np.empty((hkv, rows, TILE), np.float32)
     end = limit.max()
     p0 = lo
     while p0 < end:
         nt = min(TILE, end - p0)
-        _load_tile(kc, ks, table, p0, nt, ktile, tile_scale)
+        _load_tile(kc, ks, table, p0, nt, tile, tile_scale)  # K, then V, into the one float32 tile
         for h in range(hkv):
-            kt = ktile[h]
+            kt = tile[h]
             ksc = tile_scale[h]
             sh = s[h]
             mh = m[h]
@@ -484,15 +468,13 @@ def _quantize_rows(x, d, sm, codes, scale):
 
 def _row_query(q, q_scale, row, sm):  # typed by the overload below
     """Query row ``row`` as the score kernels take it, ``(values [Hq * d], logit scale per head [Hq])``: float32
-    values and sm (exact path); the given int16 codes and q_scale[row] * sm (int8 path); or the row quantized
-    here to int16 codes (int16 path, q_scale the `_INT16_QUERY` marker)."""
+    values and sm (exact path), or the row quantized here to int16 codes (int16 path, q_scale the `_INT16_QUERY`
+    marker)."""
     raise NotImplementedError
 
 
 @overload(_row_query, inline="always")
 def _row_query_impl(q, q_scale, row, sm):
-    if isinstance(q.dtype, types.Integer):
-        return lambda q, q_scale, row, sm: (q[row].reshape(-1), q_scale[row] * sm)
     if isinstance(q_scale.dtype, types.Integer):
 
         def quantized(q, q_scale, row, sm):
@@ -557,8 +539,8 @@ def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems, spre
 @njit(fastmath=True, cache=True)
 def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
     """Attention of one query row (all heads; sm the softmax scale) over keys [lo, hi) of one sequence, the
-    decode fast path. q and q_scale as `_row_query` takes them: float32 q (exact), int16 codes and their scales
-    (int8 path), or float32 q quantized here to int16 (int16 path); with codes q . k runs in int32 (`qk16i`).
+    decode fast path. q and q_scale as `_row_query` takes them: float32 q (exact), or float32 q quantized here to
+    int16 (int16 path), whose q . k runs in int32 (`qk16i`).
     Keys go TILE at a time: runs of 16 keys inside one block through the vector kernels of `cpu_simd` (scores,
     then p . v), the rest (a run cut short by a block's end or the range's) one key at a time. State as in
     `_attend_item` with nrows = 1: m, denom [hkv, g], acc [hkv, g, d]."""
@@ -700,8 +682,8 @@ def _row_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, lim
 def _general_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
                   part_acc):
     seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
-    _attend_item(q, q_scale, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m,
-                 denom, acc)
+    _attend_item(q, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m, denom,
+                 acc)
     _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split, m, denom, acc)
 
 
@@ -974,17 +956,6 @@ def quantize_query_int16(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes), torch.from_numpy(scale)
 
 
-def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes of ``q [n, Hq, D]`` (float32) with one float32 scale per (row, head):
-    ``(codes [n, Hq, D] int16 holding values in [-127, 127], scales [n, Hq])``, ``q ~ codes * scale`` with
-    ``|q - codes * scale| <= scale / 2`` elementwise (round half to even). A row of zeros gets scale 0.
-    int16 rather than int8 storage: the dot loop then skips one sign extension (3.3 vs 3.8 ns per 64-wide row)."""
-    scale = q.abs().amax(dim=2) / 127
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(q / safe.unsqueeze(2)).clamp_(-127, 127).to(torch.int16)
-    return codes, scale
-
-
 class ThreadChoice:
     """Runs a call on one thread or on all of numba's, whichever measured cheaper for calls of that size.
 
@@ -1087,8 +1058,8 @@ def _int16_rows(head_dim: int) -> bool:
 
 
 def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
-    """How the call multiplies q and k: "int8" (query codes from `quantize_query`), "int16" (decode rows
-    quantized in the kernel) or "exact" (float32): integers need INT8 keys, and the int16 path quantizes decode
+    """How the call multiplies q and k: "int16" (decode rows quantized in the kernel) or "exact" (float32):
+    integers need INT8 keys, and the int16 path quantizes decode
     steps only (a prefill under it runs exact), of a head_dim the integer kernels take on this CPU (else exact
     too). Decided here, so such a call runs the exact kernel itself: an int16 specialisation whose rows all
     fell back to the float32 branch inside it was another compiled function, and its results matched the exact
@@ -1116,10 +1087,7 @@ def _run(
     # to zeros (queries before a window's start). numpy's allocation: 0.5 us against torch.empty's 1.8.
     o = np.empty(q.shape, np.float32) if plan.is_decode else np.zeros(q.shape, np.float32)
     out = torch.from_numpy(o)
-    if path == "int8":
-        codes, scales = quantize_query(q)
-        q_arg, q_scale = codes.numpy(), scales.numpy()
-    elif path == "int16":
+    if path == "int16":
         q_arg, q_scale = q.numpy(), _INT16_QUERY
     else:
         q_arg, q_scale = q.numpy(), _NO_SCALE

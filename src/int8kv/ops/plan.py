@@ -39,16 +39,17 @@ from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch, UnknownB
 INDEX_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
 # How the CPU backend multiplies an INT8 cache: "exact" (float32 query and arithmetic, checked against the
-# float64 reference), "int16" (each decode row's (token, head) rounded to int16 inside the kernel, q . k in
-# int32 on the int8 key codes; prefill runs exact) or "int8" (query quantized per (token, head) to int8, q . k
-# in int32); docs/design.md gives their error bounds. Default: int16, or the INT8KV_ATTENTION_PRECISION
-# environment variable. int16 is the default because its change is inside the noise of the quality metric
-# itself: on the 2,048-token decode run (docs/results/eval_decode_noise.json) moving each decode query by one
-# float32 ulp moved the exact path's perplexity over 13.064-13.101 (fp32 13.067) and its KL from fp32 over
-# 1.72-1.82e-3, and int16 gave 13.068-13.090 and 1.68-1.82e-3; it is 1.14-2.3x faster than exact per decode
-# call (docs/benchmarks.md). F16 and 4-bit caches, CPUs without an integer dot variant and head_dims its
-# kernel does not take run exact whatever the precision.
-PRECISIONS = ("exact", "int16", "int8")
+# float64 reference) or "int16" (each decode row's (token, head) rounded to int16 inside the kernel, q . k in
+# int32 on the int8 key codes; prefill runs exact); docs/design.md gives the error bound. Default: int16, or the
+# INT8KV_ATTENTION_PRECISION environment variable. int16 is the default because its change is inside the noise
+# of the quality metric itself: on the 2,048-token decode run (docs/results/eval_decode_noise.json) moving each
+# decode query by one float32 ulp moved the exact path's perplexity over 13.064-13.101 (fp32 13.067) and its KL
+# from fp32 over 1.72-1.82e-3, and int16 gave 13.068-13.090 and 1.68-1.82e-3; it is 1.14-2.3x faster than
+# exact per decode call (docs/benchmarks.md). F16 and 4-bit caches, CPUs without an integer dot variant and
+# head_dims its kernel does not take run exact whatever the precision. An int8 query (for `vpdpbusd`) is not
+# offered: it moved the 2,048-token perplexity by +0.24 percentage points against exact, beyond the 0.02 budget
+# (docs/benchmarks.md, "The default query precision"), so a name outside PRECISIONS is refused, never mapped.
+PRECISIONS = ("exact", "int16")
 DEFAULT_PRECISION = "int16"
 PRECISION_ENV = "INT8KV_ATTENTION_PRECISION"
 
@@ -311,7 +312,8 @@ def resolve_precision(precision: str | None) -> str:
     """``precision``, or the environment's default when None; anything else is refused (UnknownBackend)."""
     name = os.environ.get(PRECISION_ENV, DEFAULT_PRECISION) if precision is None else precision
     if name not in PRECISIONS:
-        raise UnknownBackend(f"unknown attention precision {name!r}; accepted: {', '.join(PRECISIONS)}")
+        why = " (an int8 query costs +0.24 pp of perplexity, so it is not offered)" if name == "int8" else ""
+        raise UnknownBackend(f"unknown attention precision {name!r}{why}; accepted: {', '.join(PRECISIONS)}")
     return name
 
 
