@@ -30,13 +30,17 @@ ONE_WORKER_MODULES = {
     "test_server_smollm2", "test_triton_compile",
 }
 
-# Tests that compile the same kernel specialisations and nothing else has compiled before them: one unit each
-# group, so they run one after the other on one worker, the second loading what the first wrote to numba's disk
-# cache, instead of both workers compiling the same code at once (each bench run needs the INT8 exact, int16-
-# and int8-query and F16 kernels; split over the two workers the two tests took 116 and 118 s in one run).
-SAME_KERNEL_TESTS = {
+# Tests that share one work unit (they run one after the other on one worker):
+# - the two bench attention runs compile the same kernel specialisations and nothing else has compiled them
+#   before: the second loads what the first wrote to numba's disk cache, instead of both workers compiling the
+#   same code at once (each bench run needs the INT8 exact and int16-query and F16 kernels; split over the two
+#   workers the two tests took 116 and 118 s in one run);
+# - the README's OpenAI example joins test_server_smollm2.py's unit: both talk to the one `smollm2_server` of
+#   the session (a SmolLM2 `int8kv serve` costs ~11 s of CPU to start).
+SAME_UNIT_TESTS = {
     "tests/test_cli.py::test_bench_attention_plot": "bench attention",
     "tests/test_cli.py::test_bench_options_are_the_same_from_both_entry_points": "bench attention",
+    "tests/test_readme.py::test_openai_example_runs_against_int8kv_serve": "tests/test_server_smollm2.py",
 }
 
 # Work units sent before all others, in this order: the longest first (LPT), so that no long unit starts while the
@@ -47,21 +51,23 @@ SAME_KERNEL_TESTS = {
 # together and both compiled the INT8 decode and prefill kernels (4 kernel specialisations, 20-46 s each, on
 # both workers); here the second worker starts on Triton work (the interpreter, no numba attention kernel) and
 # reaches test_engine_errors after test_engine_fork has written those kernels to the disk cache.
+# The small eval run goes third, to the worker done with the smoke: it is the first to load the packaged SmolLM2,
+# so its one-time conversion from GGUF (~17 s of CPU, under a lock) happens there and then. Later in the list it
+# ran beside the first SmolLM2 server, which waited ~20 s on that lock with its worker idle.
 LONG_UNITS = (
     "tests/test_engine_fork.py",  # 152-191 s: the INT8 and F16 decode / prefill kernels
-    "tests/test_gpu_check.py::test_smoke_runs_end_to_end_under_the_interpreter",  # 59-102 s, Triton interpreter
+    "tests/test_gpu_check.py::test_smoke_runs_end_to_end_under_the_interpreter",  # 34-102 s, Triton interpreter
+    "tests/test_cli.py::test_eval_small_run",  # 8-34 s: the SmolLM2 conversion
     "tests/test_triton_compile.py",  # 23-52 s, Triton
     "tests/test_engine_models.py::test_engine_generates_like_transformers[gemma2]",  # 131-312 s: softcap kernels
     "tests/test_kvstore_engine.py",  # 88-134 s
     "tests/test_engine_errors.py",  # 79-117 s
-    "bench attention",  # 60-121 s (SAME_KERNEL_TESTS)
+    "bench attention",  # 60-121 s (SAME_UNIT_TESTS)
     "tests/test_bench_hybrid.py::test_pages_per_table_follow_the_window_and_the_baseline_keeps_every_block",  # 41-76 s
     "tests/test_server_api.py",  # 39-44 s
     "tests/test_server_replicas.py",  # 20-63 s
-    "tests/test_readme.py::test_openai_example_runs_against_int8kv_serve",  # 12-46 s
+    "tests/test_server_smollm2.py",  # 25-50 s with the README's OpenAI example (SAME_UNIT_TESTS)
     "tests/test_blockstore_backends.py",  # 26-35 s
-    "tests/test_cli.py::test_eval_small_run",  # 8-34 s
-    "tests/test_server_smollm2.py",  # 13-29 s
     "tests/test_server.py",  # 26-27 s
 )
 
@@ -73,7 +79,7 @@ except ImportError:  # pytest-xdist is in the dev extra; without it the suite ru
 if LoadScopeScheduling is not None:
 
     class ModuleFixtureScheduling(LoadScopeScheduling):
-        """Single tests as work units, except ONE_WORKER_MODULES (one unit per module) and SAME_KERNEL_TESTS
+        """Single tests as work units, except ONE_WORKER_MODULES (one unit per module) and SAME_UNIT_TESTS
         (one unit per group). LONG_UNITS go first, in their order; the rest follow largest first, by
         LoadScopeScheduling's ordering."""
 
@@ -91,7 +97,7 @@ if LoadScopeScheduling is not None:
             path = nodeid.split("::", 1)[0]
             if Path(path).stem in ONE_WORKER_MODULES:
                 return path
-            return SAME_KERNEL_TESTS.get(nodeid, nodeid)
+            return SAME_UNIT_TESTS.get(nodeid, nodeid)
 
     @pytest.hookimpl(optionalhook=True)  # `-p no:xdist` leaves xdist's hooks undeclared
     def pytest_xdist_make_scheduler(config, log):
@@ -124,6 +130,19 @@ def smollm2():
     from int8kv.models import load_model
 
     return load_model(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory):
+    """`int8kv serve --memory 64MiB` on the packaged SmolLM2 at a free loopback port, one per test session (its
+    users share one work unit: SAME_UNIT_TESTS); stopped with SIGTERM at the end, which must exit 0."""
+    from int8kv.server.launch import LocalServer
+
+    proc = LocalServer("--memory", "64MiB", log_path=tmp_path_factory.mktemp("smollm2-server") / "server.log")
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0, proc.output()
 
 
 # The Triton kernels' tests run with every load and store checked against the memory of its launch

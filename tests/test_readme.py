@@ -108,17 +108,13 @@ def test_store_example_shares_blocks_between_two_engines(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_openai_example_runs_against_int8kv_serve(tmp_path):
-    from int8kv.server.launch import LocalServer
-
+def test_openai_example_runs_against_int8kv_serve(smollm2_server):
+    # conftest.py's `smollm2_server`: `int8kv serve --memory 64MiB` on a free loopback port, stopped (exit 0
+    # checked) at the end of the session.
     code = block("from openai import OpenAI")
     url = "http://127.0.0.1:8000/v1"
     assert code.count(url) == 1
-    server = LocalServer("--memory", "64MiB", log_path=tmp_path / "server.log")  # a free loopback port
-    try:
-        ns, printed = run_block(code.replace(url, server.base + "/v1"))
-    finally:
-        assert server.stop() == 0, server.output()
+    ns, printed = run_block(code.replace(url, smollm2_server.base + "/v1"))
     (reply, usage), *pieces = printed
     assert reply == ns["reply"].choices[0].message.content and reply.strip() and usage.completion_tokens > 0
     texts = [text for (text,) in pieces if text]  # chunks without text print "" (a finish or usage chunk)

@@ -6,7 +6,6 @@ import pytest
 
 from int8kv.engine import LLM, SamplingParams
 from int8kv.server.app import chat_prompt_ids
-from int8kv.server.launch import LocalServer
 
 pytestmark = pytest.mark.slow
 MESSAGES = [
@@ -15,16 +14,8 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = LocalServer("--memory", "64MiB", log_path=tmp_path_factory.mktemp("smollm2") / "server.log")
-    try:
-        yield proc
-    finally:
-        assert proc.stop() == 0, proc.output()
-
-
-def test_packaged_model_chat_streamed_equals_plain_equals_offline(server, smollm2):
+def test_packaged_model_chat_streamed_equals_plain_equals_offline(smollm2_server, smollm2):
+    server = smollm2_server  # conftest.py: the session's one SmolLM2 server
     model, tokenizer = smollm2
     offline = LLM(model, memory="64MiB", tokenizer=tokenizer)
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)
