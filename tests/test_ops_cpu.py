@@ -144,11 +144,13 @@ def test_decode_split_keys_match_reference(fmt):
             assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("tags", [[1, 3], [5]], ids=["leaves", "row-kernel"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
-def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_runs(monkeypatch, parallel):
-    """The item loop calls its per-item kernels by address (ops/calls.py): a kernel whose signature tag is not
-    the tag of the call's argument types raises (TypeError; through the parallel loop numba reports it as a
-    SystemError caused by it) before any item runs, and the next call with the right kernels is unharmed."""
+def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_runs(monkeypatch, parallel, tags):
+    """The item loop calls its per-item kernels by address (ops/calls.py), and the row leaf its kernel
+    `_attend_row`: a function whose signature tag is not the tag of the argument types it is called with raises
+    (TypeError; through the parallel loop numba reports it as a SystemError caused by it) before it runs, and
+    the next call with the right kernels is unharmed."""
     if parallel and cpu.numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("a parallel call needs two numba threads")
     cache, tables, context = build(INT8, 16, 64, 2, [90, 200], seed=12)
@@ -162,7 +164,8 @@ def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_run
 
         def other_tags(*args):
             leaves = real(*args).copy()
-            leaves[[1, 3]] += 1
+            assert leaves[tags[0] - 1] != 0  # a decode call: the row leaf and its kernel are in use
+            leaves[tags] += 1
             return leaves
 
         monkeypatch.setattr(cpu, "_leaves", other_tags)

@@ -537,13 +537,15 @@ def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems, spre
 
 
 @njit(fastmath=True, cache=True)
-def _attend_row(q, q_scale, sm, cap, kc, ks, vc, vs, table, row, lo, hi, m, denom, acc):
+def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, m, denom, acc):
     """Attention of one query row (all heads; sm the softmax scale) over keys [lo, hi) of one sequence, the
     decode fast path. q and q_scale as `_row_query` takes them: float32 q (exact), or float32 q quantized here to
     int16 (int16 path), whose q . k runs in int32 (`qk16i`).
     Keys go TILE at a time: runs of 16 keys inside one block through the vector kernels of `cpu_simd` (scores,
     then p . v), the rest (a run cut short by a block's end or the range's) one key at a time. State as in
-    `_attend_item` with nrows = 1: m, denom [hkv, g], acc [hkv, g, d]."""
+    `_attend_item` with nrows = 1 (sequence `seq`, softcap `caps`): m, denom [hkv, g], acc [hkv, g, d]."""
+    cap = _cap_pair(caps)
+    table = tables[seq]
     hkv = kc.shape[2]
     d = kc.shape[3]
     bs = kc.shape[1]
@@ -666,21 +668,29 @@ def _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split,
 # and keys, then its rows stored (`_store_item`). Two leaves, each compiled once per specialisation and called
 # by address from `_run_items` (ops/calls.py: numba would otherwise build each again inside every caller):
 # `_row_item` for a single query row through the vector kernels (`_attend_row`: float32 kernels for an exact
-# row, integer ones for query codes or int16 rows on INT8 blocks), where the head_dim fits them (`_work`);
-# `_general_item` for the rest (`_attend_item`: several rows, or a head_dim or query path the row kernels do
-# not take). A call compiles only the leaves its items use: a decode-only run never builds `_general_item`.
+# row, integer ones for int16 rows on INT8 blocks), where the head_dim fits them (`_work`); `_general_item` for
+# the rest (`_attend_item`: several rows, or a head_dim the row kernels do not take). A call compiles only the
+# leaves its items use: a decode-only run never builds `_general_item`. `_row_item` calls `_attend_row` by address
+# too (leaves[4], its signature tag leaves[5] checked first): a window's key lows specialise the leaf but not
+# `_attend_row`, and linked in, each leaf specialisation optimised the whole kernel again (~1.5 s of CPU each;
+# docs/benchmarks.md "Kernel compile time"). `_general_item` keeps `_attend_item` linked in: called by address,
+# the several-row kernel optimised alone computed other last bits (`int8kv eval` moved by +0.29 pp, the metric's
+# one-ulp noise, where the default path's figure is to stay unchanged).
 @njit(fastmath=True, cache=True)
-def _row_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
-              part_acc):
+def _row_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
+              part_l, part_acc):
     seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
     first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
-    _attend_row(q, q_scale, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, first, end, m, denom, acc)
+    attend = (q, q_scale, sm, cap, kc, ks, vc, vs, tables, seq, row0, first, end, m, denom, acc)
+    if leaves[5] != tag_of(attend):
+        raise TypeError("_row_item: the kernel at this address was compiled for other argument types")
+    call_at(leaves[4], attend)
     _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split, m, denom, acc)
 
 
 @njit(fastmath=True, cache=True)
-def _general_item(it, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l,
-                  part_acc):
+def _general_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
+                  part_l, part_acc):
     seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
     _attend_item(q, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m, denom,
                  acc)
@@ -700,25 +710,25 @@ def _run_items(first, last, merge, splits, leaves, q, q_scale, sm, cap, sinks, k
                lows, out, part_m, part_l, part_acc):
     """Work items first..last - 1, each through its leaf (`_row_item` if it has one row and leaves[0] is set,
     else `_general_item`), then, with `merge` and splits > 1, the merge of the split states in part_*
-    (`_merge_states`). ``leaves`` int64 [4]: (row leaf address, its signature tag, general leaf address, its
-    tag), 0 for a leaf the call does not use (`_leaves`); a tag that does not match the arguments' types raises
-    TypeError before any item runs. A serial call runs this from Python; a parallel one through
-    `calls.fan_out` (merge False; the merge follows on the calling thread). Worker w of a parallel call runs
-    items lists[w]..lists[w + 1] (`_assign_items`): numba's dynamic schedule (`parallel_chunksize(1)`, items
-    handed out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134 us on two threads, as slow as
-    one (133 us); this fixed split took 86. A serial call (`merge`) passes empty part_* and allocates the
-    `splits` states here (three numpy allocations cost ~1 us in Python)."""
+    (`_merge_states`). ``leaves`` int64 [6]: (row leaf address, its signature tag, general leaf address, its
+    tag, then those of the row leaf's kernel `_attend_row`), 0 for what the call does not use (`_leaves`); a tag
+    that does not match the arguments' types raises TypeError before any item runs. A serial call runs this from
+    Python; a parallel one through `calls.fan_out` (merge False; the merge follows on the calling thread). Worker w
+    of a parallel call runs items lists[w]..lists[w + 1] (`_assign_items`): numba's dynamic schedule
+    (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134
+    us on two threads, as slow as one (133 us); this fixed split took 86. A serial call (`merge`) passes empty
+    part_* and allocates the `splits` states here (three numpy allocations cost ~1 us in Python)."""
     if merge and splits > 1:
         part_m, part_l, part_acc = _new_states(splits, out)
     args = (q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l, part_acc)
-    tag = tag_of((first,) + args)
+    tag = tag_of((first, leaves) + args)
     if (leaves[0] != 0 and leaves[1] != tag) or (leaves[2] != 0 and leaves[3] != tag):
         raise TypeError("_run_items: a leaf at this address was compiled for other argument types")
     for it in range(first, last):
         if items[it, 2] == 1 and leaves[0] != 0:
-            call_at(leaves[0], (it,) + args)
+            call_at(leaves[0], (it, leaves) + args)
         else:
-            call_at(leaves[2], (it,) + args)
+            call_at(leaves[2], (it, leaves) + args)
     if merge and part_m.shape[0]:
         _merge_states(part_m, part_l, part_acc, out, sinks)
 
@@ -726,7 +736,9 @@ def _run_items(first, last, merge, splits, leaves, q, q_scale, sm, cap, sinks, k
 _ITEMS = Compiled(_run_items)
 _ROW_ITEM = Compiled(_row_item)
 _GENERAL_ITEM = Compiled(_general_item)
+_ATTEND_ROW = Compiled(_attend_row)
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
+_NO_LEAVES = np.zeros(6, np.int64)  # `leaves` as the leaves are typed (its values are never read there)
 
 
 _CAPS: dict[float, np.ndarray] = {}  # softcap c -> float32 [c, 1 / c], read only by the kernels
@@ -743,16 +755,24 @@ def _cap_array(softcap: float) -> np.ndarray:
 def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np.ndarray:
     """`_run_items`' ``leaves`` for the arguments ``args`` (all of `_run_items`' from q on): the address and
     signature tag of `_row_item` and of `_general_item` where ``uses`` says the call's items need them (compiled
-    or loaded on first use), else 0. Kept in the plan's work (``found``) under ``key``, (the pool's format,
-    whether a softcap is set): with the query path and the tables (the work's own), those fix every argument's
-    type (q is float32 and contiguous, sinks float32, the rest made by `_work` and `_run`); should one differ,
-    the tag check in `_run_items` raises instead. numba's argument fingerprints took ~1 us a call."""
+    or loaded on first use), else 0, then those of `_attend_row` for the argument types the row leaf passes it.
+    Kept in the plan's work (``found``) under ``key``, (the pool's format, whether a softcap is set): with the query
+    path and the tables (the work's own), those fix every argument's type (q is float32 and contiguous, sinks
+    float32, the rest made by `_work` and `_run`); should one differ, the tag checks in `_run_items` and
+    `_row_item` raise instead. numba's argument fingerprints took ~1 us a call."""
     leaves = found.get(key)
     if leaves is None:
-        with_it = (INDEX, *args)
-        row = _ROW_ITEM.address(with_it) if uses[0] else (0, 0)
-        general = _GENERAL_ITEM.address(with_it) if uses[1] else (0, 0)
-        leaves = found[key] = np.array([*row, *general], np.int64)
+        q, q_scale, sm, cap, _, kc, ks, vc, vs, tables = args[:10]
+        with_it = (INDEX, _NO_LEAVES, *args)
+        # The item's state as `_item_state` makes it: m, denom [hkv, rows], acc [hkv, rows, d], float32.
+        m, acc = np.empty((1, 1), np.float32), np.empty((1, 1, 1), np.float32)
+        row = general = attend_row = (0, 0)
+        if uses[0]:
+            row = _ROW_ITEM.address(with_it)
+            attend_row = _ATTEND_ROW.address((q, q_scale, sm, cap, kc, ks, vc, vs, tables, *[INDEX] * 4, m, m, acc))
+        if uses[1]:
+            general = _GENERAL_ITEM.address(with_it)
+        leaves = found[key] = np.array([*row, *general, *attend_row], np.int64)
     return leaves
 
 
@@ -849,7 +869,7 @@ def _merge_states(part_m, part_l, part_acc, out, sinks):
 
 
 _MERGE = Compiled(_merge_states)
-_KERNEL = (_run_items, _row_item, _general_item, _merge_states)  # the dispatchers a call may compile
+_KERNEL = (_run_items, _row_item, _general_item, _attend_row, _merge_states)  # the dispatchers a call may compile
 
 
 # -- host side ----------------------------------------------------------------------------------------------
