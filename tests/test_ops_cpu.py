@@ -179,6 +179,29 @@ def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_run
         cpu.numba.set_num_threads(previous)
 
 
+def test_the_several_row_kernel_compiled_for_other_argument_types_is_refused(monkeypatch):
+    """The several-row leaf calls `_attend_item` by address: with the tag behind that address not the tag of the
+    arguments it passes, a prefill call raises TypeError before the kernel runs; the next call is unharmed."""
+    cache, tables, context = build(INT8, 16, 64, 2, [90, 200], seed=13)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q = torch.randn(12, 4, 64, generator=torch.Generator().manual_seed(13))
+    monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads: False)  # serial: a plain TypeError
+    good = paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
+    real = cpu._leaves
+
+    def other_tag(*args):
+        leaves = real(*args).copy()
+        assert leaves[6] != 0  # several rows per item: the general leaf and its kernel are in use
+        leaves[7] += 1
+        return leaves
+
+    monkeypatch.setattr(cpu, "_leaves", other_tag)
+    with pytest.raises(TypeError, match="other argument types"):
+        paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
+    monkeypatch.setattr(cpu, "_leaves", real)
+    assert torch.equal(paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu"), good)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
 def test_decode_softmax_scale(fmt, scale):

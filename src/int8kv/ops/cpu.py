@@ -356,13 +356,16 @@ def _tile_offset_impl(lows, low, p0):
 
 
 @njit(fastmath=True, cache=True)
-def _attend_item(q, sm, cap, kc, ks, vc, vs, table, row0, nrows, lo, hi, limits, lows, m, denom, acc):
-    """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, hi) of one
-    sequence, row i seeing keys [lows[row0 + i], limits[row0 + i]) of them (lows None: from lo).
+def _attend_item(q, sm, caps, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, limits, lows, m, denom, acc):
+    """Online-softmax attention of query rows [row0, row0 + nrows), all heads, over keys [lo, hi) of sequence
+    `seq` (its block table tables[seq]), row i seeing keys [lows[row0 + i], limits[row0 + i]) of them (lows
+    None: from lo).
     State per (KV head, row of its group): running max m, sum denom, unnormalised output acc.
     q is float32 (the exact path: several rows and head_dims the row kernels do not take are never quantized).
-    sm: the softmax scale, applied with the key scales to each tile's raw scores (never to a copy of q); cap:
-    None, or the softcap c as (c, 1 / c)."""
+    sm: the softmax scale, applied with the key scales to each tile's raw scores (never to a copy of q); caps:
+    None, or the softcap c as float32 [c, 1 / c]."""
+    cap = _cap_pair(caps)
+    table = tables[seq]
     hkv = kc.shape[2]
     d = kc.shape[3]
     g = q.shape[1] // hkv
@@ -670,12 +673,15 @@ def _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split,
 # `_row_item` for a single query row through the vector kernels (`_attend_row`: float32 kernels for an exact
 # row, integer ones for int16 rows on INT8 blocks), where the head_dim fits them (`_work`); `_general_item` for
 # the rest (`_attend_item`: several rows, or a head_dim the row kernels do not take). A call compiles only the
-# leaves its items use: a decode-only run never builds `_general_item`. `_row_item` calls `_attend_row` by address
-# too (leaves[4], its signature tag leaves[5] checked first): a window's key lows specialise the leaf but not
-# `_attend_row`, and linked in, each leaf specialisation optimised the whole kernel again (~1.5 s of CPU each;
-# docs/benchmarks.md "Kernel compile time"). `_general_item` keeps `_attend_item` linked in: called by address,
-# the several-row kernel optimised alone computed other last bits (`int8kv eval` moved by +0.29 pp, the metric's
-# one-ulp noise, where the default path's figure is to stay unchanged).
+# leaves its items use: a decode-only run never builds `_general_item`. Each leaf calls its kernel by address
+# too (leaves[4] / leaves[6], the signature tag leaves[5] / leaves[7] checked first), for two reasons:
+# - the same bits whatever was compiled when. Linked into the leaf, the kernel's machine code depended on
+#   whether numba had just compiled it (its IR inlined into the leaf and optimised again) or loaded it from the
+#   disk cache: `int8kv eval --prompts 0 --no-fp8` gave INT8 13.105603 in a process that compiled the kernels
+#   and 13.059931 in the next one, which loaded them; called by address, 13.105603 in both (the outputs of
+#   docs/results/cpu_bits.py, compiled and loaded, are the same bits; docs/benchmarks.md "Kernel compile time");
+# - a window's key lows specialise the row leaf but not `_attend_row`, and each leaf specialisation no longer
+#   optimises the whole kernel again (five decode specialisations 25.5 -> 23.0 s of CPU, cold).
 @njit(fastmath=True, cache=True)
 def _row_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
               part_l, part_acc):
@@ -692,8 +698,10 @@ def _row_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, it
 def _general_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
                   part_l, part_acc):
     seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
-    _attend_item(q, sm, _cap_pair(cap), kc, ks, vc, vs, tables[seq], row0, nrows, lo, hi, limits, lows, m, denom,
-                 acc)
+    attend = (q, sm, cap, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, limits, lows, m, denom, acc)
+    if leaves[7] != tag_of(attend):
+        raise TypeError("_general_item: the kernel at this address was compiled for other argument types")
+    call_at(leaves[6], attend)
     _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split, m, denom, acc)
 
 
@@ -737,8 +745,9 @@ _ITEMS = Compiled(_run_items)
 _ROW_ITEM = Compiled(_row_item)
 _GENERAL_ITEM = Compiled(_general_item)
 _ATTEND_ROW = Compiled(_attend_row)
+_ATTEND_ITEM = Compiled(_attend_item)
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
-_NO_LEAVES = np.zeros(6, np.int64)  # `leaves` as the leaves are typed (its values are never read there)
+_NO_LEAVES = np.zeros(8, np.int64)  # `leaves` as the leaves are typed (its values are never read there)
 
 
 _CAPS: dict[float, np.ndarray] = {}  # softcap c -> float32 [c, 1 / c], read only by the kernels
@@ -762,17 +771,19 @@ def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np
     `_row_item` raise instead. numba's argument fingerprints took ~1 us a call."""
     leaves = found.get(key)
     if leaves is None:
-        q, q_scale, sm, cap, _, kc, ks, vc, vs, tables = args[:10]
+        q, q_scale, sm, cap, _, kc, ks, vc, vs, tables, _, limits, lows = args[:13]
         with_it = (INDEX, _NO_LEAVES, *args)
         # The item's state as `_item_state` makes it: m, denom [hkv, rows], acc [hkv, rows, d], float32.
         m, acc = np.empty((1, 1), np.float32), np.empty((1, 1, 1), np.float32)
-        row = general = attend_row = (0, 0)
+        row = general = attend_row = attend_item = (0, 0)
         if uses[0]:
             row = _ROW_ITEM.address(with_it)
             attend_row = _ATTEND_ROW.address((q, q_scale, sm, cap, kc, ks, vc, vs, tables, *[INDEX] * 4, m, m, acc))
         if uses[1]:
             general = _GENERAL_ITEM.address(with_it)
-        leaves = found[key] = np.array([*row, *general, *attend_row], np.int64)
+            attend_item = _ATTEND_ITEM.address((q, sm, cap, kc, ks, vc, vs, tables, *[INDEX] * 5, limits, lows, m, m,
+                                                acc))  # fmt: skip
+        leaves = found[key] = np.array([*row, *general, *attend_row, *attend_item], np.int64)
     return leaves
 
 
@@ -869,7 +880,7 @@ def _merge_states(part_m, part_l, part_acc, out, sinks):
 
 
 _MERGE = Compiled(_merge_states)
-_KERNEL = (_run_items, _row_item, _general_item, _attend_row, _merge_states)  # the dispatchers a call may compile
+_KERNEL = (_run_items, _row_item, _general_item, _attend_row, _attend_item, _merge_states)  # what a call compiles
 
 
 # -- host side ----------------------------------------------------------------------------------------------
