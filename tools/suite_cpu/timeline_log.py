@@ -1,0 +1,42 @@
+"""A pytest plugin that logs when each test ran, on which xdist worker, and its process CPU seconds, plus the
+session's milestones (configure, collection finished, session finish), one JSON line each to $TIMELINE_LOG:
+where the wall of a two-worker run goes (start-up, each worker's busy time, idle gaps, the tail).
+
+    TIMELINE_LOG=/tmp/timeline.jsonl PYTHONPATH=$PWD/tools/suite_cpu .venv/bin/python -m pytest -q -n 2 -p timeline_log
+"""
+
+import json, os, time
+import pytest
+
+PATH = os.environ.get("TIMELINE_LOG")
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = time.time(); cpu = time.process_time()
+    yield
+    if PATH:
+        with open(PATH, "a") as f:
+            f.write(json.dumps({"w": os.environ.get("PYTEST_XDIST_WORKER", "main"), "id": item.nodeid,
+                                "start": start, "end": time.time(), "cpu": time.process_time() - cpu}) + "\n")
+
+
+def _mark(what):
+    if PATH:
+        with open(PATH, "a") as f:
+            f.write(json.dumps({"w": os.environ.get("PYTEST_XDIST_WORKER", "main"), "mark": what, "t": time.time()}) + "\n")
+
+
+def pytest_configure(config):
+    _mark("configure")
+
+
+def pytest_collection_finish(session):
+    _mark("collected")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _mark("sessionfinish")
+
+
+def pytest_unconfigure(config):
+    _mark("unconfigure")
