@@ -5,38 +5,35 @@ where the wall of a two-worker run goes (start-up, each worker's busy time, idle
     TIMELINE_LOG=/tmp/timeline.jsonl PYTHONPATH=$PWD/tools/suite_cpu .venv/bin/python -m pytest -q -n 2 -p timeline_log
 """
 
-import json, os, time
+import json
+import os
+import time
+
 import pytest
 
 PATH = os.environ.get("TIMELINE_LOG")
 
+
+def _write(line: dict) -> None:
+    if PATH:
+        with open(PATH, "a") as f:
+            f.write(json.dumps({"w": os.environ.get("PYTEST_XDIST_WORKER", "main"), **line}) + "\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    start = time.time(); cpu = time.process_time()
+    start, cpu = time.time(), time.process_time()
     yield
-    if PATH:
-        with open(PATH, "a") as f:
-            f.write(json.dumps({"w": os.environ.get("PYTEST_XDIST_WORKER", "main"), "id": item.nodeid,
-                                "start": start, "end": time.time(), "cpu": time.process_time() - cpu}) + "\n")
-
-
-def _mark(what):
-    if PATH:
-        with open(PATH, "a") as f:
-            f.write(json.dumps({"w": os.environ.get("PYTEST_XDIST_WORKER", "main"), "mark": what, "t": time.time()}) + "\n")
+    _write({"id": item.nodeid, "start": start, "end": time.time(), "cpu": time.process_time() - cpu})
 
 
 def pytest_configure(config):
-    _mark("configure")
+    _write({"mark": "configure", "t": time.time()})
 
 
 def pytest_collection_finish(session):
-    _mark("collected")
+    _write({"mark": "collected", "t": time.time()})
 
 
 def pytest_sessionfinish(session, exitstatus):
-    _mark("sessionfinish")
-
-
-def pytest_unconfigure(config):
-    _mark("unconfigure")
+    _write({"mark": "sessionfinish", "t": time.time()})
