@@ -718,9 +718,10 @@ def _run_items(first, last, merge, splits, leaves, q, q_scale, sm, cap, sinks, k
                lows, out, part_m, part_l, part_acc):
     """Work items first..last - 1, each through its leaf (`_row_item` if it has one row and leaves[0] is set,
     else `_general_item`), then, with `merge` and splits > 1, the merge of the split states in part_*
-    (`_merge_states`). ``leaves`` int64 [6]: (row leaf address, its signature tag, general leaf address, its
-    tag, then those of the row leaf's kernel `_attend_row`), 0 for what the call does not use (`_leaves`); a tag
-    that does not match the arguments' types raises TypeError before any item runs. A serial call runs this from
+    (`_merge_states`). ``leaves`` int64 [8]: (row leaf address, its signature tag, general leaf address, its
+    tag, then the same for the kernels they call, `_attend_row` and `_attend_item`), 0 for what the call does not
+    use (`_leaves`); a leaf's tag that does not match the arguments' types raises TypeError before any item runs,
+    a kernel's before the leaf calls it. A serial call runs this from
     Python; a parallel one through `calls.fan_out` (merge False; the merge follows on the calling thread). Worker w
     of a parallel call runs items lists[w]..lists[w + 1] (`_assign_items`): numba's dynamic schedule
     (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134
@@ -747,7 +748,7 @@ _GENERAL_ITEM = Compiled(_general_item)
 _ATTEND_ROW = Compiled(_attend_row)
 _ATTEND_ITEM = Compiled(_attend_item)
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
-_NO_LEAVES = np.zeros(8, np.int64)  # `leaves` as the leaves are typed (its values are never read there)
+_NO_LEAVES = np.zeros(8, np.int64)  # a `leaves` array for typing the leaves' signatures (`_leaves`): values unused
 
 
 _CAPS: dict[float, np.ndarray] = {}  # softcap c -> float32 [c, 1 / c], read only by the kernels
@@ -764,11 +765,11 @@ def _cap_array(softcap: float) -> np.ndarray:
 def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np.ndarray:
     """`_run_items`' ``leaves`` for the arguments ``args`` (all of `_run_items`' from q on): the address and
     signature tag of `_row_item` and of `_general_item` where ``uses`` says the call's items need them (compiled
-    or loaded on first use), else 0, then those of `_attend_row` for the argument types the row leaf passes it.
-    Kept in the plan's work (``found``) under ``key``, (the pool's format, whether a softcap is set): with the query
-    path and the tables (the work's own), those fix every argument's type (q is float32 and contiguous, sinks
-    float32, the rest made by `_work` and `_run`); should one differ, the tag checks in `_run_items` and
-    `_row_item` raise instead. numba's argument fingerprints took ~1 us a call."""
+    or loaded on first use), else 0, then those of the kernel each calls (`_attend_row`, `_attend_item`) for the
+    argument types the leaf passes it. Kept in the plan's work (``found``) under ``key``, (the pool's format,
+    whether a softcap is set): with the query path and the tables (the work's own), those fix every argument's
+    type (q is float32 and contiguous, sinks float32, the rest made by `_work` and `_run`); should one differ, the
+    tag checks in `_run_items` and the leaves raise instead. numba's argument fingerprints took ~1 us a call."""
     leaves = found.get(key)
     if leaves is None:
         q, q_scale, sm, cap, _, kc, ks, vc, vs, tables, _, limits, lows = args[:13]
@@ -1090,11 +1091,11 @@ def _int16_rows(head_dim: int) -> bool:
 
 def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
     """How the call multiplies q and k: "int16" (decode rows quantized in the kernel) or "exact" (float32):
-    integers need INT8 keys, and the int16 path quantizes decode
-    steps only (a prefill under it runs exact), of a head_dim the integer kernels take on this CPU (else exact
-    too). Decided here, so such a call runs the exact kernel itself: an int16 specialisation whose rows all
-    fell back to the float32 branch inside it was another compiled function, and its results matched the exact
-    kernel's bit for bit only when both came from one compile (a fresh clone's suite once saw them differ)."""
+    integers need INT8 keys, and the int16 path quantizes decode steps only (a prefill under it runs exact), of a
+    head_dim the integer kernels take on this CPU (else exact too). Decided here, so such a call runs the exact
+    kernel itself: an int16 specialisation whose rows all fell back to the float32 branch inside it was another
+    compiled function, and its results matched the exact kernel's bit for bit only when both came from one
+    compile (a fresh clone's suite once saw them differ)."""
     if not int8_codes(pool.format) or (
         plan.precision == "int16" and not (plan.is_decode and _int16_rows(pool.head_dim))
     ):
