@@ -276,6 +276,45 @@ def test_thread_choice_follows_a_change_of_cost_within_a_size():
     assert all(modes[-10:])
 
 
+def _drive(choice, work: int, cost: dict, calls: int) -> list[bool]:
+    """``calls`` calls of one size through ``choice``, each mode costing ``cost[mode]`` seconds, recorded when
+    the choice asks for a measurement: the modes it ran."""
+    modes = []
+    for _ in range(calls):
+        mode = choice.parallel(work, 2)
+        modes.append(mode)
+        if choice.timed:
+            choice.record(mode, work, 2, cost[mode])
+    return modes
+
+
+def test_thread_choice_survives_a_delayed_call():
+    """One call the OS held up for milliseconds (a thousand times the usual) must not hand a size group to the
+    slower mode: it moves the chosen mode's estimate by at most DECAY x (CLIP - 1), and two threads stay chosen
+    where they are 1.5x faster. Taken at face value, the same sample made the estimate 250x too high."""
+    choice = cpu.ThreadChoice()
+    work = 10**6
+    cost = {False: 1.5e-3, True: 1e-3}
+    _drive(choice, work, cost, 8)
+    key = (True, choice.group(work))
+    before = choice.rate[key]
+    assert choice.parallel(work, 2) is True
+    choice.record(True, work, 2, 1.0)  # the delayed call
+    assert choice.rate[key] <= before * (1 + choice.DECAY * (choice.CLIP - 1)) * (1 + 1e-12)
+    assert sum(_drive(choice, work, cost, 200)) >= 190  # two threads throughout, bar the re-measuring of one
+
+
+def test_thread_choice_follows_a_sustained_rise():
+    """Clipping bounds each sample, not a change that lasts: the chosen mode slowing down 10x for good hands
+    the group to the other one within a few of its measured calls."""
+    choice = cpu.ThreadChoice()
+    choice.EXPLORE = 8
+    work = 10**6
+    _drive(choice, work, {False: 1.5e-3, True: 1e-3}, 8)
+    modes = _drive(choice, work, {False: 1.5e-3, True: 1e-2}, 200)  # two threads now wait on every call
+    assert sum(modes[-100:]) <= 3  # one thread, bar a re-measuring call
+
+
 def test_thread_choice_ignores_calls_that_compiled():
     """A call that compiled a kernel (seconds=None) teaches nothing: one 0.2 s compile taken as a measurement
     once made every later call parallel."""

@@ -138,6 +138,29 @@ def _scale_of(scales, block_id, offset, h):
     return scales[block_id, offset, h]
 
 
+def _scales16(scales, block_id, offset, h, dst, doff):  # typed by the overload below
+    """dst[doff + j] = the scale of row offset + j of block block_id, head h, for j < 16: INT8's own (one
+    `cpu_simd.gather16`), or 1 for F16 (no scales)."""
+    raise NotImplementedError
+
+
+@overload(_scales16, inline="always")
+def _scales16_impl(scales, block_id, offset, h, dst, doff):
+    if isinstance(scales, types.NoneType):
+
+        def ones(scales, block_id, offset, h, dst, doff):
+            dst[doff : doff + cpu_simd.LANES] = np.float32(1.0)
+
+        return ones
+
+    def gather(scales, block_id, offset, h, dst, doff):
+        size = scales.itemsize
+        first = (block_id * scales.strides[0] + offset * scales.strides[1] + h * scales.strides[2]) // size
+        cpu_simd.gather16(scales, first, scales.strides[1] // size, dst, doff)
+
+    return gather
+
+
 @njit(fastmath=True, inline="always")
 def _load_tile(codes, scales, table, p0, nt, dst, dst_scale):
     """Positions [p0, p0 + nt) of every head -> dst[h, t] (float32) and dst_scale[h, t] (1 for F16), reading
@@ -316,18 +339,50 @@ def _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc, cap):
         x = _capped(s[t] * (k_scale[t] * q_scale), cap)
         s[t] = x
         mx = max(mx, x)
-    alpha = _exp_nonpos(m[r] - mx)
     total = np.float32(0.0)
     for t in range(nt):
         e = _exp_nonpos(s[t] - mx)
         s[t] = e
         total += e
+    _move_max(r, mx, total, m, denom, acc)
+
+
+@njit(fastmath=True, inline="always")
+def _move_max(r, mx, total, m, denom, acc):
+    """Row r's running state takes a tile whose weights sum to `total` relative to the new max `mx`: the sum so
+    far and the accumulator are rescaled by e^(m[r] - mx) (skipped when the max did not move)."""
+    alpha = _exp_nonpos(m[r] - mx)
     denom[r] = denom[r] * alpha + total
     m[r] = mx
     if alpha != np.float32(1.0):
         a = acc[r]
         for i in range(a.shape[0]):
             a[i] *= alpha
+
+
+def _tile_weights(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):  # typed by the overload below
+    """`_softmax_step` for row r, then s[t] *= v_scale[t] (p_t * s_v,t: the value scales folded into the weights):
+    the decode row kernel's softmax. Without a softcap through `cpu_simd.logits16` / `weights16` (16 lanes a
+    vector; the same weights bit for bit, the tile's sum of weights in another order), with one as before."""
+    raise NotImplementedError
+
+
+@overload(_tile_weights, inline="always")
+def _tile_weights_impl(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):
+    if isinstance(cap, types.NoneType):
+
+        def vectors(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):
+            mx = cpu_simd.logits16(s, 0, nt, k_scale, 0, q_scale, m[r])
+            _move_max(r, mx, cpu_simd.weights16(s, 0, nt, mx, v_scale, 0), m, denom, acc)
+
+        return vectors
+
+    def loops(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):
+        _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc, cap)
+        for j in range(nt):
+            s[j] *= v_scale[j]
+
+    return loops
 
 
 def _row_low(lows, row, lo):  # typed by the overload below: the first key row `row` of an item sees
@@ -561,6 +616,8 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
     sflat = s.reshape(-1)
     k_scale = np.empty((hkv, TILE), np.float32)
     v_scale = np.empty((hkv, TILE), np.float32)
+    k_scale_flat = k_scale.reshape(-1)
+    v_scale_flat = v_scale.reshape(-1)
     kbuf = np.empty(cpu_simd.LANES * d, qflat.dtype)  # the 16 keys as q's type: float32, or int16 for codes
     m[:] = NEG
     denom[:] = 0.0
@@ -577,14 +634,12 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
         while t < nt:  # scores of the tile, and both scales
             block_id, offset, run, following, count = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, kflat,
                                                                  block_elems, spread)
-            for j in range(run):
-                for h in range(hkv):
-                    k_scale[h, t + j] = _scale_of(ks, block_id, offset + j, h)
-                    v_scale[h, t + j] = _scale_of(vs, block_id, offset + j, h)
             if run >= lanes:
                 run = lanes
                 base = (block_id * bs + offset) * row_stride
                 for h in range(hkv):
+                    _scales16(ks, block_id, offset, h, k_scale_flat, h * TILE + t)
+                    _scales16(vs, block_id, offset, h, v_scale_flat, h * TILE + t)
                     if following >= 0:
                         cpu_simd.prefetch(kflat, following + h * (count // hkv), count // hkv)
                     _scores16(qflat, h * g * d, kflat, base + h * d, row_stride, sflat, h * g * TILE + t,
@@ -592,6 +647,8 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
             else:
                 for j in range(run):
                     for h in range(hkv):
+                        k_scale[h, t + j] = _scale_of(ks, block_id, offset + j, h)
+                        v_scale[h, t + j] = _scale_of(vs, block_id, offset + j, h)
                         krow = kc[block_id, offset + j, h]
                         for r in range(g):
                             head = (h * g + r) * d
@@ -599,11 +656,7 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
             t += run
         for h in range(hkv):
             for r in range(g):
-                _softmax_step(s[h, r], k_scale[h], q_logit[h * g + r], nt, r, m[h], denom[h], acc[h], cap)
-                w = s[h, r]
-                vsc = v_scale[h]
-                for j in range(nt):  # p_t * s_v,t: the value scales folded into the weights
-                    w[j] *= vsc[j]
+                _tile_weights(s[h, r], k_scale[h], v_scale[h], q_logit[h * g + r], nt, r, m[h], denom[h], acc[h], cap)
         t = 0
         while t < nt:  # p . v
             block_id, offset, run, following, count = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, vflat,
@@ -998,6 +1051,12 @@ class ThreadChoice:
     where the next took 78); a mode not chosen is re-measured after `EXPLORE` calls of its group, and each time it still
     loses the wait doubles (up to `MAX_EXPLORE`), so a change in load is noticed without paying a losing mode
     often (with 7 busy processes on 2 cores, waking the second thread took 26-80 ms; idle, ~2 us).
+    A measurement counts for at most `CLIP` times the mode's estimate: the OS delays a single call by
+    milliseconds now and then, and taken at face value one such call made the two-thread mode look 2-10x
+    slower than it is; with the doubling waits a call kind then stayed on one thread for thousands of calls
+    (F16, SmolLM2's shape, 2,048 keys: 121 us a call where two threads take 72). Clipped, one delayed call
+    moves the estimate by at most 25 %, and a real rise still shows within a few measurements (a doubling
+    counts in full).
     Why by size, measured: one model for all sizes (seconds per unit on one thread, plus a fixed cost of
     waking the pool fitted on the parallel calls) took the higher per-unit cost of keys read from DRAM, as the
     context grew, for a wake-up cost of milliseconds, and kept batch 1 x 7,000 keys at 32 / 8 heads on one
@@ -1008,6 +1067,7 @@ class ThreadChoice:
     FIRST = 2  # measurements of each mode before the estimates decide
     MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (recording one costs ~1 us)
     DECAY = 0.25  # weight of the newest measurement in the running estimates
+    CLIP = 2.0  # a measurement counts for at most this many times the estimate it updates
 
     def __init__(self) -> None:
         self.rate: dict[tuple[bool, int], float] = {}  # (parallel, size group) -> seconds per unit
@@ -1057,7 +1117,7 @@ class ThreadChoice:
         if old is None or count <= self.FIRST:
             self.rate[key] = unit if old is None else min(old, unit)
         else:
-            self.rate[key] = old + self.DECAY * (unit - old)
+            self.rate[key] = old + self.DECAY * (min(unit, self.CLIP * old) - old)
         other = (not parallel, g)
         if exploring is not None and other in self.rate:  # a re-measured mode: wait longer if it still loses
             lost = self.rate[key] > self.rate[other]

@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from .cpu_simd import LANES
+from .cpu_simd import LANES, strided_lanes
 
 __all__ = ["expsum16", "fold", "max16", "unpack16", "weights16", "widen16"]
 
@@ -253,11 +253,7 @@ def widen16(typingctx, bits, off, stride, out, ooff):
         b_arr, bo, bs, o_arr, oo = args
         bp = _base(context, builder, signature.args[0], b_arr)
         op = _base(context, builder, signature.args[3], o_arr)
-        vec = ir.Constant(_BITS, ir.Undefined)
-        at = bo
-        for t in range(LANES):
-            vec = builder.insert_element(vec, builder.load(builder.gep(bp, [at])), ir.Constant(ir.IntType(32), t))
-            at = builder.add(at, bs)
+        vec = strided_lanes(builder, bp, bo, bs, _BITS)
         builder.store(_widen(builder, vec), _at(builder, op, oo, _VEC), align=4)
         return context.get_dummy_value()
 

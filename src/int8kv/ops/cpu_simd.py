@@ -62,7 +62,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 __all__ = [
-    "DOT", "DOTS", "LANES", "QK16I", "dot_for", "dots_for", "fits", "int_fits", "prefetch", "pv16", "qk16", "qk16i",
+    "DOT", "DOTS", "LANES", "QK16I", "dot_for", "dots_for", "fits", "gather16", "int_fits", "logits16", "prefetch",
+    "pv16", "qk16", "qk16i", "strided_lanes", "weights16",
 ]
 
 LANES = 16  # keys per call and float32 lanes per vector
@@ -134,11 +135,13 @@ def _store_f32(builder, value, base, offset):
     builder.store(value, ptr, align=4)
 
 
-def _reduce(builder, vecs: list, add) -> ir.Value:
+def _reduce(builder, vecs: list, add, width: int | None = None) -> ir.Value:
     """n vectors of n lanes -> one vector whose lane t is the sum of vecs[t]'s lanes (`add(builder, a, b)` adds
     two vectors). Each level pairs neighbours and halves the lanes each one still spreads over: 16 lanes -> 8
-    -> 4 -> 2 -> 1, keeping token order."""
-    n = width = len(vecs)
+    -> 4 -> 2 -> 1, keeping token order. With ``width`` (< n), each vector already holds n / width tokens in
+    turn, `width` lanes each (vector i: tokens i * n / width onwards), and the levels start from there."""
+    n = len(vecs) if width is None else vecs[0].type.count
+    width = n if width is None else width
     while len(vecs) > 1:
         half = width // 2
         groups = n // width  # tokens already packed per vector, each over `width` lanes
@@ -306,6 +309,11 @@ def _make_qk16i(kind: str):
     pair_ty = ir.VectorType(i16, width)
     acc_ty = ir.VectorType(_I32, lanes)
     step = _dot_step(kind)
+    # 512 bits: two keys share a vector (16 channels each), so each row's 16 sums take 8 accumulators and the
+    # reduction starts one level down (21 shuffles and adds instead of 45 per row). One thread, Zen 4, 16 keys
+    # x 3 rows x 64 channels called over 2,048 keys hot in cache: 3.81 against 4.16 ns per (key, KV head); at 4
+    # rows x 128: 8.21 against 8.58. On 256 bits the pairs would take twice the stores to build, for less.
+    paired = kind == "vnni512"
 
     def iadd(builder, a, b):
         return builder.add(a, b)
@@ -329,34 +337,56 @@ def _make_qk16i(kind: str):
             def vec(base, offset, ty):
                 return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
 
-            with cgutils.for_range(builder, chunks) as chunk:  # the 16 keys sign-extended to int16, once
-                col = builder.mul(chunk.index, ir.Constant(i64, width))
-                key = builder.add(ko, col)
-                at = col
-                for _ in range(LANES):
-                    raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width)), align=1)
-                    builder.store(builder.sext(raw, pair_ty), vec(bp, at, pair_ty), align=2)
-                    key = builder.add(key, ks)
-                    at = builder.add(at, d)
-            slots = [cgutils.alloca_once(builder, acc_ty) for _ in range(LANES)]
+            if paired:  # keys 2p and 2p + 1 side by side, 16 channels each: buf[p * 2d + 32c + 16(t % 2) + i]
+                half_ty = ir.VectorType(i16, width // 2)
+                with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, width // 2))) as chunk:
+                    col = builder.mul(chunk.index, ir.Constant(i64, width // 2))
+                    key = builder.add(ko, col)
+                    for t in range(LANES):
+                        raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width // 2)), align=1)
+                        at = builder.add(builder.add(builder.mul(ir.Constant(i64, 2 * (t // 2)), d),
+                                                     builder.add(col, col)), ir.Constant(i64, (t % 2) * width // 2))
+                        builder.store(builder.sext(raw, half_ty), vec(bp, at, half_ty), align=2)
+                        key = builder.add(key, ks)
+            else:
+                with cgutils.for_range(builder, chunks) as chunk:  # the 16 keys sign-extended to int16, once
+                    col = builder.mul(chunk.index, ir.Constant(i64, width))
+                    key = builder.add(ko, col)
+                    at = col
+                    for _ in range(LANES):
+                        raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width)), align=1)
+                        builder.store(builder.sext(raw, pair_ty), vec(bp, at, pair_ty), align=2)
+                        key = builder.add(key, ks)
+                        at = builder.add(at, d)
+            accumulators = LANES // 2 if paired else LANES
+            slots = [cgutils.alloca_once(builder, acc_ty) for _ in range(accumulators)]
             zero = ir.Constant(acc_ty, None)
             with cgutils.for_range(builder, nrows) as row:
                 for slot in slots:
                     builder.store(zero, slot)
                 qrow = builder.add(qo, builder.mul(row.index, d))
-                with cgutils.for_range(builder, chunks) as chunk:
-                    col = builder.mul(chunk.index, ir.Constant(i64, width))
-                    qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
-                    at = col
+                step_cols = width // 2 if paired else width  # q channels per instruction
+                with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, step_cols))) as chunk:
+                    col = builder.mul(chunk.index, ir.Constant(i64, step_cols))
+                    if paired:  # the 16 channels twice, against both keys of a pair
+                        q16 = builder.load(vec(qp, builder.add(qrow, col), half_ty), align=2)
+                        qv = builder.shuffle_vector(q16, q16, _mask(list(range(width // 2)) * 2))
+                        at, skip = builder.add(col, col), builder.add(d, d)
+                    else:
+                        qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
+                        at, skip = col, d
                     for slot in slots:
                         kv = builder.load(vec(bp, at, pair_ty), align=2)
                         builder.store(step(builder, builder.load(slot), qv, kv), slot)
-                        at = builder.add(at, d)
+                        at = builder.add(at, skip)
                 sums = [builder.load(slot) for slot in slots]
-                # lanes x lanes at a time: 16 sums of one key group per tree (512 bits), or two trees of 8 (256)
-                parts = [_reduce(builder, sums[i : i + lanes], iadd) for i in range(0, LANES, lanes)]
-                total = parts[0] if len(parts) == 1 else builder.shuffle_vector(parts[0], parts[1],
-                                                                                _mask(list(range(LANES))))
+                if paired:  # 8 vectors of two keys' 8 lanes: the tree's first level is already done
+                    total = _reduce(builder, sums, iadd, width=lanes // 2)
+                else:
+                    # lanes x lanes at a time: two trees of 8 (256 bits)
+                    parts = [_reduce(builder, sums[i : i + lanes], iadd) for i in range(0, LANES, lanes)]
+                    total = parts[0] if len(parts) == 1 else builder.shuffle_vector(parts[0], parts[1],
+                                                                                    _mask(list(range(LANES))))
                 _store_f32(builder, builder.sitofp(total, _VEC), op, builder.add(oo, builder.mul(row.index, os_)))
             return context.get_dummy_value()
 
@@ -469,6 +499,171 @@ def prefetch(typingctx, array, offset, count):
             where = builder.gep(first, [builder.mul(line.index, ir.Constant(start.type, _LINE))])
             # read, keep in all cache levels, data cache
             builder.call(fn, [where, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# -- the online softmax of one query row over a tile of scores ------------------------------------------------
+# The decode row kernel's softmax, 16 scores a vector. Written in numba loops (`cpu._softmax_step` plus the fold
+# of the value scales) it took 1.5 ns per (key, query row) at 64 keys (one thread, Zen 4): LLVM vectorised the
+# loops but each row paid their remainders, two horizontal reductions and the exp polynomial in scalar for alpha.
+# These take ~0.5 (docs/benchmarks.md, "The decode softmax in vectors").
+_NEG = -1e30  # `cpu.NEG`: the finite "minus infinity" of the kernels
+_EXP_LOW = -87.0  # exp's argument clamp: keeps 2**n a normal float32
+
+
+def _splat(builder, value, ty=_VEC):
+    undef = ir.Constant(ty, ir.Undefined)
+    return builder.shuffle_vector(builder.insert_element(undef, value, ir.Constant(_I32, 0)), undef,
+                                  _mask([0] * ty.count))
+
+
+def _lanes_below(builder, first, n):
+    """<16 x i1>: lane j is first + j < n (int64 scalars)."""
+    i32v = ir.VectorType(_I32, LANES)
+    index = builder.add(_splat(builder, builder.trunc(first, _I32), i32v), _mask(list(range(LANES))))
+    return builder.icmp_signed("<", index, _splat(builder, builder.trunc(n, _I32), i32v))
+
+
+def _fmax(builder, a, b):
+    return builder.select(builder.fcmp_ordered(">", a, b, flags=_FAST), a, b)
+
+
+def _hreduce(builder, vec, op):
+    """One float32: `op` of a vector's 16 lanes, halving the width each step."""
+    width = LANES
+    while width > 1:
+        width //= 2
+        high = builder.shuffle_vector(vec, vec, _mask([width + i for i in range(width)] + list(range(width, LANES))))
+        vec = op(builder, vec, high)
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+def _exp_nonpos_vec(builder, x):
+    """`cpu._exp_nonpos` on 16 lanes: the same operations with the same fast-math flags, which LLVM folds as it
+    folds them in `cpu._softmax_step`'s vectorised loop: the same weights bit for bit (tests/test_ops_cpu_softmax.py
+    checks it; a scalar call of `_exp_nonpos`, folded otherwise, can differ by an ulp)."""
+    def const(value):
+        return _splat(builder, ir.Constant(_F32, float(_f32(value))))
+
+    def fmul(a, b):
+        return builder.fmul(a, b, flags=_FAST)
+
+    def fadd(a, b):
+        return builder.fadd(a, b, flags=_FAST)
+
+    x = _fmax(builder, x, const(_EXP_LOW))
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC]), "llvm.floor.v16f32")
+    n = builder.call(floor, [fadd(fmul(x, const(1.4426950408889634)), const(0.5))])
+    r = builder.fsub(builder.fsub(x, fmul(n, const(0.693359375)), flags=_FAST), fmul(n, const(-2.12194440e-4)),
+                     flags=_FAST)
+    p = const(1.0 / 5040.0)
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = fadd(fmul(p, r), const(c))
+    i32v = ir.VectorType(_I32, LANES)
+    exponent = builder.shl(builder.add(builder.fptosi(n, i32v), _splat(builder, ir.Constant(_I32, 127), i32v)),
+                           _splat(builder, ir.Constant(_I32, 23), i32v))
+    return fmul(p, builder.bitcast(exponent, _VEC))
+
+
+def _f32(value: float) -> float:
+    import numpy as np
+
+    return float(np.float32(value))
+
+
+def _check_f32(*arrays):
+    for arr in arrays:
+        if not isinstance(arr, types.Array) or arr.dtype != types.float32:
+            raise TypingError("scores and scales must be float32 arrays")
+
+
+@intrinsic
+def logits16(typingctx, s, soff, n, kscale, koff, qscale, floor):
+    """s[soff + t] = s[soff + t] * (kscale[koff + t] * qscale) for t < n, and s[soff + t] = NEG for n <= t < the
+    next multiple of 16; returns max(floor, those logits). Reads and writes up to that multiple of 16 (callers'
+    buffers hold it). s, kscale: float32 flat; soff, n, koff: int64; qscale, floor: float32. The logits are
+    `cpu._softmax_step`'s bit for bit (no softcap)."""
+    _check_f32(s, kscale)
+    sig = types.float32(s, soff, n, kscale, koff, qscale, floor)
+
+    def codegen(context, builder, signature, args):
+        s_arr, so, count, k_arr, ko, qs, lowest = args
+        sp = _data(context, builder, signature.args[0], s_arr)
+        kp = _data(context, builder, signature.args[3], k_arr)
+        i64 = so.type
+        vectors = builder.sdiv(builder.add(count, ir.Constant(i64, LANES - 1)), ir.Constant(i64, LANES))
+        qv = _splat(builder, qs)
+        best = cgutils.alloca_once_value(builder, _splat(builder, lowest))
+        with cgutils.for_range(builder, vectors) as vec:
+            first = builder.mul(vec.index, ir.Constant(i64, LANES))
+            x = builder.fmul(_load_f32(builder, sp, builder.add(so, first)),
+                             builder.fmul(_load_f32(builder, kp, builder.add(ko, first)), qv, flags=_FAST),
+                             flags=_FAST)
+            x = builder.select(_lanes_below(builder, first, count), x, _splat(builder, ir.Constant(_F32, _NEG)))
+            _store_f32(builder, x, sp, builder.add(so, first))
+            builder.store(_fmax(builder, builder.load(best), x), best)
+        return _hreduce(builder, builder.load(best), _fmax)
+
+    return sig, codegen
+
+
+@intrinsic
+def weights16(typingctx, s, soff, n, mx, vscale, voff):
+    """e_t = exp(s[soff + t] - mx) for t < n (`cpu._exp_nonpos`'s bits), stored as s[soff + t] = e_t *
+    vscale[voff + t] (the value scales folded into the weights); returns sum_t e_t (summed in 16 lanes, then
+    halves). Writes up to the next multiple of 16 (those lanes' weights are 0). s, vscale: float32 flat; soff, n,
+    voff: int64; mx: float32, at least every s[soff + t]."""
+    _check_f32(s, vscale)
+    sig = types.float32(s, soff, n, mx, vscale, voff)
+
+    def codegen(context, builder, signature, args):
+        s_arr, so, count, top, v_arr, vo = args
+        sp = _data(context, builder, signature.args[0], s_arr)
+        vp = _data(context, builder, signature.args[4], v_arr)
+        i64 = so.type
+        vectors = builder.sdiv(builder.add(count, ir.Constant(i64, LANES - 1)), ir.Constant(i64, LANES))
+        mv = _splat(builder, top)
+        zero = ir.Constant(_VEC, None)
+        total = cgutils.alloca_once_value(builder, zero)
+        with cgutils.for_range(builder, vectors) as vec:
+            first = builder.mul(vec.index, ir.Constant(i64, LANES))
+            e = _exp_nonpos_vec(builder, builder.fsub(_load_f32(builder, sp, builder.add(so, first)), mv, flags=_FAST))
+            e = builder.select(_lanes_below(builder, first, count), e, zero)
+            builder.store(_fadd(builder, builder.load(total), e), total)
+            _store_f32(builder, builder.fmul(e, _load_f32(builder, vp, builder.add(vo, first)), flags=_FAST), sp,
+                       builder.add(so, first))
+        return _hreduce(builder, builder.load(total), _fadd)
+
+    return sig, codegen
+
+
+def strided_lanes(builder, base, start, step, vector_type):
+    """A vector of ``vector_type``'s lane count loaded one element at a time from base[start + j * step] (LLVM
+    values: a pointer, two int64 offsets in elements)."""
+    vec = ir.Constant(vector_type, ir.Undefined)
+    at = start
+    for j in range(vector_type.count):
+        vec = builder.insert_element(vec, builder.load(builder.gep(base, [at])), ir.Constant(_I32, j))
+        at = builder.add(at, step)
+    return vec
+
+
+@intrinsic
+def gather16(typingctx, src, first, stride, dst, doff):
+    """dst[doff + j] = src.flat[first + j * stride] for j < 16 (element offsets into src's buffer, whatever its
+    shape: the caller computes them from src's strides): a block's 16 per-token scales of one head, which sit a
+    row of heads apart, as one vector for `logits16` / `weights16`. 16 scalar loads and one vector store, where a
+    numba loop stored each value on its own. src, dst: float32 arrays; first, stride, doff: int64."""
+    _check_f32(src, dst)
+    sig = types.void(src, first, stride, dst, doff)
+
+    def codegen(context, builder, signature, args):
+        src_arr, start, step, dst_arr, do = args
+        sp = _data(context, builder, signature.args[0], src_arr)
+        dp = _data(context, builder, signature.args[3], dst_arr)
+        _store_f32(builder, strided_lanes(builder, sp, start, step, _VEC), dp, do)
         return context.get_dummy_value()
 
     return sig, codegen
