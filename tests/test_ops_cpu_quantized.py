@@ -406,8 +406,8 @@ def test_int16_query_on_the_variants_this_cpu_would_not_choose(kind):
     code = (
         "import test_ops_cpu_quantized as t\n"
         f"assert t.cpu.cpu_simd.DOT == {kind!r}, t.cpu.cpu_simd.DOT\n"
-        "t.test_decode_quantized_query_matches_reference_within_bound('int16', 16, 64, 3)\n"
-        "t.test_decode_quantized_query_matches_reference_within_bound('int16', 32, 128, 8)\n"
+        "t.test_decode_quantized_query_matches_reference_within_bound(16, 64, 3)\n"
+        "t.test_decode_quantized_query_matches_reference_within_bound(32, 128, 8)\n"
         "t.test_int16_query_falls_back_to_exact_where_the_integer_kernel_does_not_fit(48)\n"
     )  # one compiled kernel (the int16 path's types) serves all three
     done = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
