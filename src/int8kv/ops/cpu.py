@@ -15,7 +15,6 @@ K/V tile at a time (`_flash_prefill`): there its blocked matmuls beat this kerne
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 
@@ -958,46 +957,77 @@ def _layer_arrays(pool: KvPool, layer: int) -> tuple:
     return arrays
 
 
+@njit(cache=True)
 def _num_splits(sequences: int, longest: int, threads: int) -> int:
     """Key ranges per sequence so that about two work items exist per thread (the fixed assignment can then
     even out a few long sequences), but none shorter than MIN_SPLIT_KEYS."""
-    want = math.ceil(2 * threads / max(sequences, 1))
+    want = (2 * threads + max(sequences, 1) - 1) // max(sequences, 1)
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
 
+# `_assign_items` and `_decode_items` are compiled: a decode step plans its items every step (the lengths grow),
+# and the same work in numpy, ~20 calls on arrays of a few elements, took 0.3-1 ms a step inside SmolLM2's
+# decode (its caches cold after each step's weights; 94 us in a loop), more than the whole gap between the
+# transformers drop-in and DynamicCache at 512 tokens.
+@njit(cache=True)
 def _assign_items(items: np.ndarray, row_limits: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Items regrouped by worker, longest first to the least loaded (greedy LPT: within 4/3 of the best split),
     ``(items, lists, pairs)``: worker w runs items lists[w]..lists[w + 1]; pairs is the total (query row, key)
     pairs, an upper bound of the work. A fixed assignment replaces numba's dynamic schedule, whose
     `parallel_chunksize` context cost 2.5 us per call."""
-    last_row = items[:, 1] + np.maximum(items[:, 2], 1) - 1
-    ends = np.minimum(row_limits[np.minimum(last_row, len(row_limits) - 1)], items[:, 4])
-    cost = np.maximum(ends - items[:, 3], 0) * items[:, 2]
-    order = np.argsort(-cost, kind="stable")
-    load = [0] * workers
-    owner = np.empty(len(items), np.int64)
+    n = items.shape[0]
+    cost = np.empty(n, np.int64)
+    pairs = 0
+    for i in range(n):
+        last_row = min(items[i, 1] + max(items[i, 2], 1) - 1, row_limits.shape[0] - 1)
+        cost[i] = max(min(row_limits[last_row], items[i, 4]) - items[i, 3], 0) * items[i, 2]
+        pairs += cost[i]
+    order = np.argsort(-cost, kind="mergesort")  # stable: equal items keep their order
+    load = np.zeros(workers, np.int64)
+    owner = np.empty(n, np.int64)
     for i in order:
-        w = min(range(workers), key=load.__getitem__)
+        w = 0
+        for j in range(1, workers):
+            if load[j] < load[w]:
+                w = j
         owner[i] = w
-        load[w] += int(cost[i]) + 1
-    grouped = np.lexsort((np.argsort(order, kind="stable"), owner))  # by worker, longest first within one
+        load[w] += cost[i] + 1
+    grouped = np.empty_like(items)
     lists = np.zeros(workers + 1, np.int64)
-    np.cumsum(np.bincount(owner, minlength=workers), out=lists[1:])
-    return np.ascontiguousarray(items[grouped]), lists, int(cost.sum())
+    k = 0
+    for w in range(workers):  # by worker, longest first within one
+        for i in order:
+            if owner[i] == w:
+                grouped[k] = items[i]
+                k += 1
+        lists[w + 1] = k
+    return grouped, lists, pairs
 
 
+@njit(cache=True)
 def _decode_items(lens: np.ndarray, starts: np.ndarray, threads: int) -> tuple[np.ndarray, int]:
-    batch = len(lens)
-    span = np.maximum(lens - starts, 0)
-    splits = _num_splits(batch, int(span.max(initial=0)), threads)
-    chunk = -(-span // splits)
-    chunk = -(-chunk // cpu_simd.LANES) * cpu_simd.LANES  # whole 16-key runs, so blocks of 16 stay aligned
-    seq = np.repeat(np.arange(batch), splits)
-    split = np.tile(np.arange(splits), batch)
-    lo = starts[seq] + split * chunk[seq]
-    hi = np.minimum(lo + chunk[seq], lens[seq])
-    items = np.stack([seq, seq, np.ones_like(seq), lo, np.maximum(hi, lo), split], axis=1)
-    return items.astype(np.int64), splits
+    """One decode row per sequence b, its keys [starts[b], lens[b]) cut into `splits` ranges of whole 16-key runs
+    (so blocks of 16 stay aligned; the last range may be shorter or empty): ``(items [batch * splits, 6], splits)``,
+    an item (sequence, row, rows 1, first key, end key, split index)."""
+    batch = lens.shape[0]
+    longest = 0
+    for b in range(batch):
+        longest = max(longest, lens[b] - starts[b])
+    splits = _num_splits(batch, longest, threads)
+    items = np.empty((batch * splits, 6), np.int64)
+    for b in range(batch):
+        chunk = -(-max(lens[b] - starts[b], 0) // splits)
+        chunk = -(-chunk // cpu_simd.LANES) * cpu_simd.LANES
+        for split in range(splits):
+            lo = starts[b] + split * chunk
+            i = b * splits + split
+            items[i, 0] = b
+            items[i, 1] = b
+            items[i, 2] = 1
+            items[i, 3] = lo
+            items[i, 4] = max(min(lo + chunk, lens[b]), lo)
+            items[i, 5] = split
+    return items, splits
 
 
 def _prefill_items(
@@ -1140,12 +1170,21 @@ def thread_choice(key: tuple) -> ThreadChoice:
 
 
 _INT_FITS: dict[int, bool] = {}  # head_dim -> cpu_simd.int_fits (a jitted function: ~0.3 us a call from Python)
+_FITS: dict[int, bool] = {}  # head_dim -> cpu_simd.fits
+_NO_ROWS = np.empty(0, np.int64)  # the flash path's sequences of a decode step: none
 
 
 def _int16_rows(head_dim: int) -> bool:
     fits = _INT_FITS.get(head_dim)
     if fits is None:
         fits = _INT_FITS[head_dim] = bool(cpu_simd.int_fits(head_dim))  # False without a variant (DOT None)
+    return fits
+
+
+def _float_rows(head_dim: int) -> bool:
+    fits = _FITS.get(head_dim)
+    if fits is None:
+        fits = _FITS[head_dim] = bool(cpu_simd.fits(head_dim))
     return fits
 
 
@@ -1339,7 +1378,7 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
     if plan.is_decode:
         lows = None if bounded is None else bounded.key_lows(lens - 1, starts).astype(np.int64)
         items, splits = _decode_items(lens, starts if lows is None else lows, threads)
-        row_limits, long = lens, np.zeros(len(lens), bool)
+        row_limits, long = lens, None  # no prefill chunks: none takes the flash path
     else:
         items, row_limits, lows = _prefill_items(cu, lens, starts, group, bounded)
         splits = 1
@@ -1361,11 +1400,14 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
     integer_q = _query_path(plan, pool)
     capped = variant is not None and variant.softcap is not None  # tanh per score: another cost per unit
     choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim, capped))
-    fit = cpu_simd.fits(pool.head_dim) if integer_q == "exact" else _int16_rows(pool.head_dim)
-    single = items[:, 2] == 1
-    uses = (fit and bool(single.any()), bool((~single).any()) or (not fit and items.shape[0] > 0))
+    fit = _float_rows(pool.head_dim) if integer_q == "exact" else _int16_rows(pool.head_dim)
+    if plan.is_decode:  # one row per item
+        uses = (fit and items.shape[0] > 0, not fit and items.shape[0] > 0)
+    else:
+        single = items[:, 2] == 1
+        uses = (fit and bool(single.any()), bool((~single).any()) or (not fit and items.shape[0] > 0))
     work = (items, row_limits, lows, splits, pairs_total, lists, plan.block_tables.numpy(), choice, uses, {})
-    return work, np.flatnonzero(long), lows
+    return work, _NO_ROWS if long is None else np.flatnonzero(long), lows
 
 
 def prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: AttentionVariant | None = None):

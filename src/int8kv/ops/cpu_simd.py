@@ -73,7 +73,7 @@ _VEC = ir.VectorType(_F32, LANES)
 _FAST = ("fast",)
 
 
-@njit(inline="always")
+@njit(inline="always", cache=True)
 def fits(head_dim: int) -> bool:
     """Whether these kernels handle rows of ``head_dim`` values (callable from Python and from numba code)."""
     return head_dim > 0 and head_dim % LANES == 0
@@ -417,7 +417,7 @@ features."""
 _DOT_STEP = DOT_WIDTH[DOT] if DOT is not None else 0  # a plain int, as numba freezes globals
 
 
-@njit(inline="always")
+@njit(inline="always", cache=True)
 def int_fits(head_dim: int) -> bool:
     """Whether `qk16i` handles rows of ``head_dim`` values on this target (whole vectors, int32 cannot
     overflow); False everywhere on a target without a variant."""
