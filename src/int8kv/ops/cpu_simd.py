@@ -32,13 +32,17 @@ the float64-oracle tests bound it.
           32,767 x 128 x 512 < 2**31, so head_dim <= 512) and stored as float32: the keys are sign-extended to
           int16 once into a scratch, each row multiplies pairs of int16 and adds them into int32 lanes, one
           instruction per 32 (512-bit) or 16 (256-bit) products where float32 takes one FMA per 16, then the
-          same tree in integers. Three variants, `DOT` the one the compile target's features allow (the best
-          first): `vnni512` (AVX-512 VNNI `vpdpwssd` on zmm), `vnni256` (AVX-VNNI or AVX-512 VNNI + VL on ymm),
+          same tree in integers (on 512 bits two keys share a vector, so the tree starts one level down).
+          Three variants, `DOT` the one the compile target's features allow (the best first): `vnni512` (AVX-512 VNNI `vpdpwssd` on zmm), `vnni256` (AVX-VNNI or AVX-512 VNNI + VL on ymm),
           `avx2` (`vpmaddwd` + `vpaddd` on ymm); none on other CPUs, where callers keep the float path. The
           target is numba's (NUMBA_CPU_FEATURES, else the host's), so forcing another variant is
           `NUMBA_CPU_FEATURES=<features with +avx512vnni / +avxvnni turned to ->`, and numba's disk cache, keyed by
           the same string, never hands one variant's code to another. LLVM 22 tuned for Emerald Rapids
           still emits 15 of the 16 `vpdpwssd` of a chunk as `vpmaddwd` + `vpaddd` (its choice for that core).
+
+The softmax of a decode row's tile runs here too: `logits16` (the scaled logits and their max) and `weights16`
+(exp, the running sum, the value scales folded in), 16 lanes a vector with the tile's ragged end masked, and
+`gather16` brings a run's 16 per-token scales of one head in as one vector.
 
 p . v stays float32 (`pv16`): int16 weights (each row's 16 weights rounded to int16 with one scale) times
 int8 value rows interleaved in pairs, `vpdpwssd` into int32 per 16-key block, measured in a prototype at 3
