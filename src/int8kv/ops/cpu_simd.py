@@ -33,7 +33,8 @@ the float64-oracle tests bound it.
           int16 once into a scratch, each row multiplies pairs of int16 and adds them into int32 lanes, one
           instruction per 32 (512-bit) or 16 (256-bit) products where float32 takes one FMA per 16, then the
           same tree in integers (on 512 bits two keys share a vector, so the tree starts one level down).
-          Three variants, `DOT` the one the compile target's features allow (the best first): `vnni512` (AVX-512 VNNI `vpdpwssd` on zmm), `vnni256` (AVX-VNNI or AVX-512 VNNI + VL on ymm),
+          Three variants, `DOT` the one the compile target's features allow (the best first): `vnni512`
+          (AVX-512 VNNI `vpdpwssd` on zmm), `vnni256` (AVX-VNNI or AVX-512 VNNI + VL on ymm),
           `avx2` (`vpmaddwd` + `vpaddd` on ymm); none on other CPUs, where callers keep the float path. The
           target is numba's (NUMBA_CPU_FEATURES, else the host's), so forcing another variant is
           `NUMBA_CPU_FEATURES=<features with +avx512vnni / +avxvnni turned to ->`, and numba's disk cache, keyed by
