@@ -18,7 +18,7 @@ from pathlib import Path
 import numba
 import pytest
 
-from int8kv.numba_cache import SharedFunctionCache, share_compiles
+from int8kv.numba_cache import _DIGESTS, SharedFunctionCache, numba_sources_digest, share_compiles
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -134,3 +134,62 @@ def test_the_kernel_modules_share_their_compiles():
         cached = [v for v in vars(module).values() if isinstance(v, numba.core.registry.CPUDispatcher)
                   and v._cache.__class__.__name__ != "NullCache"]  # fmt: skip
         assert cached and all(isinstance(v._cache, SharedFunctionCache) for v in cached), module.__name__
+
+
+def test_sources_digest_follows_the_numba_modules_only(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "kernels.py").write_text("import numba\nX = 1\n")
+    (package / "sub" / "simd.py").write_text("from numba.extending import intrinsic\nY = 2\n")
+    (package / "server.py").write_text("Z = 3\n")
+    first = numba_sources_digest(str(package))
+    assert numba_sources_digest(str(package)) == first
+    (package / "server.py").write_text("Z = 4\n")  # no numba code: no kernel depends on it
+    _DIGESTS.clear()
+    assert numba_sources_digest(str(package)) == first
+    (package / "sub" / "simd.py").write_text("from numba.extending import intrinsic\nY = 5\n")
+    _DIGESTS.clear()
+    assert numba_sources_digest(str(package)) != first
+
+
+CALLER = textwrap.dedent('''
+    import importlib.util, os, sys
+    import numba
+    sys.path.insert(0, os.path.dirname(__file__))
+    spec = importlib.util.spec_from_file_location("numba_cache", os.environ["NUMBA_CACHE_MODULE"])
+    numba_cache = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(numba_cache)
+    from helper import value
+
+    @numba.njit(cache=True)
+    def call():
+        return value()
+
+    numba_cache.share_compiles(globals())
+    print(call(), sum(call.stats.cache_hits.values()))
+''')
+
+
+def test_a_kernel_is_rebuilt_when_only_a_module_it_inlines_changes(tmp_path):
+    """`call` lives in caller.py and inlines `value` from helper.py: after helper.py alone changes, numba's own
+    key (call's bytecode, caller.py's stamp) would load the old build; the digest of the package's numba modules
+    in the key makes the next process compile it again."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "numba_cache.py").write_text((SRC / "int8kv" / "numba_cache.py").read_text())
+    (package / "caller.py").write_text(CALLER)
+    helper = "import numba\n\n@numba.njit(inline='always')\ndef value():\n    return {}\n"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+           "NUMBA_CACHE_MODULE": str(package / "numba_cache.py")}  # fmt: skip
+
+    def run() -> list[str]:
+        done = subprocess.run([sys.executable, str(package / "caller.py")], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    (package / "helper.py").write_text(helper.format(1))
+    assert run() == ["1", "0"]  # compiled
+    assert run() == ["1", "1"]  # loaded from the cache
+    (package / "helper.py").write_text(helper.format(2))
+    assert run() == ["2", "0"]  # compiled again, not the old build

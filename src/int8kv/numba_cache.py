@@ -21,6 +21,11 @@ where they cannot be made leaves numba's own behaviour. Each cached dispatcher m
 function: twins made from one (``njit(parallel=True)(f)`` and ``njit(f.py_func)``) share an index file and its
 keys (the key holds the signature and the code, not the options), so one would load the other's build;
 :func:`share_compiles` refuses them.
+
+Each index key also holds a digest of this package's modules that contain numba code (`numba_sources_digest`).
+numba keys a cached build by the function's own bytecode and drops an index when the function's own file
+changes, but a kernel inlines intrinsics and callees from other modules: with only ops/cpu_simd.py changed (a
+branch switch), ops/cpu.py's kernels would load from the cache as built from the old intrinsics.
 """
 
 from __future__ import annotations
@@ -36,6 +41,28 @@ from numba.core.compiler_lock import global_compiler_lock
 from numba.core.registry import CPUDispatcher
 
 _HELD: dict[str, int] = {}  # lock path -> depth, for the locks this process holds (under numba's compiler lock)
+_DIGESTS: dict[str, str] = {}  # package directory -> numba_sources_digest, computed once per process
+
+
+def numba_sources_digest(root: str | None = None) -> str:
+    """SHA-256 (hex) over the ``.py`` files under ``root`` (default: this package) whose text mentions numba,
+    their relative paths and contents, in path order: what every cached kernel's key holds, so that editing
+    any module with numba code rebuilds every kernel and editing any other rebuilds none. ~20 ms for this
+    package's ~100 modules, once per process."""
+    root = os.path.dirname(os.path.abspath(__file__)) if root is None else os.path.abspath(root)
+    digest = _DIGESTS.get(root)
+    if digest is None:
+        hasher = hashlib.sha256()
+        paths = []
+        for folder, _, files in os.walk(root):
+            paths += [os.path.join(folder, name) for name in files if name.endswith(".py")]
+        for path in sorted(paths):
+            with open(path, "rb") as f:
+                text = f.read()
+            if b"numba" in text:
+                hasher.update(os.path.relpath(path, root).encode() + b"\0" + text + b"\0")
+        digest = _DIGESTS[root] = hasher.hexdigest()
+    return digest
 
 
 @contextlib.contextmanager
@@ -68,6 +95,11 @@ def _locked(path: str, shared: bool = False) -> Iterator[None]:
 
 class SharedFunctionCache(caching.FunctionCache):
     """numba's function cache with its index read under a shared lock and written under an exclusive one."""
+
+    def _index_key(self, sig, codegen):
+        """numba's key (signature, target, the function's bytecode) and the digest of the package's numba
+        modules (module docs)."""
+        return (*super()._index_key(sig, codegen), numba_sources_digest())
 
     def _lock_path(self, suffix: str) -> str:
         return os.path.join(self.cache_path, f"{self._impl.filename_base}.{suffix}.lock")
