@@ -140,3 +140,16 @@ def test_gather16_reads_strided_scales(seed):
     _gather(scales, first, scales.strides[1] // size, dst, doff)
     assert np.array_equal(dst[doff : doff + LANES], scales[block, offset : offset + LANES, h])
     assert np.isnan(dst[:doff]).all() and np.isnan(dst[doff + LANES :]).all()
+
+
+def test_kernels_refuse_other_types():
+    """float64 scalars or arrays would not match the kernels' float32 vectors: refused when typed."""
+    from numba.core.errors import TypingError
+
+    s = np.zeros(LANES, np.float32)
+    with pytest.raises(TypingError, match="float32"):
+        _logits(s, 0, 4, s, 0, 0.5, NEG)  # a Python float: float64
+    with pytest.raises(TypingError, match="float32"):
+        _weights(s.astype(np.float64), 0, 4, np.float32(0.0), s, 0)
+    with pytest.raises(TypingError, match="float32"):
+        _gather(s, 0, 1, s.astype(np.float64), 0)

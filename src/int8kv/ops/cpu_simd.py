@@ -584,6 +584,11 @@ def _check_f32(*arrays):
             raise TypingError("scores and scales must be float32 arrays")
 
 
+def _check_scalars_f32(*values):
+    if any(value != types.float32 for value in values):
+        raise TypingError("the scale and the max must be float32 scalars")
+
+
 @intrinsic
 def logits16(typingctx, s, soff, n, kscale, koff, qscale, floor):
     """s[soff + t] = s[soff + t] * (kscale[koff + t] * qscale) for t < n, and s[soff + t] = NEG for n <= t < the
@@ -591,6 +596,7 @@ def logits16(typingctx, s, soff, n, kscale, koff, qscale, floor):
     buffers hold it). s, kscale: float32 flat; soff, n, koff: int64; qscale, floor: float32. The logits are
     `cpu._softmax_step`'s bit for bit (no softcap)."""
     _check_f32(s, kscale)
+    _check_scalars_f32(qscale, floor)
     sig = types.float32(s, soff, n, kscale, koff, qscale, floor)
 
     def codegen(context, builder, signature, args):
@@ -621,6 +627,7 @@ def weights16(typingctx, s, soff, n, mx, vscale, voff):
     halves). Writes up to the next multiple of 16 (those lanes' weights are 0). s, vscale: float32 flat; soff, n,
     voff: int64; mx: float32, at least every s[soff + t]."""
     _check_f32(s, vscale)
+    _check_scalars_f32(mx)
     sig = types.float32(s, soff, n, mx, vscale, voff)
 
     def codegen(context, builder, signature, args):
