@@ -419,13 +419,17 @@ where the 16 keys are sign-extended once for every row. The variant is `DOT`, ch
 features."""
 
 
-_DOT_STEP = DOT_WIDTH[DOT] if DOT is not None else 0  # a plain int, as numba freezes globals
+# head_dims the integer path takes: multiples of the widest variant's vector on every target, so a head_dim runs
+# the same query path on every CPU that has an integer kernel. The 256-bit variants could take multiples of 16,
+# but head_dim 16 or 48 would then run int16 on AVX2 and exact on AVX-512: one model's numerics would depend on
+# the machine, and tests tuned on one failed on the other (six, on this VM compiled for AVX2).
+_DOT_STEP = max(DOT_WIDTH.values()) if DOT is not None else 0  # a plain int, as numba freezes globals
 
 
 @njit(inline="always", cache=True)
 def int_fits(head_dim: int) -> bool:
-    """Whether `qk16i` handles rows of ``head_dim`` values on this target (whole vectors, int32 cannot
-    overflow); False everywhere on a target without a variant."""
+    """Whether the int16 query path takes rows of ``head_dim`` values: a multiple of 32 up to `MAX_DOT_DIM`
+    (whole vectors of every variant, int32 cannot overflow); False everywhere on a target without a variant."""
     return _DOT_STEP > 0 and 0 < head_dim <= MAX_DOT_DIM and head_dim % _DOT_STEP == 0
 
 
