@@ -58,11 +58,14 @@ FLASH_QUERY_ROWS = 1024  # (query, group head) rows per block: fewer, larger cal
 _sdpa_tile = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # The formats this backend reads: the parts' pairs, and the 4-bit sink-and-window pool through ops.cpu_q4w.
 KERNELS = PARTS_KERNELS | {"int4_sink_window"}
-NEG = np.float32(-1e30)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
+NEG = np.float32(cpu_simd.NEG)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
 
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)  # Cody-Waite split of ln 2: n * _LN2_HI is exact for |n| < 2**15
-_LN2_LO = np.float32(-2.12194440e-4)
+# exp's constants, defined once in cpu_simd (its vector exp must give this one's bits)
+_EXP_LOW = np.float32(cpu_simd.EXP_LOW)
+_LOG2E = np.float32(cpu_simd.LOG2E)
+_LN2_HI = np.float32(cpu_simd.LN2_HI)
+_LN2_LO = np.float32(cpu_simd.LN2_LO)
+_P = tuple(np.float32(c) for c in cpu_simd.EXP_POLY)
 
 
 @intrinsic
@@ -79,17 +82,17 @@ def _bits_to_f32(typingctx, bits):
 @njit(fastmath=True, inline="always")
 def _exp_nonpos(x):
     """exp(x) for x <= 0, relative error < 5e-7. Unlike libm expf it inlines and vectorises (no SVML here)."""
-    x = max(x, np.float32(-87.0))  # keeps 2**n a normal float32; exp(-87) is below any weight that matters
+    x = max(x, _EXP_LOW)  # keeps 2**n a normal float32; exp(-87) is below any weight that matters
     n = np.floor(x * _LOG2E + np.float32(0.5))
     r = x - n * _LN2_HI - n * _LN2_LO
-    p = np.float32(1.0 / 5040.0)
-    p = p * r + np.float32(1.0 / 720.0)
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
+    p = _P[0]
+    p = p * r + _P[1]
+    p = p * r + _P[2]
+    p = p * r + _P[3]
+    p = p * r + _P[4]
+    p = p * r + _P[5]
+    p = p * r + _P[6]
+    p = p * r + _P[7]
     return p * _bits_to_f32((np.int32(n) + np.int32(127)) << 23)
 
 
@@ -1194,23 +1197,21 @@ def thread_choice(key: tuple) -> ThreadChoice:
     return choice
 
 
-_INT_FITS: dict[int, bool] = {}  # head_dim -> cpu_simd.int_fits (a jitted function: ~0.3 us a call from Python)
-_FITS: dict[int, bool] = {}  # head_dim -> cpu_simd.fits
+_FITS: dict[tuple, bool] = {}  # (cpu_simd.fits or int_fits, head_dim) -> its answer (jitted: ~0.3 us a call)
 _NO_ROWS = np.empty(0, np.int64)  # the flash path's sequences of a decode step: none
 
 
+def _rows_fit(fits, head_dim: int) -> bool:
+    """``fits(head_dim)`` for a jitted predicate of cpu_simd (`fits`, `int_fits`), remembered per head_dim."""
+    key = (fits, head_dim)
+    answer = _FITS.get(key)
+    if answer is None:
+        answer = _FITS[key] = bool(fits(head_dim))
+    return answer
+
+
 def _int16_rows(head_dim: int) -> bool:
-    fits = _INT_FITS.get(head_dim)
-    if fits is None:
-        fits = _INT_FITS[head_dim] = bool(cpu_simd.int_fits(head_dim))  # False without a variant (DOT None)
-    return fits
-
-
-def _float_rows(head_dim: int) -> bool:
-    fits = _FITS.get(head_dim)
-    if fits is None:
-        fits = _FITS[head_dim] = bool(cpu_simd.fits(head_dim))
-    return fits
+    return _rows_fit(cpu_simd.int_fits, head_dim)  # False without a variant (DOT None)
 
 
 def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
@@ -1425,7 +1426,7 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
     integer_q = _query_path(plan, pool)
     capped = variant is not None and variant.softcap is not None  # tanh per score: another cost per unit
     choice = thread_choice((pool.format, integer_q, plan.is_decode, num_q_heads, pool.head_dim, capped))
-    fit = _float_rows(pool.head_dim) if integer_q == "exact" else _int16_rows(pool.head_dim)
+    fit = _rows_fit(cpu_simd.fits, pool.head_dim) if integer_q == "exact" else _int16_rows(pool.head_dim)
     if plan.is_decode:  # one row per item
         uses = (fit and items.shape[0] > 0, not fit and items.shape[0] > 0)
     else:

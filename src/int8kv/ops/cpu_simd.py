@@ -60,6 +60,8 @@ prefetching each block's V during the score pass instead of one block ahead gain
 
 from __future__ import annotations
 
+import struct
+
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
@@ -457,8 +459,6 @@ def pv16(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
         vp = _data(context, builder, signature.args[3], v_arr)
         ap = _data(context, builder, signature.args[6], acc_arr)
         i64 = wo.type
-        undef = ir.Constant(_VEC, ir.Undefined)
-        splat = _mask([0] * LANES)
 
         def chunk(col, column, high):
             for first in range(0, LANES, _PV_KEYS):  # the keys a pass converts and keeps in registers
@@ -475,9 +475,7 @@ def pv16(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
                     chains = [_load_f32(builder, ap, where)] + [None] * (_PV_KEYS // 4 - 1)
                     for t, value in enumerate(values):
                         weight = builder.load(builder.gep(wp, [builder.add(wrow, ir.Constant(i64, first + t))]))
-                        wv = builder.shuffle_vector(builder.insert_element(undef, weight, ir.Constant(_I32, 0)),
-                                                    undef, splat)
-                        term = builder.fmul(wv, value, flags=_FAST)
+                        term = builder.fmul(_splat(builder, weight), value, flags=_FAST)
                         c = chains[t % len(chains)]
                         chains[t % len(chains)] = term if c is None else builder.fadd(c, term, flags=_FAST)
                     while len(chains) > 1:  # (c0 + c1) + (c2 + c3)
@@ -528,8 +526,20 @@ def prefetch(typingctx, array, offset, count):
 # of the value scales) it took 1.5 ns per (key, query row) at 64 keys (one thread, Zen 4): LLVM vectorised the
 # loops but each row paid their remainders, two horizontal reductions and the exp polynomial in scalar for alpha.
 # These take ~0.5 (docs/benchmarks.md, "The decode softmax in vectors").
-_NEG = -1e30  # `cpu.NEG`: the finite "minus infinity" of the kernels
-_EXP_LOW = -87.0  # exp's argument clamp: keeps 2**n a normal float32
+def _f32(value: float) -> float:
+    """``value`` rounded to float32 (as a Python float)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+NEG = -1e30  # the finite "minus infinity" of the kernels (`cpu.NEG`)
+# exp(x) for x <= 0, here in vectors and in `cpu._exp_nonpos` (the two must give the same bits): the argument
+# clamped at EXP_LOW, n = floor(x log2(e) + 1/2), r = x - n ln 2 (Cody-Waite: n * LN2_HI is exact for |n| < 2**15),
+# the Taylor polynomial of e^r in Horner form (EXP_POLY, highest degree first), times 2**n. Each a float32 value.
+EXP_LOW = -87.0  # keeps 2**n a normal float32
+LOG2E = _f32(1.4426950408889634)
+LN2_HI = 0.693359375
+LN2_LO = _f32(-2.12194440e-4)
+EXP_POLY = tuple(_f32(c) for c in (1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0))
 
 
 def _splat(builder, value, ty=_VEC):
@@ -572,24 +582,17 @@ def _exp_nonpos_vec(builder, x):
     def fadd(a, b):
         return builder.fadd(a, b, flags=_FAST)
 
-    x = _fmax(builder, x, const(_EXP_LOW))
+    x = _fmax(builder, x, const(EXP_LOW))
     floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC]), "llvm.floor.v16f32")
-    n = builder.call(floor, [fadd(fmul(x, const(1.4426950408889634)), const(0.5))])
-    r = builder.fsub(builder.fsub(x, fmul(n, const(0.693359375)), flags=_FAST), fmul(n, const(-2.12194440e-4)),
-                     flags=_FAST)
-    p = const(1.0 / 5040.0)
-    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+    n = builder.call(floor, [fadd(fmul(x, const(LOG2E)), const(0.5))])
+    r = builder.fsub(builder.fsub(x, fmul(n, const(LN2_HI)), flags=_FAST), fmul(n, const(LN2_LO)), flags=_FAST)
+    p = const(EXP_POLY[0])
+    for c in EXP_POLY[1:]:
         p = fadd(fmul(p, r), const(c))
     i32v = ir.VectorType(_I32, LANES)
     exponent = builder.shl(builder.add(builder.fptosi(n, i32v), _splat(builder, ir.Constant(_I32, 127), i32v)),
                            _splat(builder, ir.Constant(_I32, 23), i32v))
     return fmul(p, builder.bitcast(exponent, _VEC))
-
-
-def _f32(value: float) -> float:
-    import numpy as np
-
-    return float(np.float32(value))
 
 
 def _check_f32(*arrays):
@@ -626,7 +629,7 @@ def logits16(typingctx, s, soff, n, kscale, koff, qscale, floor):
             x = builder.fmul(_load_f32(builder, sp, builder.add(so, first)),
                              builder.fmul(_load_f32(builder, kp, builder.add(ko, first)), qv, flags=_FAST),
                              flags=_FAST)
-            x = builder.select(_lanes_below(builder, first, count), x, _splat(builder, ir.Constant(_F32, _NEG)))
+            x = builder.select(_lanes_below(builder, first, count), x, _splat(builder, ir.Constant(_F32, NEG)))
             _store_f32(builder, x, sp, builder.add(so, first))
             builder.store(_fmax(builder, builder.load(best), x), best)
         return _hreduce(builder, builder.load(best), _fmax)
