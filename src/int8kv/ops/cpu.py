@@ -239,7 +239,8 @@ def _scores(qr, kt, nt, out):
 
 @njit(fastmath=True, inline="always")
 def _scores_pair(qa, qb, kt, nt, out_a, out_b):
-    """`_scores` for two query rows at once: each key load feeds two rows (8 sums in registers)."""
+    """`_scores` for two query rows at once, each key load feeding both (8 sums in registers), over the first
+    nt // 4 * 4 keys: returns that count; the caller runs `_scores` on the rest of each row (see `_attend_item`)."""
     d = qa.shape[0]
     t = 0
     while t + 4 <= nt:
@@ -260,9 +261,7 @@ def _scores_pair(qa, qb, kt, nt, out_a, out_b):
         out_a[t], out_a[t + 1], out_a[t + 2], out_a[t + 3] = a0, a1, a2, a3
         out_b[t], out_b[t + 1], out_b[t + 2], out_b[t + 3] = b0, b1, b2, b3
         t += 4
-    if t < nt:
-        _scores(qa, kt[t:], nt - t, out_a[t:])
-        _scores(qb, kt[t:], nt - t, out_b[t:])
+    return t
 
 
 @njit(fastmath=True, inline="always")
@@ -286,7 +285,8 @@ def _accumulate(acc, w, vt, nt):
 
 @njit(fastmath=True, inline="always")
 def _accumulate_pair(acc_a, acc_b, wa, wb, vt, nt):
-    """`_accumulate` for two rows: each value load feeds both accumulators."""
+    """`_accumulate` for two rows, each value load feeding both accumulators, over the first nt // 4 * 4 values:
+    returns that count; the caller runs `_accumulate` on the rest of each row (as `_scores_pair`)."""
     d = acc_a.shape[0]
     t = 0
     while t + 4 <= nt:
@@ -298,9 +298,7 @@ def _accumulate_pair(acc_a, acc_b, wa, wb, vt, nt):
             acc_a[i] += a0 * c0 + a1 * c1 + a2 * c2 + a3 * c3
             acc_b[i] += b0 * c0 + b1 * c1 + b2 * c2 + b3 * c3
         t += 4
-    if t < nt:
-        _accumulate(acc_a, wa[t:], vt[t:], nt - t)
-        _accumulate(acc_b, wb[t:], vt[t:], nt - t)
+    return t
 
 
 def _capped(x, cap):  # typed by the overload below: a logit, softcapped when cap is (c, 1 / c)
@@ -467,14 +465,17 @@ def _attend_item(q, sm, caps, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, 
                 # same window and causal cut: share key loads
                 paired = (r + 1 < rows and a == _tile_offset(lows, low[r + 1], p0)
                           and n == min(limit[r + 1] - p0, nt) - a)
-                if n > 0 and paired:
-                    _scores_pair(qh[r], qh[r + 1], kt[a:], n, sh[r, a:], sh[r + 1, a:])
-                    _softmax_step(sh[r, a:], ksc[a:], qsh[r], n, r, mh, dh, ah, cap)
-                    _softmax_step(sh[r + 1, a:], ksc[a:], qsh[r + 1], n, r + 1, mh, dh, ah, cap)
-                elif n > 0:
-                    _scores(qh[r], kt[a:], n, sh[r, a:])
-                    _softmax_step(sh[r, a:], ksc[a:], qsh[r], n, r, mh, dh, ah, cap)
-                r += 2 if paired else 1
+                # Each helper has one call site (the paired keys first, then each row's rest and its softmax):
+                # numba inlines them, and three copies of `_scores`, `_accumulate` and `_softmax_step` made one
+                # INT8 specialisation take 7.4-7.6 s to compile cold, one copy 4.4-4.7 (the same bits, and a
+                # 16-query chunk at 2,048 keys 0.97x the time: docs/benchmarks.md "Kernel compile time").
+                step = 2 if paired else 1
+                if n > 0:
+                    done = _scores_pair(qh[r], qh[r + 1], kt[a:], n, sh[r, a:], sh[r + 1, a:]) if paired else 0
+                    for rr in range(r, r + step):
+                        _scores(qh[rr], kt[a + done:], n - done, sh[rr, a + done:])
+                        _softmax_step(sh[rr, a:], ksc[a:], qsh[rr], n, rr, mh, dh, ah, cap)
+                r += step
         _load_tile(vc, vs, table, p0, nt, tile, tile_scale)
         for h in range(hkv):
             vt = tile[h]
@@ -490,11 +491,12 @@ def _attend_item(q, sm, caps, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, 
                 n = min(limit[r] - p0, nt) - a
                 paired = (r + 1 < rows and a == _tile_offset(lows, low[r + 1], p0)
                           and n == min(limit[r + 1] - p0, nt) - a)
-                if n > 0 and paired:
-                    _accumulate_pair(ah[r], ah[r + 1], sh[r, a:], sh[r + 1, a:], vt[a:], n)
-                elif n > 0:
-                    _accumulate(ah[r], sh[r, a:], vt[a:], n)
-                r += 2 if paired else 1
+                step = 2 if paired else 1
+                if n > 0:
+                    done = _accumulate_pair(ah[r], ah[r + 1], sh[r, a:], sh[r + 1, a:], vt[a:], n) if paired else 0
+                    for rr in range(r, r + step):
+                        _accumulate(ah[rr], sh[rr, a + done:], vt[a + done:], n - done)
+                r += step
         p0 += nt
 
 
