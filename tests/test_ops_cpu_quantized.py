@@ -315,6 +315,18 @@ def test_thread_choice_follows_a_sustained_rise():
     assert sum(modes[-100:]) <= 3  # one thread, bar a re-measuring call
 
 
+def test_thread_choice_takes_up_a_mode_whose_first_calls_were_slow():
+    """Two threads measured 20x slower than they are at first (the pool asleep, another process busy), then
+    twice as fast as one: the first re-measuring call hands them the group. Decayed from its first figure, the
+    estimate needed five re-measurements at doubling waits (thousands of calls)."""
+    choice = cpu.ThreadChoice()
+    work = 10**6
+    _drive(choice, work, {False: 1e-3, True: 1e-2}, 4)  # both modes' first two measurements
+    modes = _drive(choice, work, {False: 1e-3, True: 5e-4}, 600)
+    assert sum(modes[: choice.EXPLORE]) == 0  # one thread until the re-measuring call
+    assert sum(modes[-200:]) >= 197  # then two threads, bar the re-measuring of one
+
+
 def test_thread_choice_ignores_calls_that_compiled():
     """A call that compiled a kernel (seconds=None) teaches nothing: one 0.2 s compile taken as a measurement
     once made every later call parallel."""

@@ -1116,7 +1116,8 @@ class ThreadChoice:
     slower than it is; with the doubling waits a call kind then stayed on one thread for thousands of calls
     (F16, SmolLM2's shape, 2,048 keys: 121 us a call where two threads take 72). Clipped, one delayed call
     moves the estimate by at most 25 %, and a real rise still shows within a few measurements (a doubling
-    counts in full).
+    counts in full). Nothing makes a call faster than it is, so a re-measured mode that beats its estimate
+    takes the new figure at once.
     Why by size, measured: one model for all sizes (seconds per unit on one thread, plus a fixed cost of
     waking the pool fitted on the parallel calls) took the higher per-unit cost of keys read from DRAM, as the
     context grew, for a wake-up cost of milliseconds, and kept batch 1 x 7,000 keys at 32 / 8 heads on one
@@ -1174,7 +1175,11 @@ class ThreadChoice:
         unit = seconds / work
         old = self.rate.get(key)
         count = self.samples[key] = self.samples.get(key, 0) + 1
-        if old is None or count <= self.FIRST:
+        if old is None or count <= self.FIRST or (exploring is not None and unit < old):
+            # A re-measured mode that now beats its estimate takes the new figure whole: the OS delays calls but
+            # never speeds one up. Decayed, a mode whose first calls were slow (the pool still asleep, another
+            # process busy) needed 5-6 re-measurements at doubling waits, ~2,000 calls, to be taken up again
+            # (F16, SmolLM2's shape, 2,048 keys: 118 us a call on one thread where two take 74).
             self.rate[key] = unit if old is None else min(old, unit)
         else:
             self.rate[key] = old + self.DECAY * (min(unit, self.CLIP * old) - old)
