@@ -53,7 +53,7 @@ __all__ = [
 assert BLOCK == cpu_simd.LANES  # a sealed block is one call of the 16-key kernels
 
 F16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-NEG = np.float32(-1e30)
+NEG = np.float32(cpu_simd.NEG)  # the kernels' finite "minus infinity", defined once in cpu_simd
 MIN_SPLIT_KEYS = 256  # shortest key range worth its own work item: the INT8 kernel's value, not measured here
 
 
