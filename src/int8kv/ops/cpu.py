@@ -1116,8 +1116,11 @@ class ThreadChoice:
     slower than it is; with the doubling waits a call kind then stayed on one thread for thousands of calls
     (F16, SmolLM2's shape, 2,048 keys: 121 us a call where two threads take 72). Clipped, one delayed call
     moves the estimate by at most 25 %, and a real rise still shows within a few measurements (a doubling
-    counts in full). Nothing makes a call faster than it is, so a re-measured mode that beats its estimate
-    takes the new figure at once.
+    counts in full). A re-measured mode runs `BURST` calls in a row, and since nothing makes a call faster than
+    it is, one that beats the mode's estimate takes its place at once: the first parallel call after a run of
+    serial ones wakes the pool (7-11 ms here now and then), and lone re-measuring calls, each moving the estimate
+    a quarter of the way, left F16 at SmolLM2's 2,048 keys on one thread for thousands of calls (116-119 us a call
+    where two threads take 72-77; docs/results/threads_switch.py).
     Why by size, measured: one model for all sizes (seconds per unit on one thread, plus a fixed cost of
     waking the pool fitted on the parallel calls) took the higher per-unit cost of keys read from DRAM, as the
     context grew, for a wake-up cost of milliseconds, and kept batch 1 x 7,000 keys at 32 / 8 heads on one
@@ -1129,6 +1132,7 @@ class ThreadChoice:
     MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (recording one costs ~1 us)
     DECAY = 0.25  # weight of the newest measurement in the running estimates
     CLIP = 2.0  # a measurement counts for at most this many times the estimate it updates
+    BURST = 3  # calls in a row of a re-measured mode; the fastest stands (the first may wake the pool)
 
     def __init__(self) -> None:
         self.rate: dict[tuple[bool, int], float] = {}  # (parallel, size group) -> seconds per unit
@@ -1137,6 +1141,8 @@ class ThreadChoice:
         self.last: dict[tuple[bool, int], int] = {}  # (parallel, group) -> call index the mode last ran
         self.wait: dict[tuple[bool, int], int] = {}  # (parallel, group) -> calls before it is tried again
         self.exploring: bool | None = None  # the mode of a call made only to measure it
+        self.ending = False  # whether that call ends its measurement (the last of a burst, or a first sample)
+        self.burst: dict[int, tuple[bool, int]] = {}  # size group -> (re-measured mode, its calls still to run)
         self.timed = False  # whether the caller should time this call and `record` it
 
     @staticmethod
@@ -1153,20 +1159,26 @@ class ThreadChoice:
         self.timed = True
         for mode in (False, True):
             if self.samples.get((mode, g), 0) < self.FIRST:
-                self.exploring = mode
+                self.exploring, self.ending = mode, True
                 return mode
-        best = self.rate[(True, g)] < self.rate[(False, g)]
-        other = not best
-        if n - self.last.get((other, g), 0) > self.wait.get((other, g), self.EXPLORE):
-            self.exploring = other
-            return other
-        self.timed = n % self.MEASURE_EVERY == 0
-        return best
-
+        burst = self.burst.pop(g, None)
+        if burst is None:
+            best = self.rate[(True, g)] < self.rate[(False, g)]
+            other = not best
+            if n - self.last.get((other, g), 0) <= self.wait.get((other, g), self.EXPLORE):
+                self.timed = n % self.MEASURE_EVERY == 0
+                return best
+            burst = (other, self.BURST)
+        mode, left = burst
+        if left > 1:
+            self.burst[g] = (mode, left - 1)
+        self.exploring, self.ending = mode, left == 1
+        return mode
     def record(self, parallel: bool, work: int, threads: int, seconds: float | None) -> None:
         """What a call in mode `parallel` took; None: it compiled a kernel, so it says nothing of either mode
         (tried again at the next call)."""
         exploring, self.exploring = self.exploring, None
+        ending, self.ending = self.ending, False
         if seconds is None or work <= 0 or (parallel and threads <= 1):
             return
         g = self.group(work)
@@ -1176,15 +1188,11 @@ class ThreadChoice:
         old = self.rate.get(key)
         count = self.samples[key] = self.samples.get(key, 0) + 1
         if old is None or count <= self.FIRST or (exploring is not None and unit < old):
-            # A re-measured mode that now beats its estimate takes the new figure whole: the OS delays calls but
-            # never speeds one up. Decayed, a mode whose first calls were slow (the pool still asleep, another
-            # process busy) needed 5-6 re-measurements at doubling waits, ~2,000 calls, to be taken up again
-            # (F16, SmolLM2's shape, 2,048 keys: 118 us a call on one thread where two take 74).
-            self.rate[key] = unit if old is None else min(old, unit)
+            self.rate[key] = unit if old is None else min(old, unit)  # a re-measured mode's faster figure: whole
         else:
             self.rate[key] = old + self.DECAY * (min(unit, self.CLIP * old) - old)
         other = (not parallel, g)
-        if exploring is not None and other in self.rate:  # a re-measured mode: wait longer if it still loses
+        if exploring is not None and ending and other in self.rate:  # re-measured: wait longer if it still loses
             lost = self.rate[key] > self.rate[other]
             self.wait[key] = min(2 * self.wait.get(key, self.EXPLORE), self.MAX_EXPLORE) if lost else self.EXPLORE
 
