@@ -1116,11 +1116,12 @@ class ThreadChoice:
     slower than it is; with the doubling waits a call kind then stayed on one thread for thousands of calls
     (F16, SmolLM2's shape, 2,048 keys: 121 us a call where two threads take 72). Clipped, one delayed call
     moves the estimate by at most 25 %, and a real rise still shows within a few measurements (a doubling
-    counts in full). A re-measured mode runs `BURST` calls in a row, and since nothing makes a call faster than
-    it is, one that beats the mode's estimate takes its place at once: the first parallel call after a run of
-    serial ones wakes the pool (7-11 ms here now and then), and lone re-measuring calls, each moving the estimate
-    a quarter of the way, left F16 at SmolLM2's 2,048 keys on one thread for thousands of calls (116-119 us a call
-    where two threads take 72-77; docs/results/threads_switch.py).
+    counts in full). A re-measured mode runs `BURST` calls in a row, and the burst's median, when it beats the
+    mode's estimate, takes its place at once: the first parallel call after a run of serial ones wakes the pool
+    (7-11 ms here now and then), and lone re-measuring calls, each moving the estimate a quarter of the way, left
+    F16 at SmolLM2's 2,048 keys on one thread for thousands of calls (116-119 us a call where two threads take
+    72-77; docs/results/threads_switch.py). The median, not the fastest: against the chosen mode's running
+    estimate, a burst's one lucky call handed the group to the slower mode now and then.
     Why by size, measured: one model for all sizes (seconds per unit on one thread, plus a fixed cost of
     waking the pool fitted on the parallel calls) took the higher per-unit cost of keys read from DRAM, as the
     context grew, for a wake-up cost of milliseconds, and kept batch 1 x 7,000 keys at 32 / 8 heads on one
@@ -1132,7 +1133,7 @@ class ThreadChoice:
     MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (recording one costs ~1 us)
     DECAY = 0.25  # weight of the newest measurement in the running estimates
     CLIP = 2.0  # a measurement counts for at most this many times the estimate it updates
-    BURST = 3  # calls in a row of a re-measured mode; the fastest stands (the first may wake the pool)
+    BURST = 3  # calls in a row of a re-measured mode; their median stands (the first may wake the pool)
 
     def __init__(self) -> None:
         self.rate: dict[tuple[bool, int], float] = {}  # (parallel, size group) -> seconds per unit
@@ -1143,6 +1144,7 @@ class ThreadChoice:
         self.exploring: bool | None = None  # the mode of a call made only to measure it
         self.ending = False  # whether that call ends its measurement (the last of a burst, or a first sample)
         self.burst: dict[int, tuple[bool, int]] = {}  # size group -> (re-measured mode, its calls still to run)
+        self.taken: dict[tuple[bool, int], list[float]] = {}  # (mode, group) -> its burst's figures so far
         self.timed = False  # whether the caller should time this call and `record` it
 
     @staticmethod
@@ -1169,11 +1171,13 @@ class ThreadChoice:
                 self.timed = n % self.MEASURE_EVERY == 0
                 return best
             burst = (other, self.BURST)
+            self.taken.pop((other, g), None)
         mode, left = burst
         if left > 1:
             self.burst[g] = (mode, left - 1)
         self.exploring, self.ending = mode, left == 1
         return mode
+
     def record(self, parallel: bool, work: int, threads: int, seconds: float | None) -> None:
         """What a call in mode `parallel` took; None: it compiled a kernel, so it says nothing of either mode
         (tried again at the next call)."""
@@ -1187,8 +1191,15 @@ class ThreadChoice:
         unit = seconds / work
         old = self.rate.get(key)
         count = self.samples[key] = self.samples.get(key, 0) + 1
-        if old is None or count <= self.FIRST or (exploring is not None and unit < old):
-            self.rate[key] = unit if old is None else min(old, unit)  # a re-measured mode's faster figure: whole
+        if old is None or count <= self.FIRST:
+            self.rate[key] = unit if old is None else min(old, unit)
+        elif exploring is not None:  # a call of a re-measuring burst: the burst's median decides, at its end
+            taken = self.taken.setdefault(key, [])
+            taken.append(unit)
+            if not ending:
+                return
+            unit = sorted(self.taken.pop(key))[len(taken) // 2]
+            self.rate[key] = unit if unit < old else old + self.DECAY * (min(unit, self.CLIP * old) - old)
         else:
             self.rate[key] = old + self.DECAY * (min(unit, self.CLIP * old) - old)
         other = (not parallel, g)
