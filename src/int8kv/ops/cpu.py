@@ -1161,7 +1161,10 @@ class ThreadChoice:
         self.timed = True
         for mode in (False, True):
             if self.samples.get((mode, g), 0) < self.FIRST:
-                self.exploring, self.ending = mode, True
+                # Not a re-measuring: a mode that loses its first samples is tried again after EXPLORE calls
+                # (the waits doubled by these samples sent the first re-measuring 256 calls away, past the ~180
+                # calls a context gets in the attention benchmark).
+                self.exploring, self.ending = mode, False
                 return mode
         burst = self.burst.pop(g, None)
         if burst is None:
