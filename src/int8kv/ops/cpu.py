@@ -1142,7 +1142,7 @@ class ThreadChoice:
         self.last: dict[tuple[bool, int], int] = {}  # (parallel, group) -> call index the mode last ran
         self.wait: dict[tuple[bool, int], int] = {}  # (parallel, group) -> calls before it is tried again
         self.exploring: bool | None = None  # the mode of a call made only to measure it
-        self.ending = False  # whether that call ends its measurement (the last of a burst, or a first sample)
+        self.ending = False  # whether that call is the last of a re-measuring burst
         self.burst: dict[int, tuple[bool, int]] = {}  # size group -> (re-measured mode, its calls still to run)
         self.taken: dict[tuple[bool, int], list[float]] = {}  # (mode, group) -> its burst's figures so far
         self.timed = False  # whether the caller should time this call and `record` it
@@ -1196,15 +1196,16 @@ class ThreadChoice:
         count = self.samples[key] = self.samples.get(key, 0) + 1
         if old is None or count <= self.FIRST:
             self.rate[key] = unit if old is None else min(old, unit)
-        elif exploring is not None:  # a call of a re-measuring burst: the burst's median decides, at its end
-            taken = self.taken.setdefault(key, [])
-            taken.append(unit)
-            if not ending:
-                return
-            unit = sorted(self.taken.pop(key))[len(taken) // 2]
-            self.rate[key] = unit if unit < old else old + self.DECAY * (min(unit, self.CLIP * old) - old)
         else:
-            self.rate[key] = old + self.DECAY * (min(unit, self.CLIP * old) - old)
+            if exploring is not None:  # a call of a re-measuring burst: the burst's median decides, at its end
+                taken = self.taken.setdefault(key, [])
+                taken.append(unit)
+                if not ending:
+                    return
+                del self.taken[key]
+                unit = sorted(taken)[len(taken) // 2]
+            faster = exploring is not None and unit < old  # a re-measured mode's faster figure stands whole
+            self.rate[key] = unit if faster else old + self.DECAY * (min(unit, self.CLIP * old) - old)
         other = (not parallel, g)
         if exploring is not None and ending and other in self.rate:  # re-measured: wait longer if it still loses
             lost = self.rate[key] > self.rate[other]
