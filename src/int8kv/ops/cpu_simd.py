@@ -579,16 +579,13 @@ def _exp_nonpos_vec(builder, x):
     def fmul(a, b):
         return builder.fmul(a, b, flags=_FAST)
 
-    def fadd(a, b):
-        return builder.fadd(a, b, flags=_FAST)
-
     x = _fmax(builder, x, const(EXP_LOW))
     floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC]), "llvm.floor.v16f32")
-    n = builder.call(floor, [fadd(fmul(x, const(LOG2E)), const(0.5))])
+    n = builder.call(floor, [_fadd(builder, fmul(x, const(LOG2E)), const(0.5))])
     r = builder.fsub(builder.fsub(x, fmul(n, const(LN2_HI)), flags=_FAST), fmul(n, const(LN2_LO)), flags=_FAST)
     p = const(EXP_POLY[0])
     for c in EXP_POLY[1:]:
-        p = fadd(fmul(p, r), const(c))
+        p = _fadd(builder, fmul(p, r), const(c))
     i32v = ir.VectorType(_I32, LANES)
     exponent = builder.shl(builder.add(builder.fptosi(n, i32v), _splat(builder, ir.Constant(_I32, 127), i32v)),
                            _splat(builder, ir.Constant(_I32, 23), i32v))
