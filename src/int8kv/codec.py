@@ -11,6 +11,8 @@ For each row ``x`` (the last dimension):
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import numpy as np
 import torch
 
@@ -92,8 +94,7 @@ def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with _codec_cpu.threads_for(rows.size) as threads:
             bad = _codec_cpu.quantize_rows(rows, q, scale, threads)
     if bad:
-        round_to_f16(x)  # raises with the location of the first bad value
-        raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")
+        refuse_rows(bad, x)
     return torch.from_numpy(q).view(x.shape), torch.from_numpy(scale).view(x.shape[:-1])
 
 
@@ -121,10 +122,16 @@ def quantize_int8_store(
     dst = arrays if arrays is not None else tuple(t.numpy() for t in (*k_dst, *v_dst))
     bad = _codec_cpu.quantize_store(kn, vn, slots.numpy(), *dst)
     if bad:
-        for x in (k, v):
-            round_to_f16(x)  # raises with the location of the first bad value
-        raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")
+        refuse_rows(bad, k, v)
     return True
+
+
+def refuse_rows(bad: int, *rows: torch.Tensor) -> NoReturn:
+    """NonFiniteError for ``bad`` rows of ``rows`` that a compiled V1 store found not finite in float16 (and so
+    left unstored), naming the first bad value where :func:`round_to_f16` can."""
+    for x in rows:
+        round_to_f16(x)  # raises with the location of the first bad value
+    raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

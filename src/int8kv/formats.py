@@ -103,6 +103,15 @@ class KvFormat:
             for t, part in zip(dst, parts, strict=True):
                 t.index_copy_(0, slots, part[side])
 
+    def compiled_store(self) -> Callable | None:
+        """The format's compiled encode-and-store of rows on the CPU, for callers that hold numpy views (a decode
+        step's few rows, where the per-call overhead is the cost), or None: :meth:`store` serves every caller.
+        ``fn(k, v, slots, *dst) -> int``: ``k, v`` float32 C-contiguous ``[n, heads, head_dim]``, ``slots`` int64
+        ``[n]``, ``dst`` the destination parts as numpy views, K's then V's (``KvPool.row_arrays``); returns the
+        count of rows it refuses (V1: not finite in float16), storing nothing when that is not 0. What it stores
+        is :meth:`store`'s, bit for bit."""
+        return None
+
     def decode(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Stored parts (as :meth:`encode` returns them, any leading shape) as float32 rows ``[..., head_dim]``."""
         if not isinstance(parts, (tuple, list)) or len(parts) != len(self.parts):
@@ -203,6 +212,11 @@ class Int8V1Format(KvFormat):
         # A decode step's rows on the CPU: encode and store in one kernel call (codec.quantize_int8_store).
         if not quantize_int8_store(k, v, slots, k_dst, v_dst, arrays=arrays):
             super().store(k, v, slots, k_dst, v_dst)
+
+    def compiled_store(self) -> Callable:
+        from . import _codec_cpu  # numba: imported with the first CPU pool that writes this way
+
+        return _codec_cpu.quantize_store  # what quantize_int8_store calls: the same codes and scales
 
     def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
         return dequantize_int8(*parts)

@@ -16,7 +16,7 @@ row ``b`` and ``block_size`` = its capacity. Rows arrive here already checked an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -126,6 +126,13 @@ class KvPool:
             k, v = self._rows[layer]
             arrays = self._row_arrays[layer] = tuple(t.numpy() for t in (*k, *v))
         return arrays
+
+    def compiled_store(self, layer: int) -> tuple[Callable, tuple] | None:
+        """``(store, arrays)``: the format's compiled store (:meth:`~int8kv.formats.KvFormat.compiled_store`)
+        and this layer's :meth:`row_arrays`, its destinations; None for a pool not on the CPU or a format
+        without one."""
+        store = self.format.spec.compiled_store() if self.device.type == "cpu" else None
+        return None if store is None else (store, self.row_arrays(layer))
 
     def part(self, side: str, name: str) -> list[torch.Tensor | None]:
         """One part of K (``side="k"``) or V, per layer: ``pool.part("k", "codes")[l]``; None per layer when the
