@@ -375,3 +375,74 @@ def test_compiled_rotation_of_few_rows_is_torchs_bit_for_bit(tokens, heads, dim)
         a, b = x.chunk(2, dim=-1)
         want = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
         assert got.is_contiguous() and torch.equal(got.view(torch.int32), want.contiguous().view(torch.int32))
+
+
+
+
+@pytest.mark.parametrize("tokens, hq, hkv, d", [(1, 9, 3, 64), (8, 4, 2, 16), (64, 2, 1, 128), (3, 6, 3, 2)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_planned_few_rows_take_the_compiled_route_with_the_general_routes_bits(tokens, hq, hkv, d, fmt, monkeypatch):
+    """A planned step of few rows without QK-norm ("neox") splits, rotates and stores in two compiled calls where
+    the format has a compiled store (INT8), never through prepare_qkv; its q and every stored part are the general
+    route's bit for bit (that route forced by the compiled one declining), on ragged shapes and positions."""
+    import int8kv.ops as ops_mod
+
+    gen = torch.Generator().manual_seed(tokens * 100 + d)
+    cos, sin = rope_tables(200, d)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen) * 4
+    positions = torch.randperm(200, generator=gen)[:tokens]
+    general = []
+    real_prepare = ops_mod.prepare_qkv
+    monkeypatch.setattr(ops_mod, "prepare_qkv", lambda *a, **k: general.append(1) or real_prepare(*a, **k))
+    out, states = [], []
+    for route in ("compiled", "general"):
+        if route == "general":
+            monkeypatch.setattr(write_mod, "split_rotate_store", lambda *a, **k: None)
+        cache = PagedKvCache(tokens + 2, 4, 1, hkv, d, fmt)
+        slots = torch.tensor([cache.add_sequence(s, 1)[0] for s in range(tokens)])
+        tables, lens = cache.batch_tensors(list(range(tokens)))
+        plan = plan_attention(cache.pool, tables, lens, cu_seqlens_q=torch.arange(tokens + 1, dtype=torch.int32),
+                              slots=slots, positions=positions, max_position=len(cos))  # fmt: skip
+        general.clear()
+        out.append(paged_write(cache, 0, qkv, None, None, cos, sin, hq, plan=plan))
+        states.append(state(cache))
+        assert len(general) == (0 if route == "compiled" and fmt is INT8 else 1)
+    assert out[0].shape == (tokens, hq, d) and torch.equal(out[0].view(torch.int32), out[1].view(torch.int32))
+    assert same_state(*states)
+
+
+def test_the_compiled_route_refuses_what_the_general_route_refuses_and_stores_nothing(monkeypatch):
+    """NaN in q, k or v (qkv), an inf RoPE entry at a used position (q after the rotation) and a K value beyond
+    float16 (the store): NonFiniteError with the general route's message, the cache unchanged."""
+    hq, hkv, d, tokens = 4, 2, 8, 3
+    cos, sin = rope_tables(16, d)
+    bad_cos = cos.clone()
+    bad_cos[2, 1] = float("inf")
+    cases = []
+    for col in (3, hq * d + 1, (hq + hkv) * d + 5):  # in q, in k, in v
+        qkv = torch.randn(tokens, (hq + 2 * hkv) * d)
+        qkv[1, col] = float("nan")
+        cases.append((qkv, cos))
+    cases.append((torch.randn(tokens, (hq + 2 * hkv) * d), bad_cos))
+    big = torch.randn(tokens, (hq + 2 * hkv) * d)
+    big[2, hq * d + 3] = 7e4  # finite in float32; K overflows float16 after the rotation (position 0 or not)
+    big[2, hq * d + 3 + d // 2] = 7e4
+    cases.append((big, cos))
+    messages = {}
+    for route in ("compiled", "general"):
+        if route == "general":
+            monkeypatch.setattr(write_mod, "split_rotate_store", lambda *a, **k: None)
+        cache = PagedKvCache(8, 4, 1, hkv, d, INT8)
+        slots = torch.tensor([cache.add_sequence(s, 1)[0] for s in range(tokens)])
+        tables, lens = cache.batch_tensors(list(range(tokens)))
+        plan = plan_attention(cache.pool, tables, lens, cu_seqlens_q=torch.arange(tokens + 1, dtype=torch.int32),
+                              slots=slots, positions=torch.tensor([0, 2, 5]), max_position=len(cos))  # fmt: skip
+        before = state(cache)
+        for i, (qkv, table) in enumerate(cases):
+            plan_i = plan_attention(cache.pool, tables, lens, cu_seqlens_q=plan.cu_seqlens_q, slots=slots,
+                                    positions=plan.positions, max_position=len(cos))  # fmt: skip
+            with pytest.raises(NonFiniteError) as e:
+                paged_write(cache, 0, qkv, None, None, table, sin, hq, plan=plan_i)
+            messages.setdefault(i, set()).add(str(e.value))
+            assert same_state(before, state(cache))
+    assert all(len(m) == 1 for m in messages.values()), messages

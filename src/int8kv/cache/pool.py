@@ -84,6 +84,7 @@ class KvPool:
         # per write cost 5.5 us of a 48 us transformers-layer append (SmolLM2's shape, one thread).
         self._rows = [tuple(tuple(t.flatten(0, 1) for t in side) for side in pair) for pair in self._layers]
         self._row_arrays: list[tuple | None] = [None] * self.num_layers  # row_arrays(), built on first use
+        self._compiled: list[tuple | None] = [None] * self.num_layers  # compiled_store(), found on first use
 
     def __repr__(self) -> str:
         return (
@@ -131,8 +132,11 @@ class KvPool:
         """``(store, arrays)``: the format's compiled store (:meth:`~int8kv.formats.KvFormat.compiled_store`)
         and this layer's :meth:`row_arrays`, its destinations; None for a pool not on the CPU or a format
         without one."""
-        store = self.format.spec.compiled_store() if self.device.type == "cpu" else None
-        return None if store is None else (store, self.row_arrays(layer))
+        found = self._compiled[layer]
+        if found is None:
+            store = self.format.spec.compiled_store() if self.device.type == "cpu" else None
+            found = self._compiled[layer] = (None,) if store is None else (store, self.row_arrays(layer))
+        return None if found[0] is None else found  # type: ignore[return-value]
 
     def part(self, side: str, name: str) -> list[torch.Tensor | None]:
         """One part of K (``side="k"``) or V, per layer: ``pool.part("k", "codes")[l]``; None per layer when the

@@ -315,7 +315,14 @@ def paged_write(
             write.check_rope_tables(cos, sin, pool.head_dim, rope_style)
             return write.rope_rows(pos, cos, sin)
 
-        rows = plan.derived(("rope-rows", cos, sin, pool.head_dim, rope_style), pick)
+        key = ("rope-rows", cos, sin, pool.head_dim, rope_style)
+        rows = plan.derived(key, pick)
+        plain = q_norm_weight is None and k_norm_weight is None and rope_style == "neox"  # split_rotate's case
+        if plain and slots is None and name != "triton" and pool.device.type == "cpu":
+            rows_np = plan.derived((*key, "numpy"), lambda: tuple(t.reshape(t.shape[0], -1).numpy() for t in rows))
+            q = write.split_rotate_store(pool, layer, qkv, num_q_heads, plan, rows_np)
+            if q is not None:
+                return q
     q, k, v = prepare_qkv(
         pool, qkv, pos, cos, sin, num_q_heads, q_norm_weight, k_norm_weight, eps, rope_style,
         positions_checked=planned, rows=rows,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..codec import round_to_f16
+from ..codec import refuse_rows, round_to_f16
 from ..errors import NonFiniteError, PositionOutOfRange, ShapeMismatch
 from .plan import INDEX_DTYPES, AttentionPlan, check_slots
 
@@ -130,6 +130,54 @@ def _check_finite(x: torch.Tensor, what: str) -> None:
         raise NonFiniteError(f"{what} holds NaN or inf")
 
 
+_Q_CHECKED = "q after QK-norm and RoPE"  # what prepare_qkv's second check names
+
+
+def split_rotate_store(
+    pool, layer: int, qkv: torch.Tensor, num_q_heads: int, plan: AttentionPlan, rows: tuple[np.ndarray, np.ndarray]
+) -> torch.Tensor | None:
+    """A planned step of few rows, without QK-norm, with "neox" RoPE, on the CPU (:func:`int8kv.ops.paged_write`'s
+    decode step) in two compiled calls: split, rotate and check (``cpu_rope.split_rotate``), then the format's
+    compiled store (``KvPool.compiled_store``) at the plan's slots. ``rows``: the step's cos and sin rows as numpy
+    ``[tokens, dim / 2]`` (:func:`rope_rows`'s, viewed). Returns float32 q ``[tokens, num_q_heads, dim]``, checked
+    finite, or None with nothing done where this route does not apply (another format, device or dtype, a
+    non-contiguous or autograd qkv, more than a few rows, arguments the general route refuses): the general route
+    (:func:`prepare_qkv` then :func:`append_paged_kv`) then takes the step and says what is wrong. The same values,
+    stores and refusals as that route (tests/test_write.py).
+
+    Measured in the engine's SmolLM2 decode at 512 tokens: the general route's ~25 Python calls took ~92 us a layer
+    (docs/benchmarks.md, "The engine's decode write")."""
+    found = pool.compiled_store(layer)
+    if found is None or getattr(pool, "writes_by_step", False) or plan.slots is None:
+        return None
+    heads, dim = pool.num_kv_heads, pool.head_dim
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % heads:
+        return None
+    if not isinstance(qkv, torch.Tensor) or qkv.dtype != torch.float32 or qkv.dim() != 2:
+        return None
+    tokens = qkv.shape[0]
+    if not 0 < tokens <= _FEW_ROWS or qkv.shape[1] != (num_q_heads + 2 * heads) * dim or plan.slots.shape[0] != tokens:
+        return None
+    try:  # a CPU tensor without autograd (another device raises TypeError, autograd RuntimeError)
+        x = qkv.numpy()
+    except (TypeError, RuntimeError):
+        return None
+    if not x.flags.c_contiguous:
+        return None
+    from .cpu_rope import split_rotate
+
+    q = np.empty((tokens, num_q_heads, dim), np.float32)
+    k, v = np.empty((tokens, heads, dim), np.float32), np.empty((tokens, heads, dim), np.float32)
+    refused = split_rotate(x, rows[0], rows[1], q, k, v)
+    if refused:
+        raise NonFiniteError(f"{'qkv' if refused == 1 else _Q_CHECKED} holds NaN or inf")
+    store, arrays = found
+    bad = store(k, v, plan.derived("slots as numpy", plan.slots.numpy), *arrays)
+    if bad:
+        refuse_rows(bad, torch.from_numpy(k), torch.from_numpy(v))
+    return torch.from_numpy(q)
+
+
 def prepare_qkv(
     pool,
     qkv: torch.Tensor,
@@ -174,7 +222,7 @@ def prepare_qkv(
     else:
         q = apply_rope(rms_norm(q, q_norm_weight, eps), pos, cos, sin, rope_style, rows)
         k = apply_rope(rms_norm(k, k_norm_weight, eps), pos, cos, sin, rope_style, rows)
-    _check_finite(q, "q after QK-norm and RoPE")
+    _check_finite(q, _Q_CHECKED)
     return q, k, v
 
 
