@@ -446,3 +446,23 @@ def test_the_compiled_route_refuses_what_the_general_route_refuses_and_stores_no
             messages.setdefault(i, set()).add(str(e.value))
             assert same_state(before, state(cache))
     assert all(len(m) == 1 for m in messages.values()), messages
+
+
+def test_rms_norm_is_the_written_out_expression_bit_for_bit():
+    """write.rms_norm of float32 rows (torch's rms_norm) equals x * rsqrt(mean(x^2) + eps) * w bit for bit, on
+    ragged shapes (decode rows, prefill chunks, QK-norm's per-head rows), and the float64 formula within float32
+    rounding; other dtypes keep the expression."""
+    g = torch.Generator().manual_seed(11)
+    for shape in [(1, 576), (3, 960), (8, 64), (517, 576), (5, 9, 64), (2, 3, 128), (1, 1, 2)]:
+        x = torch.randn(shape, generator=g) * torch.rand(shape[:-1] + (1,), generator=g) * 5
+        w = torch.randn(shape[-1], generator=g)
+        eps = float(torch.rand(1, generator=g)) * 1e-4 + 1e-6
+        got = write_mod.rms_norm(x, w, eps)
+        want = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * w
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), shape
+        x64 = x.double()
+        ref = x64 / torch.sqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps) * w.double()
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6), shape
+    xb = torch.randn(4, 64, generator=g).bfloat16()
+    w = torch.randn(64, generator=g)
+    assert torch.equal(write_mod.rms_norm(xb, w, 1e-6), xb * torch.rsqrt(xb.pow(2).mean(-1, keepdim=True) + 1e-6) * w)

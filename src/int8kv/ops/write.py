@@ -59,6 +59,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ShapeMismatch(f"norm weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
     w = weight if weight.dtype == torch.float32 and weight.device == x.device else weight.to(x.device, torch.float32)
+    if x.dtype == torch.float32:
+        # torch's rms_norm is this expression's operations in this order (pow, mean, add, rsqrt, mul, mul: its
+        # composite kernel), so the same bits (tests/test_write.py), in one call from Python instead of six: 10.6
+        # against 13.8 us a call for a SmolLM2 row in a loop, and the engine's step runs 61 of them.
+        return torch.rms_norm(x, (x.shape[-1],), w, eps)
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * w
 
 
