@@ -413,7 +413,7 @@ class Int8KvLayer(CacheLayerMixin):
 
         Measured inside SmolLM2-135M's decode at 512 tokens: the general path (write.append_rows: its checks, the
         backend, the pool, the format and the codec's own checks, each a Python call) took ~41 us a layer, this
-        ~19 (docs/benchmarks.md, "The drop-in's decode write")."""
+        ~19 (docs/benchmarks.md, "The decode write through compiled calls")."""
         p = self.pool
         direct = self._direct
         if direct is None or direct[0] is not p:

@@ -151,7 +151,7 @@ def split_rotate_store(
     stores and refusals as that route (tests/test_write.py).
 
     Measured in the engine's SmolLM2 decode at 512 tokens: the general route's ~25 Python calls took ~92 us a layer
-    (docs/benchmarks.md, "The engine's decode write")."""
+    (docs/benchmarks.md, "The decode write through compiled calls")."""
     found = pool.compiled_store(layer)
     if found is None or getattr(pool, "writes_by_step", False) or plan.slots is None:
         return None
