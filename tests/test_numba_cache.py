@@ -179,7 +179,9 @@ def test_a_kernel_is_rebuilt_when_only_a_module_it_inlines_changes(tmp_path):
     (package / "numba_cache.py").write_text((SRC / "int8kv" / "numba_cache.py").read_text())
     (package / "caller.py").write_text(CALLER)
     helper = "import numba\n\n@numba.njit(inline='always')\ndef value():\n    return {}\n"
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"),
+    # No bytecode files: helper.py rewritten within the same second at the same size would pass Python's own
+    # (mtime, size) check of its .pyc, and the child would import the old helper whatever numba does.
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONDONTWRITEBYTECODE": "1",
            "NUMBA_CACHE_MODULE": str(package / "numba_cache.py")}  # fmt: skip
 
     def run() -> list[str]:

@@ -152,8 +152,10 @@ def split_rotate_store(
 
     Measured in the engine's SmolLM2 decode at 512 tokens: the general route's ~25 Python calls took ~92 us a layer
     (docs/benchmarks.md, "The decode write through compiled calls")."""
+    if getattr(pool, "writes_by_step", False) or plan.slots is None:  # cache.pool_q4w's pool: written by step
+        return None
     found = pool.compiled_store(layer)
-    if found is None or getattr(pool, "writes_by_step", False) or plan.slots is None:
+    if found is None:
         return None
     heads, dim = pool.num_kv_heads, pool.head_dim
     if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads <= 0 or num_q_heads % heads:
