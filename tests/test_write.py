@@ -466,3 +466,33 @@ def test_rms_norm_is_the_written_out_expression_bit_for_bit():
     xb = torch.randn(4, 64, generator=g).bfloat16()
     w = torch.randn(64, generator=g)
     assert torch.equal(write_mod.rms_norm(xb, w, 1e-6), xb * torch.rsqrt(xb.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_few_rows_by_slot_take_the_compiled_store_with_the_pools_bits(tokens, monkeypatch):
+    """append_rows of at most 64 float32 rows (contiguous or a transposed view, as the engine's transformers path
+    hands them) stores through the format's compiled store, not the pool's encode_rows, the same codes and scales
+    as encode_rows; a row beyond float16 is refused with nothing stored; float16 rows keep the pool's route."""
+    from int8kv.cache.pool import KvPool
+    from int8kv.cache.state import KvLayout
+
+    g = torch.Generator().manual_seed(tokens)
+    packed = torch.randn(1, 3, tokens, 16, generator=g) * 5
+    k, v = packed[0].transpose(0, 1), torch.randn(tokens, 3, 16, generator=g)
+    slots = torch.randperm(80, generator=g)[:tokens]
+    routes = []
+    real = KvPool.encode_rows
+    monkeypatch.setattr(KvPool, "encode_rows", lambda self, *a: routes.append(1) or real(self, *a))
+    pools = [KvPool(KvLayout(2, 3, 16, INT8), 10, 8) for _ in range(2)]
+    write_mod.append_rows(pools[0], 1, k, v, slots, backend="cpu")
+    assert routes == []
+    real(pools[1], 1, slots, k, v)
+    assert all(torch.equal(a, b) for a, b in zip(pools[0].storage(), pools[1].storage(), strict=True))
+    before = [t.clone() for t in pools[0].storage()]
+    bad = v.clone()
+    bad[-1, 2, 3] = 7e4
+    with pytest.raises(NonFiniteError):
+        write_mod.append_rows(pools[0], 0, k, bad, slots, backend="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(before, pools[0].storage(), strict=True))
+    write_mod.append_rows(pools[0], 0, k.half(), v.half(), slots, backend="cpu")
+    assert routes == [1]

@@ -269,7 +269,29 @@ def store_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         # The codec's checks (NaN/inf, float16 range) run here, before the fused kernel writes anything.
         tk.store_rows(pool, layer, *kv_to_f16(k, v), slots)
         return
+    if k.shape[0] <= _FEW_ROWS and _store_compiled(pool, layer, k, v, slots):
+        return
     pool.encode_rows(layer, slots, k, v)
+
+
+def _store_compiled(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    """A few checked rows through the format's compiled store (``KvPool.compiled_store``): False, with nothing
+    done, where it does not apply (no compiled store, rows or slots off the CPU or of other dtypes). The pool's
+    own route (``encode_rows``: the format's store, the codec's checks) reaches the same compiled function for
+    V1 through three more Python calls."""
+    compiled = getattr(pool, "compiled_store", None)  # a KvPool's; a pool-like object without one: its route
+    found = None if compiled is None else compiled(layer)
+    if found is None or k.dtype != torch.float32 or v.dtype != torch.float32 or slots.dtype != torch.int64:
+        return False
+    try:  # numpy views: CPU tensors (checked rows carry no autograd history)
+        kn, vn, sn = k.numpy(), v.numpy(), slots.numpy()
+    except (TypeError, RuntimeError):
+        return False
+    store, arrays = found
+    bad = store(np.ascontiguousarray(kn), np.ascontiguousarray(vn), np.ascontiguousarray(sn), *arrays)
+    if bad:
+        refuse_rows(bad, k, v)
+    return True
 
 
 def _check_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
