@@ -11,6 +11,9 @@ batch 1, a 512-token prompt of the license texts, 32 new tokens.
   `ops.paged_write` through `write.split_rotate_store`; "general": that route declined, so `prepare_qkv` and
   `append_paged_kv` take the step); per layer of a decode step, the time in `ops.paged_write` and in the prepared
   attention, and ms per token from the engine's stats.
+- engine-transformers: the same engine on the model's own forward (`implementation="transformers"`), whose
+  layers write through `write.append_rows` ("compiled": `store_kv` hands the rows to the compiled store;
+  "general": through the pool's `encode_rows`); per layer, the time in `write.append_rows`.
 Each figure is the median over the rounds; ratios are taken within a round (the peers ran back to back).
 """
 
@@ -76,11 +79,13 @@ def main() -> None:
     Int8KvCache.update = _timed(Int8KvCache.update, "update")
     ops.paged_write = _timed(ops.paged_write, "paged_write")
     ops.PreparedAttention.run = _timed(ops.PreparedAttention.run, "prepared_attention")  # inside the drop-in's too
-    direct, split = Int8KvLayer._store_direct, write.split_rotate_store
+    write.append_rows = _timed(write.append_rows, "append_rows")
+    direct, split, compiled = Int8KvLayer._store_direct, write.split_rotate_store, write._store_compiled
 
     def route(general: bool) -> None:
         Int8KvLayer._store_direct = (lambda *a: False) if general else direct
         write.split_rotate_store = (lambda *a, **k: None) if general else split
+        write._store_compiled = (lambda *a, **k: False) if general else compiled
 
     def dropin(name: str) -> dict:
         route(name == "general")
@@ -95,11 +100,13 @@ def main() -> None:
                 "update_ms_per_step": SPENT.get("update", 0.0) / steps * 1e3,
                 "attention_ms_per_step": SPENT.get("attention", 0.0) / steps * 1e3}  # fmt: skip
 
-    llm = LLM(model, kv_format=KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, memory=64 << 20, max_num_seqs=1,
-              tokenizer=tok, implementation="fused", weights="model")  # fmt: skip
+    engines = {implementation: LLM(model, kv_format=KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, memory=64 << 20,
+                                   max_num_seqs=1, tokenizer=tok, implementation=implementation, weights="model")
+               for implementation in ("fused", "transformers")}  # fmt: skip
 
-    def engine(name: str) -> dict:
+    def engine(name: str, implementation: str = "fused") -> dict:
         route(name == "general")
+        llm = engines[implementation]
         figures = []
         for tokens in (2, NEW_TOKENS + 2):  # the difference: NEW_TOKENS decode steps, prefill and first step out
             llm.stats = EngineStats()
@@ -109,12 +116,16 @@ def main() -> None:
             ON[0] = False
             figures.append(dict(SPENT))
         per_layer = {k: (figures[1][k] - figures[0].get(k, 0.0)) / NEW_TOKENS / layers * 1e6 for k in figures[1]}
+        if implementation == "transformers":
+            return {"ms_per_token": 1e3 / llm.stats.decode_tokens_per_s,
+                    "append_rows_us_per_layer": per_layer["append_rows"]}  # fmt: skip
         return {"ms_per_token": 1e3 / llm.stats.decode_tokens_per_s,
                 "paged_write_us_per_layer": per_layer["paged_write"],
                 "attention_us_per_layer": per_layer["prepared_attention"]}  # fmt: skip
 
     runs = {("drop-in", n): (lambda n=n: dropin(n)) for n in ("DynamicCache", "compiled", "general")}
     runs.update({("engine", n): (lambda n=n: engine(n)) for n in ("compiled", "general")})
+    runs.update({("engine-transformers", n): (lambda n=n: engine(n, "transformers")) for n in ("compiled", "general")})
     for run in runs.values():  # compiles, loads, warms
         run()
     rows = []
@@ -138,7 +149,8 @@ def main() -> None:
     ratios = {"drop-in compiled speed / DynamicCache": paired("drop-in", "compiled", "DynamicCache"),
               "drop-in general speed / DynamicCache": paired("drop-in", "general", "DynamicCache"),
               "drop-in compiled speed / general": paired("drop-in", "compiled", "general"),
-              "engine compiled speed / general": paired("engine", "compiled", "general")}  # fmt: skip
+              "engine compiled speed / general": paired("engine", "compiled", "general"),
+              "engine-transformers compiled speed / general": paired("engine-transformers", "compiled", "general")}
     for name, figures in summary.items():
         print(f"{name:22s}", " ".join(f"{k} {v:.2f}" for k, v in figures.items()))
     for name, value in ratios.items():
