@@ -427,6 +427,8 @@ class Int8KvLayer(CacheLayerMixin):
             return False
         if kn.dtype != np.float32 or vn.dtype != np.float32 or not (kn.flags.c_contiguous and vn.flags.c_contiguous):
             return False
+        if kn.size >= write.serial_elements():  # a large batch: the general path encodes it on every thread
+            return False
         store, arrays = found
         bad = store(kn, vn, _slot_array(p.num_blocks, p.block_size, row), *arrays)
         if bad:

@@ -138,6 +138,14 @@ def _check_finite(x: torch.Tensor, what: str) -> None:
 _Q_CHECKED = "q after QK-norm and RoPE"  # what prepare_qkv's second check names
 
 
+def serial_elements() -> int:
+    """Values per side (K or V) below which a compiled store encodes on the calling thread: the codec's own bound
+    (``_codec_cpu.SERIAL_ELEMENTS``; more go through the route that splits them over threads)."""
+    from .._codec_cpu import SERIAL_ELEMENTS  # loaded by then: a format's compiled store lives there
+
+    return SERIAL_ELEMENTS
+
+
 def split_rotate_store(
     pool, layer: int, qkv: torch.Tensor, num_q_heads: int, plan: AttentionPlan, rows: tuple[np.ndarray, np.ndarray]
 ) -> torch.Tensor | None:
@@ -169,7 +177,7 @@ def split_rotate_store(
         x = qkv.numpy()
     except (TypeError, RuntimeError):
         return None
-    if not x.flags.c_contiguous:
+    if not x.flags.c_contiguous or tokens * heads * dim >= serial_elements():
         return None
     from .cpu_rope import split_rotate
 
@@ -286,6 +294,8 @@ def _store_compiled(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: t
     try:  # numpy views: CPU tensors (checked rows carry no autograd history)
         kn, vn, sn = k.numpy(), v.numpy(), slots.numpy()
     except (TypeError, RuntimeError):
+        return False
+    if kn.size >= serial_elements():  # enough values that the pool's route encodes them on every thread
         return False
     store, arrays = found
     bad = store(np.ascontiguousarray(kn), np.ascontiguousarray(vn), np.ascontiguousarray(sn), *arrays)
