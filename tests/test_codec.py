@@ -85,6 +85,39 @@ def test_cpu_kernel_equals_torch_path_on_random_bit_patterns(rows):
         quantize_int8(x)
 
 
+def test_the_f16_compiled_store_is_torchs_float16_rounding():
+    """`_codec_cpu.f16_store` (the F16 format's compiled store) writes torch's float16 bits for random float32 bit
+    patterns (subnormals, near-overflow values), exact ties between adjacent float16 values and the edges (+-0,
+    65504, 65519.99, the smallest normal and what rounds up to it); a row holding NaN, inf or a value that rounds
+    past 65504 (65520 up) is refused, counted once per row, and nothing of the call is stored."""
+    from int8kv._codec_cpu import f16_store
+
+    gen = torch.Generator().manual_seed(29)
+    x = torch.randint(-(2**31), 2**31 - 1, (4000, 16), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = x.view(torch.float32)
+    x = torch.where(x.abs() < 65519.99, x, torch.zeros(()))
+    lo = torch.randint(0, 0x7BFF, (3000,), generator=gen, dtype=torch.int32).to(torch.int16)
+    ties = (lo.view(torch.float16).float() + (lo + 1).view(torch.float16).float()) / 2  # exact in float32
+    edges = torch.tensor([0.0, -0.0, 65504.0, 65519.99, -65519.99, 2.0**-14, 2.0**-14 - 2.0**-25, 2.0**-24,
+                          2.0**-25, 3 * 2.0**-25, 2.0**-26, 1e-30, -1e-45] * 2, dtype=torch.float32)  # fmt: skip
+    rows = torch.cat([x.reshape(-1), ties, edges])
+    rows = rows[: rows.numel() // 16 * 16].reshape(-1, 2, 8).contiguous()
+    n = rows.shape[0]
+    k_codes, v_codes = np.zeros((n + 3, 2, 8), np.uint16), np.zeros((n + 3, 2, 8), np.uint16)
+    slots = np.random.default_rng(3).permutation(n + 3)[:n].astype(np.int64)
+    assert f16_store(rows.numpy(), (-rows).numpy(), slots, k_codes, v_codes) == 0
+    want = rows.half().view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(k_codes[slots], want)
+    assert np.array_equal(v_codes[slots], (-rows).half().view(torch.int16).numpy().view(np.uint16))
+    before = k_codes.copy(), v_codes.copy()
+    for bad in (float("nan"), float("inf"), -float("inf"), 65520.0, -1e6):
+        poisoned = rows.clone()
+        poisoned[n // 2, 1, 3] = bad
+        poisoned[n // 2, 1, 5] = bad  # two bad values in one row count as one row
+        assert f16_store(rows.numpy(), poisoned.numpy(), slots, k_codes, v_codes) == 1
+        assert np.array_equal(k_codes, before[0]) and np.array_equal(v_codes, before[1])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 65520.0, -1e6])
 @pytest.mark.parametrize("quant", [quantize_int8, quantize_int8_torch])
 def test_non_finite_and_overflow_refused_with_location(bad, quant):

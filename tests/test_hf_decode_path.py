@@ -182,15 +182,15 @@ def test_row_arrays_are_the_pool_rows(fmt):
         assert np.shares_memory(a, t.numpy()) and np.array_equal(a, t.numpy())
 
 
-def _decode_steps(rows: list[tuple[torch.Tensor, torch.Tensor]], monkeypatch) -> tuple[Int8KvCache, int]:
-    """An INT8 cache (plain storage: no config) given a 6-position prefill, then ``rows`` as decode steps;
+def _decode_steps(rows: list[tuple[torch.Tensor, torch.Tensor]], monkeypatch, fmt=INT8) -> tuple[Int8KvCache, int]:
+    """A cache of ``fmt`` (plain storage: no config) given a 6-position prefill, then ``rows`` as decode steps;
     returns it and how many of the steps went through the general write path (write.append_rows)."""
     from int8kv.hf import cache as hf_cache
 
     general = []
     append_rows = hf_cache.write.append_rows
     monkeypatch.setattr(hf_cache.write, "append_rows", lambda *a, **k: general.append(1) or append_rows(*a, **k))
-    cache = Int8KvCache()
+    cache = Int8KvCache(format=fmt)
     torch.manual_seed(7)
     cache.update(torch.randn(rows[0][0].shape[0], HKV, 6, D), torch.randn(rows[0][0].shape[0], HKV, 6, D), 0)
     general.clear()
@@ -199,37 +199,39 @@ def _decode_steps(rows: list[tuple[torch.Tensor, torch.Tensor]], monkeypatch) ->
     return cache, len(general)
 
 
+@pytest.mark.parametrize("fmt", [INT8, F16])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decode_rows_through_the_compiled_store_are_the_general_paths_bits(batch, monkeypatch):
+def test_decode_rows_through_the_compiled_store_are_the_general_paths_bits(batch, fmt, monkeypatch):
     """Decode rows that are float32 and contiguous go to the format's compiled store (not write.append_rows);
-    the same values as non-contiguous views or as float16 take the general path, and every stored code and scale
-    is the same, equal to the format's encoder's (V1) of those rows."""
+    the same values as non-contiguous views or as float16 take the general path, and every stored part is the
+    same, equal to the format's encoder's of those rows."""
     steps = []
     for _ in range(5):
         k, v = torch.randn(batch, HKV, 1, D) * 3, torch.randn(batch, HKV, 1, D)
         k[0, 0, 0, 1] = 0.0  # a zero, and a row of float16 subnormals
         v[-1, -1, 0] = torch.randn(D) * 1e-6
         steps.append((k.half().float(), v.half().float()))  # values float16 holds: the float16 inputs are the same
-    direct, general_calls = _decode_steps(steps, monkeypatch)
+    direct, general_calls = _decode_steps(steps, monkeypatch, fmt)
     assert general_calls == 0
     strided = [tuple(torch.stack((x, x), dim=-1)[..., 0] for x in kv) for kv in steps]
     assert not strided[0][0].is_contiguous()
     for rows in (strided, [(k.half(), v.half()) for k, v in steps]):
-        other, general_calls = _decode_steps(rows, monkeypatch)
+        other, general_calls = _decode_steps(rows, monkeypatch, fmt)
         assert general_calls == len(steps)
         for a, b in zip(direct.layers[0].stored(), other.layers[0].stored(), strict=True):
             assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    codes, scales = (torch.stack([t[:, 6 + i] for i in range(len(steps))], dim=1) for t in direct.layers[0].stored()[0])
-    expected = INT8.spec.encode(torch.stack([k[:, :, 0] for k, _ in steps], dim=1))
-    assert torch.equal(codes, expected[0]) and torch.equal(scales, expected[1])
+    stored = [torch.stack([t[:, 6 + i] for i in range(len(steps))], dim=1) for t in direct.layers[0].stored()[0]]
+    expected = fmt.spec.encode(torch.stack([k[:, :, 0] for k, _ in steps], dim=1))
+    assert len(stored) == len(expected) and all(torch.equal(a, b) for a, b in zip(stored, expected, strict=True))
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -70000.0])
-def test_a_decode_row_the_compiled_store_refuses_changes_nothing(bad, monkeypatch):
+@pytest.mark.parametrize("fmt", [INT8, F16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -70000.0, 65520.0])
+def test_a_decode_row_the_compiled_store_refuses_changes_nothing(bad, fmt, monkeypatch):
     """NaN, inf or a value beyond float16 in one decode row: NonFiniteError from the compiled store, nothing of
     the step stored (neither K nor V, no batch row), the length unchanged; the next good step is stored."""
     good = (torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D))
-    cache, _ = _decode_steps([good], monkeypatch)
+    cache, _ = _decode_steps([good], monkeypatch, fmt)
     layer = cache.layers[0]
     before = [tuple(t.clone() for t in side) for side in layer.pool.layer_parts(0)]
     k, v = torch.randn(2, HKV, 1, D), torch.randn(2, HKV, 1, D)

@@ -249,7 +249,9 @@ def test_int64_slots_beyond_int32_are_refused():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_k_and_v_are_encoded_in_one_call(fmt, monkeypatch):
     calls = []
-    real, real_fused = type(fmt.spec).encode, _codec_cpu.quantize_store
+    real = type(fmt.spec).encode
+    name = "quantize_store" if fmt is INT8 else "f16_store"  # the format's compiled store
+    real_fused = getattr(_codec_cpu, name)
 
     def counting(self, x):
         calls.append(tuple(x.shape))
@@ -260,13 +262,13 @@ def test_k_and_v_are_encoded_in_one_call(fmt, monkeypatch):
         return real_fused(k, *rest)
 
     monkeypatch.setattr(type(fmt.spec), "encode", counting)
-    monkeypatch.setattr(_codec_cpu, "quantize_store", counting_fused)
+    monkeypatch.setattr(_codec_cpu, name, counting_fused)
     c = PagedKvCache(4, 4, 1, 2, 8, fmt)
     slots = c.add_sequence(0, 3)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     append_paged_kv(c, 0, k, v, slots)
-    # INT8 on the CPU: encode and store in one kernel call (codec.quantize_int8_store); F16: one encode for both.
-    assert calls == ([("fused", 3, 2, 8)] if fmt is INT8 else [(2, 3, 2, 8)])
+    # A few rows on the CPU: encoded and stored, K and V, in one call of the format's compiled store.
+    assert calls == [("fused", 3, 2, 8)]
     rk, rv = c.read_rows(0, slots)
     assert torch.equal(rk, fmt.spec.decode(fmt.spec.encode(k))) and torch.equal(rv, fmt.spec.decode(fmt.spec.encode(v)))
 
@@ -382,8 +384,8 @@ def test_compiled_rotation_of_few_rows_is_torchs_bit_for_bit(tokens, heads, dim)
 @pytest.mark.parametrize("tokens, hq, hkv, d", [(1, 9, 3, 64), (8, 4, 2, 16), (64, 2, 1, 128), (3, 6, 3, 2)])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_planned_few_rows_take_the_compiled_route_with_the_general_routes_bits(tokens, hq, hkv, d, fmt, monkeypatch):
-    """A planned step of few rows without QK-norm ("neox") splits, rotates and stores in two compiled calls where
-    the format has a compiled store (INT8), never through prepare_qkv; its q and every stored part are the general
+    """A planned step of few rows without QK-norm ("neox") splits, rotates and stores in two compiled calls (both
+    formats have a compiled store), never through prepare_qkv; its q and every stored part are the general
     route's bit for bit (that route forced by the compiled one declining), on ragged shapes and positions."""
     import int8kv.ops as ops_mod
 
@@ -406,7 +408,7 @@ def test_planned_few_rows_take_the_compiled_route_with_the_general_routes_bits(t
         general.clear()
         out.append(paged_write(cache, 0, qkv, None, None, cos, sin, hq, plan=plan))
         states.append(state(cache))
-        assert len(general) == (0 if route == "compiled" and fmt is INT8 else 1)
+        assert len(general) == (0 if route == "compiled" else 1)
     assert out[0].shape == (tokens, hq, d) and torch.equal(out[0].view(torch.int32), out[1].view(torch.int32))
     assert same_state(*states)
 
@@ -468,8 +470,9 @@ def test_rms_norm_is_the_written_out_expression_bit_for_bit():
     assert torch.equal(write_mod.rms_norm(xb, w, 1e-6), xb * torch.rsqrt(xb.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens", [1, 7, 64])
-def test_few_rows_by_slot_take_the_compiled_store_with_the_pools_bits(tokens, monkeypatch):
+def test_few_rows_by_slot_take_the_compiled_store_with_the_pools_bits(tokens, fmt, monkeypatch):
     """append_rows of at most 64 float32 rows (contiguous or a transposed view, as the engine's transformers path
     hands them) stores through the format's compiled store, not the pool's encode_rows, the same codes and scales
     as encode_rows; a row beyond float16 is refused with nothing stored; float16 rows keep the pool's route."""
@@ -483,7 +486,7 @@ def test_few_rows_by_slot_take_the_compiled_store_with_the_pools_bits(tokens, mo
     routes = []
     real = KvPool.encode_rows
     monkeypatch.setattr(KvPool, "encode_rows", lambda self, *a: routes.append(1) or real(self, *a))
-    pools = [KvPool(KvLayout(2, 3, 16, INT8), 10, 8) for _ in range(2)]
+    pools = [KvPool(KvLayout(2, 3, 16, fmt), 10, 8) for _ in range(2)]
     write_mod.append_rows(pools[0], 1, k, v, slots, backend="cpu")
     assert routes == []
     real(pools[1], 1, slots, k, v)

@@ -14,6 +14,8 @@ batch 1, a 512-token prompt of the license texts, 32 new tokens.
 - engine-transformers: the same engine on the model's own forward (`implementation="transformers"`), whose
   layers write through `write.append_rows` ("compiled": `store_kv` hands the rows to the compiled store;
   "general": through the pool's `encode_rows`); per layer, the time in `write.append_rows`.
+- engine-f16: the fused forward with an F16 cache (F16's compiled store, `_codec_cpu.f16_store`, against the
+  general route), timed as "engine".
 Each figure is the median over the rounds; ratios are taken within a round (the peers ran back to back).
 """
 
@@ -100,13 +102,14 @@ def main() -> None:
                 "update_ms_per_step": SPENT.get("update", 0.0) / steps * 1e3,
                 "attention_ms_per_step": SPENT.get("attention", 0.0) / steps * 1e3}  # fmt: skip
 
-    engines = {implementation: LLM(model, kv_format=KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, memory=64 << 20,
-                                   max_num_seqs=1, tokenizer=tok, implementation=implementation, weights="model")
-               for implementation in ("fused", "transformers")}  # fmt: skip
+    int8, f16 = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1, KvStorageFormat.F16
+    engines = {(implementation, fmt): LLM(model, kv_format=fmt, memory=64 << 20, max_num_seqs=1, tokenizer=tok,
+                                          implementation=implementation, weights="model")
+               for implementation, fmt in (("fused", int8), ("transformers", int8), ("fused", f16))}  # fmt: skip
 
-    def engine(name: str, implementation: str = "fused") -> dict:
+    def engine(name: str, implementation: str = "fused", fmt=int8) -> dict:
         route(name == "general")
-        llm = engines[implementation]
+        llm = engines[(implementation, fmt)]
         figures = []
         for tokens in (2, NEW_TOKENS + 2):  # the difference: NEW_TOKENS decode steps, prefill and first step out
             llm.stats = EngineStats()
@@ -126,6 +129,7 @@ def main() -> None:
     runs = {("drop-in", n): (lambda n=n: dropin(n)) for n in ("DynamicCache", "compiled", "general")}
     runs.update({("engine", n): (lambda n=n: engine(n)) for n in ("compiled", "general")})
     runs.update({("engine-transformers", n): (lambda n=n: engine(n, "transformers")) for n in ("compiled", "general")})
+    runs.update({("engine-f16", n): (lambda n=n: engine(n, "fused", f16)) for n in ("compiled", "general")})
     for run in runs.values():  # compiles, loads, warms
         run()
     rows = []
@@ -150,7 +154,8 @@ def main() -> None:
               "drop-in general speed / DynamicCache": paired("drop-in", "general", "DynamicCache"),
               "drop-in compiled speed / general": paired("drop-in", "compiled", "general"),
               "engine compiled speed / general": paired("engine", "compiled", "general"),
-              "engine-transformers compiled speed / general": paired("engine-transformers", "compiled", "general")}
+              "engine-transformers compiled speed / general": paired("engine-transformers", "compiled", "general"),
+              "engine-f16 compiled speed / general": paired("engine-f16", "compiled", "general")}  # fmt: skip
     for name, figures in summary.items():
         print(f"{name:22s}", " ".join(f"{k} {v:.2f}" for k, v in figures.items()))
     for name, value in ratios.items():

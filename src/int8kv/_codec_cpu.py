@@ -143,6 +143,50 @@ def quantize_store(k, v, slots, k_codes, k_scales, v_codes, v_scales) -> int:
 
 
 @nb.njit(inline="always")
+def _f16_code(x: np.float32, b: np.int32) -> np.int32:
+    """The float16 bits of float32 ``x`` (``b``: its bits), rounded to nearest even as torch's cast does, or -1
+    where that is not finite (NaN, inf, or a magnitude that rounds above 65504: from 65520 = 0x477FF000 up)."""
+    sign = (b >> np.int32(16)) & np.int32(0x8000)
+    a = np.int32(b & np.int32(0x7FFFFFFF))
+    if a >= np.int32(0x477FF000):
+        return np.int32(-1)
+    if a >= np.int32(0x38800000):  # 2^-14 and up: 11 significant bits, the exponent rebiased (127 - 15) << 23
+        return np.int32(sign | ((_round_f16_bits(a) - np.int32(0x38000000)) >> np.int32(13)))
+    # Below 2^-14: multiples of 2^-24, x * 2^24 rounded to an integer (exact: a power-of-two scaling); 1024 is
+    # the smallest normal's bits, which a value just below 2^-14 rounds up to.
+    return np.int32(sign | np.int32(_rint_small(abs(x) * np.float32(16777216.0))))
+
+
+@nb.njit(cache=True)
+def f16_store(k, v, slots, k_codes, v_codes) -> int:
+    """The F16 format's compiled store: float32 ``k, v [n, H, d]`` (C-contiguous) as float16 bits (``_f16_code``)
+    into ``k_codes`` / ``v_codes`` (the pool's float16 rows ``[S, H, d]`` viewed as uint16) at int64 ``slots
+    [n]``. Returns the count of rows (K's and V's) not finite in float16; with any, nothing is stored."""
+    n, h, d = k.shape
+    out = np.empty((2, n * h, d), np.uint16)
+    bad = 0
+    for side in range(2):
+        x = (k if side == 0 else v).reshape(n * h, d)
+        bits = x.view(np.int32)
+        for r in range(n * h):
+            refused = False
+            for c in range(d):
+                code = _f16_code(x[r, c], bits[r, c])
+                refused |= code < 0
+                out[side, r, c] = np.uint16(code & 0xFFFF)
+            bad += refused
+    if bad:
+        return bad
+    for i in range(n):
+        s = slots[i]
+        for j in range(h):
+            for c in range(d):
+                k_codes[s, j, c] = out[0, i * h + j, c]
+                v_codes[s, j, c] = out[1, i * h + j, c]
+    return 0
+
+
+@nb.njit(inline="always")
 def _bits_to_f32(b: np.int32) -> np.float32:
     one = np.empty(1, np.int32)
     one[0] = b

@@ -112,6 +112,11 @@ class KvFormat:
         is :meth:`store`'s, bit for bit."""
         return None
 
+    def compiled_views(self, arrays: tuple) -> tuple:
+        """The pool's numpy views (``KvPool.row_arrays``) as :meth:`compiled_store` takes them: as they are,
+        unless the format's dtypes are ones numba cannot type (F16: its float16 codes, as uint16 bits)."""
+        return arrays
+
     def decode(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Stored parts (as :meth:`encode` returns them, any leading shape) as float32 rows ``[..., head_dim]``."""
         if not isinstance(parts, (tuple, list)) or len(parts) != len(self.parts):
@@ -179,6 +184,14 @@ class F16Format(KvFormat):
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (round_to_f16(x),)
+
+    def compiled_store(self) -> Callable:
+        from . import _codec_cpu  # numba: imported with the first CPU pool that writes this way
+
+        return _codec_cpu.f16_store  # torch's float16 rounding, bit for bit (tests/test_codec.py)
+
+    def compiled_views(self, arrays: tuple) -> tuple:
+        return tuple(a.view(np.uint16) for a in arrays)  # numba has no float16 on the CPU
 
     def _decode(self, *parts: torch.Tensor) -> torch.Tensor:
         return parts[0].to(torch.float32)

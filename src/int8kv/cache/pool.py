@@ -130,12 +130,14 @@ class KvPool:
 
     def compiled_store(self, layer: int) -> tuple[Callable, tuple] | None:
         """``(store, arrays)``: the format's compiled store (:meth:`~int8kv.formats.KvFormat.compiled_store`)
-        and this layer's :meth:`row_arrays`, its destinations; None for a pool not on the CPU or a format
-        without one."""
+        and this layer's :meth:`row_arrays` as it takes them (``compiled_views``), its destinations; None for a
+        pool not on the CPU or a format without one."""
         found = self._compiled[layer]
         if found is None:
-            store = self.format.spec.compiled_store() if self.device.type == "cpu" else None
-            found = self._compiled[layer] = (None,) if store is None else (store, self.row_arrays(layer))
+            spec = self.format.spec
+            store = spec.compiled_store() if self.device.type == "cpu" else None
+            arrays = None if store is None else spec.compiled_views(self.row_arrays(layer))
+            found = self._compiled[layer] = (None,) if store is None else (store, arrays)
         return None if found[0] is None else found  # type: ignore[return-value]
 
     def part(self, side: str, name: str) -> list[torch.Tensor | None]:
