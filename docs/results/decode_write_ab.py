@@ -82,12 +82,12 @@ def main() -> None:
     ops.paged_write = _timed(ops.paged_write, "paged_write")
     ops.PreparedAttention.run = _timed(ops.PreparedAttention.run, "prepared_attention")  # inside the drop-in's too
     write.append_rows = _timed(write.append_rows, "append_rows")
-    direct, split, compiled = Int8KvLayer._store_direct, write.split_rotate_store, write._store_compiled
+    direct, split, compiled = Int8KvLayer._store_direct, write.split_rotate_store, write.store_compiled
 
     def route(general: bool) -> None:
         Int8KvLayer._store_direct = (lambda *a: False) if general else direct
         write.split_rotate_store = (lambda *a, **k: None) if general else split
-        write._store_compiled = (lambda *a, **k: False) if general else compiled
+        write.store_compiled = (lambda *a, **k: False) if general else compiled
 
     def dropin(name: str) -> dict:
         route(name == "general")

@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.cache_utils import (
@@ -58,7 +57,6 @@ from ..cache.pool import KvPool
 from ..cache.pool_q4w import Int4SinkWindowPool
 from ..cache.state import GroupedKvState, KvLayout, KvState, as_format, group_layers
 from ..cache.state_q4w import Q4WState
-from ..codec import refuse_rows
 from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention, UnsupportedFormat
 from ..formats import INT4_SINK_WINDOW_V1, KvFormat, KvStorageFormat
 from ..ops import plan_attention, resolve_backend, write
@@ -102,13 +100,6 @@ def _slots(batch: int, capacity: int, start: int, n: int, device: torch.device) 
     return (rows + torch.arange(start, start + n, dtype=torch.int64)[None, :]).reshape(-1).to(device)
 
 
-@functools.lru_cache(maxsize=256)
-def _slot_array(batch: int, capacity: int, start: int) -> np.ndarray:
-    """numpy int64 slots ``[batch]`` of position ``start`` of every row, for the compiled store
-    (``Int8KvLayer._store_direct``); shared by the layers of a step, never written."""
-    return np.arange(batch, dtype=np.int64) * capacity + start
-
-
 class Int8KvLayer(CacheLayerMixin):
     """One decoder layer's K/V, stored as codes (+ scales) in a one-layer pool (:attr:`pool`).
 
@@ -147,7 +138,6 @@ class Int8KvLayer(CacheLayerMixin):
         self.pool: KvPool | Int4SinkWindowPool | None = None
         self.pages = 0  # 4-bit format: pages of 64 positions per batch row (row b owns [b * pages, (b + 1) * pages))
         self._handles: tuple | None = None  # (what they describe, K handle, V handle): see update()
-        self._direct: tuple | None = None  # (pool, its compiled store or None): see _store_direct()
         self.spec = spec
         self.layer_idx = layer_idx
         self.book = book if book is not None else Book()
@@ -390,10 +380,11 @@ class Int8KvLayer(CacheLayerMixin):
             # By step, with the forward's write plan: rows [row, row + n) of every batch row (padding included).
             # Raises (NonFiniteError, shape) before the pool changes: the layer stays as it was.
             write.append_paged_kv(p, 0, k, v, plan=self._write_plan(n), backend=resolve_backend(p, self.backend))
-        elif n != 1 or not self._store_direct(k, v, row):
+        else:
             slots = _slots(p.num_blocks, p.block_size, row, n, p.device)
             # Raises (NonFiniteError, device, shape) before anything is stored: the layer stays as it was.
-            write.append_rows(p, 0, k, v, slots, backend=resolve_backend(p, self.backend))
+            if n != 1 or not self._store_direct(k, v, slots):
+                write.append_rows(p, 0, k, v, slots, backend=resolve_backend(p, self.backend))
         self.seq_len += n
         # Empty handles only the int8kv attention may read (any other operation raises AttentionBypassed): they
         # hold nothing but shape, dtype, device and this layer, so one pair serves every step of that kind
@@ -404,36 +395,19 @@ class Int8KvLayer(CacheLayerMixin):
             handles = self._handles = (kind, make_handle(key_states, self), make_handle(value_states, self))
         return handles[1], handles[2]
 
-    def _store_direct(self, k: torch.Tensor, v: torch.Tensor, row: int) -> bool:
-        """Store a decode step's rows ``k, v [batch, heads, head_dim]`` (position ``row`` of every batch row)
-        through the format's compiled store (``KvPool.compiled_store``), checking here only what that store does
-        not (it refuses rows not finite in float16, storing nothing: NonFiniteError). False, with nothing stored,
-        where it does not apply (the triton backend, a pool off the CPU or a format without one, rows not float32
-        C-contiguous CPU tensors): the general path then takes the rows.
+    def _store_direct(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Store a decode step's rows ``k, v [batch, heads, head_dim]`` (contiguous) at ``slots`` straight through
+        the format's compiled store (``write.store_compiled``, which refuses rows not finite in float16, storing
+        nothing: NonFiniteError), skipping the checks this layer already made. False, with nothing stored, where
+        that does not apply (the triton backend, non-contiguous rows, and what ``write.store_compiled`` declines):
+        the general path then takes the rows.
 
         Measured inside SmolLM2-135M's decode at 512 tokens: the general path (write.append_rows: its checks, the
         backend, the pool, the format and the codec's own checks, each a Python call) took ~41 us a layer, this
-        ~19 (docs/benchmarks.md, "The decode write through compiled calls")."""
-        p = self.pool
-        direct = self._direct
-        if direct is None or direct[0] is not p:
-            direct = self._direct = (p, None if self.backend == "triton" else p.compiled_store(0))
-        found = direct[1]
-        if found is None:
+        ~20 (docs/benchmarks.md, "The decode write through compiled calls")."""
+        if self.backend == "triton" or not (k.is_contiguous() and v.is_contiguous()):
             return False
-        try:  # numpy views: a CPU tensor without autograd (another device raises TypeError, autograd RuntimeError)
-            kn, vn = k.numpy(), v.numpy()
-        except (TypeError, RuntimeError):
-            return False
-        if kn.dtype != np.float32 or vn.dtype != np.float32 or not (kn.flags.c_contiguous and vn.flags.c_contiguous):
-            return False
-        if kn.size >= write.serial_elements():  # a large batch: the general path encodes it on every thread
-            return False
-        store, arrays = found
-        bad = store(kn, vn, _slot_array(p.num_blocks, p.block_size, row), *arrays)
-        if bad:
-            refuse_rows(bad, k, v)
-        return True
+        return write.store_compiled(self.pool, 0, k, v, slots)
 
     def _write_plan(self, n: int) -> Any:
         """The plan of a step appending ``n`` positions to every row: one per forward and shape, shared by the

@@ -277,25 +277,29 @@ def store_kv(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         # The codec's checks (NaN/inf, float16 range) run here, before the fused kernel writes anything.
         tk.store_rows(pool, layer, *kv_to_f16(k, v), slots)
         return
-    if k.shape[0] <= _FEW_ROWS and _store_compiled(pool, layer, k, v, slots):
+    if k.shape[0] <= _FEW_ROWS and store_compiled(pool, layer, k, v, slots):
         return
     pool.encode_rows(layer, slots, k, v)
 
 
-def _store_compiled(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
-    """A few checked rows through the format's compiled store (``KvPool.compiled_store``): False, with nothing
-    done, where it does not apply (no compiled store, rows or slots off the CPU or of other dtypes). The pool's
-    own route (``encode_rows``: the format's store, the codec's checks) reaches the same compiled function for
-    V1 through three more Python calls."""
+def store_compiled(pool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Checked rows ``k, v [n, heads, head_dim]`` (any strides) through the format's compiled store
+    (``KvPool.compiled_store``) at int64 ``slots [n]``: False, with nothing done, where it does not apply (no
+    compiled store, rows or slots off the CPU or of other dtypes, as many values as the codec encodes on every
+    thread); a row it refuses raises NonFiniteError, nothing stored. The pool's own route (``encode_rows``: the
+    format's store, the codec's checks) reaches the same compiled function for V1 through three more Python calls;
+    the transformers layer's decode step calls this directly (``Int8KvLayer._store_direct``)."""
     compiled = getattr(pool, "compiled_store", None)  # a KvPool's; a pool-like object without one: its route
     found = None if compiled is None else compiled(layer)
-    if found is None or k.dtype != torch.float32 or v.dtype != torch.float32 or slots.dtype != torch.int64:
+    if found is None:
         return False
     try:  # numpy views: CPU tensors (checked rows carry no autograd history)
         kn, vn, sn = k.numpy(), v.numpy(), slots.numpy()
     except (TypeError, RuntimeError):
         return False
-    if kn.size >= serial_elements():  # enough values that the pool's route encodes them on every thread
+    # The dtypes asked of numpy's views (cheaper than torch's attributes on this per-layer path); as many values
+    # as the codec splits over threads go the pool's route.
+    if kn.dtype != np.float32 or vn.dtype != np.float32 or sn.dtype != np.int64 or kn.size >= serial_elements():
         return False
     store, arrays = found
     bad = store(np.ascontiguousarray(kn), np.ascontiguousarray(vn), np.ascontiguousarray(sn), *arrays)
