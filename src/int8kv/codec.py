@@ -127,8 +127,8 @@ def quantize_int8_store(
 
 
 def refuse_rows(bad: int, *rows: torch.Tensor) -> NoReturn:
-    """NonFiniteError for ``bad`` rows of ``rows`` that a compiled V1 store found not finite in float16 (and so
-    left unstored), naming the first bad value where :func:`round_to_f16` can."""
+    """NonFiniteError for ``bad`` rows of ``rows`` that a format's compiled store (V1's, F16's) found not finite in
+    float16 (and so left unstored), naming the first bad value where :func:`round_to_f16` can."""
     for x in rows:
         round_to_f16(x)  # raises with the location of the first bad value
     raise NonFiniteError(f"KV input holds {bad} row(s) that are not finite in float16")

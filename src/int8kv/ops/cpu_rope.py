@@ -34,32 +34,21 @@ def _neox(x, c, s, out):
 
 @njit(cache=True)
 def split_rotate(qkv, c, s, q, k, v) -> int:
-    """A planned decode step's packed rows ``qkv`` float32 ``[tokens, (hq + 2 hkv) dim]`` into ``q [tokens, hq,
-    dim]`` and ``k [tokens, hkv, dim]`` rotated ("neox", by ``c, s [tokens, dim / 2]``, `_neox`'s arithmetic in its
-    order) and ``v [tokens, hkv, dim]`` copied (outputs float32, C-contiguous). Returns 1 where ``qkv`` holds NaN or
-    inf (before anything is rotated), 2 where ``q`` does after the rotation (a table entry), else 0: the two
-    refusals of the write path's general route (write.prepare_qkv), in its order."""
+    """A planned decode step's packed rows ``qkv`` float32 ``[tokens, (hq + 2 hkv) dim]`` (C-contiguous) into
+    ``q [tokens, hq, dim]`` and ``k [tokens, hkv, dim]`` rotated by `_neox` (by ``c, s [tokens, dim / 2]``) and
+    ``v [tokens, hkv, dim]`` copied (outputs float32, C-contiguous). Returns 1 where ``qkv`` holds NaN or inf
+    (before anything is rotated), 2 where ``q`` does after the rotation (a table entry), else 0: the two refusals
+    of the write path's general route (write.prepare_qkv), in its order."""
     tokens, hq, dim = q.shape
     hkv = k.shape[1]
-    half = dim // 2
     for t in range(tokens):
         for j in range(qkv.shape[1]):
             if not np.isfinite(qkv[t, j]):
                 return 1
-    for t in range(tokens):
-        row = qkv[t]
-        for h in range(hq + hkv):
-            out = q[t, h] if h < hq else k[t, h - hq]
-            base = h * dim
-            for i in range(half):
-                a = row[base + i]
-                b = row[base + i + half]
-                out[i] = a * c[t, i] - b * s[t, i]
-                out[i + half] = b * c[t, i] + a * s[t, i]
-        for h in range(hkv):
-            base = (hq + hkv + h) * dim
-            for i in range(dim):
-                v[t, h, i] = row[base + i]
+    heads = qkv.reshape(tokens, hq + 2 * hkv, dim)
+    _neox(heads[:, :hq], c, s, q)
+    _neox(heads[:, hq : hq + hkv], c, s, k)
+    v[:] = heads[:, hq + hkv :]
     for t in range(tokens):
         for h in range(hq):
             for i in range(dim):
