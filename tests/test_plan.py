@@ -86,6 +86,52 @@ def test_unvalidated_plan_skips_the_checks(monkeypatch):
     assert torch.equal(attention(c, 1, q, plan), want)
 
 
+def _outcome(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except KvCacheError as e:
+        return type(e), str(e)
+
+
+def test_host_statistics_decide_exactly_like_the_device_ones():
+    """validate_values computes its statistics with numpy on CPU tensors and with torch ops (one host read)
+    elsewhere: on the same metadata, valid or not (ragged batches, int32 and int64, values out of range, beyond
+    int32, repeated slots, queries past their keys, empty tensors), both return the same or raise the same."""
+    pool = PagedKvCache(16, 4, 1, 2, 8, INT8).pool
+    gen = torch.Generator().manual_seed(7)
+    seen: set = set()
+
+    def ints(shape, lo, hi, dtype):
+        return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+    for trial in range(400):
+        batch = int(torch.randint(0, 5, (), generator=gen))
+        width = int(torch.randint(1, 5, (), generator=gen))
+        dtype = (torch.int32, torch.int64)[trial % 2]
+        bad = trial % 3 == 0  # a third of the trials stretch the ranges past the pool's
+        tables = ints((batch, width), -1 if bad else 0, 18 if bad else 16, dtype)
+        lens = ints((batch,), -1 if bad else 0, width * 4 + (3 if bad else 1), dtype)
+        starts = None if trial % 4 else ints((batch,), 0, 3, dtype)
+        cu = n_q = None
+        if trial % 5:
+            counts = ints((batch,), -1 if bad else 0, 4, torch.int64)
+            cu = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(dtype)
+            n_q = int(cu[-1]) if batch else 0
+        tokens = batch if cu is None else max(n_q, 0)
+        slots = None if trial % 7 == 3 else ints((tokens,), -1 if bad else 0, 70 if bad else 64, torch.int64)
+        if slots is not None and tokens > 1 and trial % 6 == 0:
+            slots[-1] = slots[0]  # a repeat
+        positions = None if trial % 8 == 5 else ints((tokens,), -1 if bad else 0, 40, torch.int64)
+        if trial % 11 == 0 and batch and dtype == torch.int64:
+            lens[0] = BIG  # beyond int32: refused, not wrapped
+        args = (pool, tables, lens, starts, cu, n_q, slots, positions, 32)
+        host = _outcome(plan_mod.validate_values, *args, host=True)
+        device = _outcome(plan_mod.validate_values, *args, host=False)
+        assert host == device, (trial, args[1:])
+        seen.add(host[0] if isinstance(host[0], type) else "valid")
+    assert seen == {"valid", PositionOutOfRange, ShapeMismatch}  # every kind of outcome was met
+
+
 # -- one behaviour on every backend ----------------------------------------------------------------------
 BACKENDS = ["reference", "cpu", "triton"]
 
