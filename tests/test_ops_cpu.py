@@ -179,27 +179,32 @@ def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_run
         cpu.numba.set_num_threads(previous)
 
 
-def test_the_several_row_kernel_compiled_for_other_argument_types_is_refused(monkeypatch):
-    """The several-row leaf calls `_attend_item` by address: with the tag behind that address not the tag of the
-    arguments it passes, a prefill call raises TypeError before the kernel runs; the next call is unharmed."""
+@pytest.mark.parametrize("window", [None, 40], ids=["plain", "window"])
+def test_the_several_row_kernel_compiled_for_other_argument_types_is_refused(monkeypatch, window):
+    """The several-row leaf calls `_attend_item` by address, specialised without the rows' lowest keys (slots 6,
+    7 of the leaves) or, under a window, with them (slots 8, 9): with the tag behind the address in use not the
+    tag of the arguments it passes, a prefill call raises TypeError before the kernel runs; the next call is
+    unharmed."""
     cache, tables, context = build(INT8, 16, 64, 2, [90, 200], seed=13)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     q = torch.randn(12, 4, 64, generator=torch.Generator().manual_seed(13))
     monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads: False)  # serial: a plain TypeError
-    good = paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
+    good = paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu", window=window)
     real = cpu._leaves
+    used, unused = (6, 8) if window is None else (8, 6)
 
     def other_tag(*args):
         leaves = real(*args).copy()
-        assert leaves[6] != 0  # several rows per item: the general leaf and its kernel are in use
-        leaves[7] += 1
+        # several rows per item: the general leaf and one of the two kernels are in use
+        assert leaves[2] != 0 and leaves[used] != 0 and leaves[unused] == 0
+        leaves[used + 1] += 1
         return leaves
 
     monkeypatch.setattr(cpu, "_leaves", other_tag)
     with pytest.raises(TypeError, match="other argument types"):
-        paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
+        paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu", window=window)
     monkeypatch.setattr(cpu, "_leaves", real)
-    assert torch.equal(paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu"), good)
+    assert torch.equal(paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu", window=window), good)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -4,7 +4,7 @@
 
 Runs tests/warm_kernels.py's jobs (default 0: INT8, exact query, no window / softcap / sinks, serial and
 parallel decode calls) in this process with an empty numba cache, then with ``p`` among the arguments a prefill
-call of the first job's kind (5 query rows per sequence: the several-row kernel), and prints the process's CPU
+call of each job's kind (5 query rows per sequence: the several-row kernel), and prints the process's CPU
 seconds and, per dispatcher compiled, the CPU seconds of its compile (inclusive of the callees compiled inside
 it), and last a "json {...}" line of the same. docs/results/ab_checkouts.py runs it in two checkouts
 alternately (a fresh cache each time) to compare them on the same load: docs/results/compile_ab.json.
@@ -72,7 +72,8 @@ def main(argv: list[str]) -> None:
     for i in jobs:
         warm_kernels.warm(*warm_kernels.JOBS[i], q_heads=warm_kernels.KV_HEADS * (i + 1))
     if "p" in argv:
-        prefill(*warm_kernels.JOBS[jobs[0]])
+        for i in jobs:
+            prefill(*warm_kernels.JOBS[i])
     result = {"cpu_s": round(time.process_time() - cpu, 2), "wall_s": round(time.perf_counter() - wall, 2),
               "compiles_s": [[name, round(seconds, 2)] for name, seconds in timer.records if name in KERNELS]}
     print(f"cpu {result['cpu_s']:.1f} s wall {result['wall_s']:.1f} s")

@@ -743,7 +743,7 @@ def _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split,
 def _row_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
               part_l, part_acc):
     seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
-    first, end = _row_low(lows, row0, lo), min(hi, limits[row0])
+    first, end = max(lows[row0], lo), min(hi, limits[row0])
     attend = (q, q_scale, sm, cap, kc, ks, vc, vs, tables, seq, row0, first, end, m, denom, acc)
     if leaves[5] != tag_of(attend):
         raise TypeError("_row_item: the kernel at this address was compiled for other argument types")
@@ -755,10 +755,16 @@ def _row_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, it
 def _general_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
                   part_l, part_acc):
     seq, row0, nrows, lo, hi, split, m, denom, acc = _item_state(it, q, kc, items)
-    attend = (q, sm, cap, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, limits, lows, m, denom, acc)
-    if leaves[7] != tag_of(attend):
-        raise TypeError("_general_item: the kernel at this address was compiled for other argument types")
-    call_at(leaves[6], attend)
+    if leaves[6] != 0:  # every row from the item's first key: `_attend_item` specialised without lows
+        plain = (q, sm, cap, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, limits, None, m, denom, acc)
+        if leaves[7] != tag_of(plain):
+            raise TypeError("_general_item: the kernel at this address was compiled for other argument types")
+        call_at(leaves[6], plain)
+    else:  # a window or chunk: each row from its own lowest key
+        bounded = (q, sm, cap, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, limits, lows, m, denom, acc)
+        if leaves[9] != tag_of(bounded):
+            raise TypeError("_general_item: the kernel at this address was compiled for other argument types")
+        call_at(leaves[8], bounded)
     _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split, m, denom, acc)
 
 
@@ -805,7 +811,7 @@ _GENERAL_ITEM = Compiled(_general_item)
 _ATTEND_ROW = Compiled(_attend_row)
 _ATTEND_ITEM = Compiled(_attend_item)
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
-_NO_LEAVES = np.zeros(8, np.int64)  # a `leaves` array for typing the leaves' signatures (`_leaves`): values unused
+_NO_LEAVES = np.zeros(10, np.int64)  # a `leaves` array for typing the leaves' signatures (`_leaves`): values unused
 
 
 _CAPS: dict[float, np.ndarray] = {}  # softcap c -> float32 [c, 1 / c], read only by the kernels
@@ -819,29 +825,40 @@ def _cap_array(softcap: float) -> np.ndarray:
     return cap
 
 
-def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool]) -> np.ndarray:
+def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool], bounded: bool) -> np.ndarray:
     """`_run_items`' ``leaves`` for the arguments ``args`` (all of `_run_items`' from q on): the address and
     signature tag of `_row_item` and of `_general_item` where ``uses`` says the call's items need them (compiled
-    or loaded on first use), else 0, then those of the kernel each calls (`_attend_row`, `_attend_item`) for the
-    argument types the leaf passes it. Kept in the plan's work (``found``) under ``key``, (the pool's format,
-    whether a softcap is set): with the query path and the tables (the work's own), those fix every argument's
-    type (q is float32 and contiguous, sinks float32, the rest made by `_work` and `_run`); should one differ, the
-    tag checks in `_run_items` and the leaves raise instead. numba's argument fingerprints took ~1 us a call."""
+    or loaded on first use), else 0, then those of the kernel each calls for the argument types the leaf passes
+    it: `_attend_row`, then `_attend_item` without lows (slots 6, 7) or, for a ``bounded`` call (a window or
+    chunk), with them (slots 8, 9). Kept in the plan's work (``found``) under ``key``, (the pool's format, whether
+    a softcap is set): with the query path, the tables and ``bounded`` (the work's own), those fix every
+    argument's type (q is float32 and contiguous, sinks float32, lows an int64 array, the rest made by `_work`
+    and `_run`); should one differ, the tag checks in `_run_items` and the leaves raise instead. numba's argument
+    fingerprints took ~1 us a call.
+
+    The leaves and the item loop take the rows' lowest keys as an array in every call (the rows' kv_starts
+    without a window or chunk) and only `_attend_item` is specialised on their absence, where a constant first
+    key keeps its tile loops as fast as they were (`_tile_offset`): one specialisation of `_run_items`,
+    `_row_item`, `_general_item` and `calls.fan_out` where there were two, each 0.8-1.2 s of CPU to compile
+    (`_attend_item` 4.4, `_attend_row` 3.9; numba's compile events, the 2-core Zen 4 VM)."""
     leaves = found.get(key)
     if leaves is None:
         q, q_scale, sm, cap, _, kc, ks, vc, vs, tables, _, limits, lows = args[:13]
         with_it = (INDEX, _NO_LEAVES, *args)
         # The item's state as `_item_state` makes it: m, denom [hkv, rows], acc [hkv, rows, d], float32.
         m, acc = np.empty((1, 1), np.float32), np.empty((1, 1, 1), np.float32)
-        row = general = attend_row = attend_item = (0, 0)
+        row = general = attend_row = plain = with_lows = (0, 0)
         if uses[0]:
             row = _ROW_ITEM.address(with_it)
             attend_row = _ATTEND_ROW.address((q, q_scale, sm, cap, kc, ks, vc, vs, tables, *[INDEX] * 4, m, m, acc))
         if uses[1]:
             general = _GENERAL_ITEM.address(with_it)
-            attend_item = _ATTEND_ITEM.address((q, sm, cap, kc, ks, vc, vs, tables, *[INDEX] * 5, limits, lows, m, m,
-                                                acc))  # fmt: skip
-        leaves = found[key] = np.array([*row, *general, *attend_row, *attend_item], np.int64)
+            attend = (q, sm, cap, kc, ks, vc, vs, tables, *[INDEX] * 5, limits, lows if bounded else None, m, m, acc)
+            if bounded:
+                with_lows = _ATTEND_ITEM.address(attend)
+            else:
+                plain = _ATTEND_ITEM.address(attend)
+        leaves = found[key] = np.array([*row, *general, *attend_row, *plain, *with_lows], np.int64)
     return leaves
 
 
@@ -853,8 +870,8 @@ def _items_at(found: dict, key: tuple, args: tuple) -> tuple[int, int]:
     return at
 
 
-def _run_parallel(found: dict, key: tuple, uses: tuple, lists: np.ndarray, splits: int, args: tuple, o: np.ndarray,
-                  sinks: np.ndarray) -> None:
+def _run_parallel(found: dict, key: tuple, uses: tuple, bounded: bool, lists: np.ndarray, splits: int, args: tuple,
+                  o: np.ndarray, sinks: np.ndarray) -> None:
     """`_run_items` on the workers of ``lists`` through `calls.fan_out`, then the merge of the split states on the
     calling thread within the same call. The split-state buffers are kept in the plan's work between calls (taken
     out while a call uses them, so a concurrent call allocates its own): numpy's three allocations and the
@@ -871,7 +888,7 @@ def _run_parallel(found: dict, key: tuple, uses: tuple, lists: np.ndarray, split
             merge = found[("merge", *key)] = _MERGE.address(merge_args)
     else:
         parts, merge_args, merge = _NO_PARTS, (), (0, 0)
-    call = (False, splits, _leaves(found, key, (*args, *parts), uses), *args, *parts)
+    call = (False, splits, _leaves(found, key, (*args, *parts), uses, bounded), *args, *parts)
     fan_out(*_items_at(found, key, call), lists, call, *merge, merge_args)
     if splits > 1:
         found["parts"] = parts
@@ -1262,12 +1279,13 @@ def _run(
     pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: np.ndarray | None,
     sinks: np.ndarray, path: str,
 ) -> torch.Tensor:  # fmt: skip
-    """Run the numba kernel over the plan's work ``(items, row_limits, lows, splits, pairs, lists, tables, choice,
-    uses, found)`` (lows: each row's lowest key, None without a window or chunk; uses: whether the items need the
-    row and the general leaf; found: the addresses and buffers kept for this work, `_leaves`); ``cap`` the softcap
+    """Run the numba kernel over the plan's work ``(items, row_limits, lows, bounded, splits, pairs, lists, tables,
+    choice, uses, found)`` (lows: each row's lowest key, its kv_start without a window or chunk; bounded: whether
+    a window or chunk set them; uses: whether the items need the row and the general leaf; found: the addresses
+    and buffers kept for this work, `_leaves`); ``cap`` the softcap
     c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none), ``path`` the query path
     (`_query_path`)."""
-    items, row_limits, lows, splits, pairs, lists, tables, choice, uses, found = work
+    items, row_limits, lows, bounded, splits, pairs, lists, tables, choice, uses, found = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
@@ -1287,9 +1305,10 @@ def _run(
     args = (q_arg, q_scale, plan.softmax_scale, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, o)
     key = (pool.format, cap is None)
     if parallel:
-        _run_parallel(found, key, uses, lists, splits, args, o, sinks)
+        _run_parallel(found, key, uses, bounded, lists, splits, args, o, sinks)
     else:
-        _run_items(0, items.shape[0], True, splits, _leaves(found, key, (*args, *_NO_PARTS), uses), *args, *_NO_PARTS)
+        leaves = _leaves(found, key, (*args, *_NO_PARTS), uses, bounded)
+        _run_items(0, items.shape[0], True, splits, leaves, *args, *_NO_PARTS)
     if choice.timed:
         seconds = time.perf_counter() - start
         # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
@@ -1462,7 +1481,12 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
     else:
         single = items[:, 2] == 1
         uses = (fit and bool(single.any()), bool((~single).any()) or (not fit and items.shape[0] > 0))
-    work = (items, row_limits, lows, splits, pairs_total, lists, plan.block_tables.numpy(), choice, uses, {})
+    # The kernels take each row's lowest key in every call (`_leaves`): without a window or chunk, its kv_start.
+    row_lows = lows
+    if lows is None:
+        row_lows = host.kv_starts if plan.is_decode else np.repeat(host.kv_starts, cu[1:] - cu[:-1])
+    tables = plan.block_tables.numpy()
+    work = (items, row_limits, row_lows, lows is not None, splits, pairs_total, lists, tables, choice, uses, {})
     return work, _NO_ROWS if long is None else np.flatnonzero(long), lows
 
 
