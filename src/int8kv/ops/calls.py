@@ -95,12 +95,13 @@ class Compiled:
 
     def __init__(self, dispatcher: CPUDispatcher) -> None:
         self.dispatcher = dispatcher
-        self._found: dict[tuple, tuple[int, int]] = {}  # argument fingerprints -> (address, tag)
+        self._found: dict[bytes, tuple[int, int]] = {}  # the arguments' fingerprint -> (address, tag)
 
     def address(self, args: tuple) -> tuple[int, int]:
         """(address, signature tag) of the specialisation for ``args`` (compiled or loaded on first use). The
-        fingerprints are what numba's dispatcher itself keys argument types by (~1.7 us for 17 arguments)."""
-        key = tuple(map(compute_fingerprint, args))
+        fingerprint is what numba's dispatcher itself keys argument types by, here of the whole tuple in one
+        call (0.22 us for 9 arguments against 0.76 one by one)."""
+        key = compute_fingerprint(args)
         found = self._found.get(key)
         if found is None:
             argtypes = tuple(numba.typeof(a) for a in args)

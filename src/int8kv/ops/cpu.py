@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, types
+from numba._dispatcher import compute_fingerprint
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
@@ -812,6 +813,7 @@ _ATTEND_ROW = Compiled(_attend_row)
 _ATTEND_ITEM = Compiled(_attend_item)
 _NO_PARTS = (np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0), np.float32), np.empty((0, 0, 0, 0), np.float32))
 _NO_LEAVES = np.zeros(10, np.int64)  # a `leaves` array for typing the leaves' signatures (`_leaves`): values unused
+_LEAVES: dict[tuple, np.ndarray] = {}  # (fingerprint of the arguments, uses, bounded) -> `_leaves`' answer
 
 
 _CAPS: dict[float, np.ndarray] = {}  # softcap c -> float32 [c, 1 / c], read only by the kernels
@@ -834,7 +836,11 @@ def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool], bound
     a softcap is set): with the query path, the tables and ``bounded`` (the work's own), those fix every
     argument's type (q is float32 and contiguous, sinks float32, lows an int64 array, the rest made by `_work`
     and `_run`); should one differ, the tag checks in `_run_items` and the leaves raise instead. numba's argument
-    fingerprints took ~1 us a call.
+    fingerprints took ~1 us a call. Every plan's work asks once (a decode step plans anew), and the answer depends
+    only on the argument types, so it is also kept across plans by the fingerprint of ``args``: inside SmolLM2's
+    decode step at 512 tokens (transformers' `generate`, the drop-in), with the caches cold, this call took
+    24-32 us a step finding the addresses again, 6 us finding them kept (medians of two runs each,
+    docs/results/first_layer_split.py).
 
     The leaves and the item loop take the rows' lowest keys as an array in every call (the rows' kv_starts
     without a window or chunk) and only `_attend_item` is specialised on their absence, where a constant first
@@ -842,6 +848,10 @@ def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool], bound
     `_row_item`, `_general_item` and `calls.fan_out` where there were two, each 0.8-1.2 s of CPU to compile
     (`_attend_item` 4.4, `_attend_row` 3.9; numba's compile events, the 2-core Zen 4 VM)."""
     leaves = found.get(key)
+    if leaves is not None:
+        return leaves
+    kinds = (compute_fingerprint(args), uses, bounded)
+    leaves = _LEAVES.get(kinds)
     if leaves is None:
         q, q_scale, sm, cap, _, kc, ks, vc, vs, tables, _, limits, lows = args[:13]
         with_it = (INDEX, _NO_LEAVES, *args)
@@ -858,7 +868,8 @@ def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool], bound
                 with_lows = _ATTEND_ITEM.address(attend)
             else:
                 plain = _ATTEND_ITEM.address(attend)
-        leaves = found[key] = np.array([*row, *general, *attend_row, *plain, *with_lows], np.int64)
+        leaves = _LEAVES[kinds] = np.array([*row, *general, *attend_row, *plain, *with_lows], np.int64)
+    found[key] = leaves
     return leaves
 
 
