@@ -338,3 +338,22 @@ def test_empty_batch():
     cache, tables, context = build(INT8, 16, 64, 2, [5], seed=34)
     out = paged_decode_attention(cache, 1, torch.randn(0, 4, 64), tables[:0], context[:0], backend="cpu")
     assert out.shape == (0, 4, 64)
+
+
+def test_all_finite_is_numpys_isfinite_on_ragged_rows_with_nan_inf_and_huge_values():
+    """`cpu.all_finite`, the CPU query check of ops.check_query: the same answer as numpy's isfinite(...).all() on
+    fresh random float32 rows of ragged sizes and magnitudes up to float32's largest, with a NaN, a +/-inf or
+    neither at a random place (no fastmath: a compiled pass allowed to assume finite values would say True)."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    seen = set()
+    for _ in range(2000):
+        n = int(rng.integers(1, 700))
+        a = rng.standard_normal(n).astype(np.float32) * np.float32(10.0) ** rng.integers(-45, 38)
+        kind = int(rng.integers(0, 4))
+        if kind:
+            a[int(rng.integers(0, n))] = (np.nan, np.inf, -np.inf)[kind - 1]
+        rows = a.reshape(1, 1, n)
+        assert cpu.all_finite(rows) == bool(np.isfinite(rows).all())
+        seen.add(bool(np.isfinite(rows).all()))
+    assert seen == {True, False}
+    assert cpu.all_finite(np.full((1, 9, 64), np.finfo(np.float32).max, np.float32))

@@ -1258,6 +1258,16 @@ def thread_choice(key: tuple) -> ThreadChoice:
     return choice
 
 
+@njit(cache=True)  # no fastmath: it lets LLVM assume every value finite
+def all_finite(a):
+    """Whether every value of the C-contiguous float array ``a`` is finite (x - x is 0 for a finite x, NaN for
+    inf and NaN). The query check of `ops.check_query` on the CPU."""
+    ok = True
+    for x in a.reshape(-1):
+        ok &= x - x == 0
+    return ok
+
+
 _FITS: dict[tuple, bool] = {}  # (cpu_simd.fits or int_fits, head_dim) -> its answer (jitted: ~0.3 us a call)
 _NO_ROWS = np.empty(0, np.int64)  # the flash path's sequences of a decode step: none
 
