@@ -1306,9 +1306,8 @@ def _run(
     """Run the numba kernel over the plan's work ``(items, row_limits, lows, bounded, splits, pairs, lists, tables,
     choice, uses, found)`` (lows: each row's lowest key, its kv_start without a window or chunk; bounded: whether
     a window or chunk set them; uses: whether the items need the row and the general leaf; found: the addresses
-    and buffers kept for this work, `_leaves`); ``cap`` the softcap
-    c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32 ``[Hq]`` (empty: none), ``path`` the query path
-    (`_query_path`)."""
+    and buffers kept for this work, `_leaves`); ``cap`` the softcap c as float32 ``[c, 1 / c]`` (None: none),
+    ``sinks`` float32 ``[Hq]`` (empty: none), ``path`` the query path (`_query_path`)."""
     items, row_limits, lows, bounded, splits, pairs, lists, tables, choice, uses, found = work
     if q.numel() == 0 or items.shape[0] == 0:
         return torch.zeros(q.shape, dtype=torch.float32)
