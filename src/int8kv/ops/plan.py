@@ -342,27 +342,29 @@ def validate_values(
         tables, lens, starts, cu, slots, positions = _on_host(tables, lens, starts, cu, slots, positions)
 
     def add(*xs: Any) -> int:
-        stats.extend(int(x) for x in xs) if host else stats.extend(x.reshape(()).to(torch.int64) for x in xs)
+        stats.extend(xs)
         return len(stats) - len(xs)
 
     def filled(x: Any) -> bool:
         return x is not None and (x.size if host else x.numel()) > 0
+
+    def wide(x: Any) -> Any:
+        return x.astype(np.int64) if host else x.to(torch.int64)
 
     i_tab = add(tables.min(), tables.max()) if filled(tables) else None
     i_len = add(lens.min(), lens.max()) if filled(lens) else None
     i_start = add(starts.min(), starts.max()) if filled(starts) else None
     i_cu = None
     if cu is not None:
-        c = cu.astype(np.int64) if host else cu.to(torch.int64)
+        c = wide(cu)
         counts = c[1:] - c[:-1]
         if filled(counts):
-            wide = lens.astype(np.int64) if host else lens.to(torch.int64)
-            i_cu = add(c[0], c[-1], counts.min(), counts.max(), (counts > wide).any())
+            i_cu = add(c[0], c[-1], counts.min(), counts.max(), (counts > wide(lens)).any())
         else:
             i_cu = add(c[0], c[-1])
     i_slot = add(*_slot_stats(slots)) if filled(slots) else None
     i_pos = add(positions.min(), positions.max()) if filled(positions) else None
-    v = stats if host or not stats else torch.stack(stats).tolist()
+    v = _read(stats, host)
 
     if i_tab is not None and (v[i_tab] < 0 or v[i_tab + 1] >= pool.num_blocks):
         raise PositionOutOfRange(
@@ -403,6 +405,13 @@ def _on_host(*tensors: torch.Tensor | None) -> tuple[np.ndarray | None, ...]:
     return tuple(None if t is None else t.numpy() for t in tensors)
 
 
+def _read(stats: list, host: bool) -> list[int]:
+    """Statistics as Python ints: numpy scalars (``host``) one by one, tensors in one host read."""
+    if host:
+        return [int(x) for x in stats]
+    return torch.stack([x.reshape(()).to(torch.int64) for x in stats]).tolist() if stats else []
+
+
 def _slot_stats(slots: Any) -> tuple[Any, Any, Any]:
     """Lowest and highest slot and the number of distinct ones, of a tensor or (host path) a numpy array.
     Sorting finds repeats without torch.unique's own host sync (its output size), so the count joins the
@@ -425,9 +434,7 @@ def check_slots(pool: Any, slots: Any, num_tokens: int) -> torch.Tensor:
     """Slots of a single write, checked (shape, dtype, device, range, distinct; one host read): int64 ``[n]``."""
     s = _index(slots, "slots", 1, pool.device, num_tokens)
     if s.numel():
-        if s.device.type == "cpu":
-            lo, hi, distinct = (int(x) for x in _slot_stats(s.numpy()))
-        else:
-            lo, hi, distinct = torch.stack([x.to(torch.int64) for x in _slot_stats(s)]).tolist()
+        host = s.device.type == "cpu"
+        lo, hi, distinct = _read(list(_slot_stats(s.numpy() if host else s)), host)
         _check_slot_stats(pool, lo, hi, distinct, num_tokens)
     return s.to(torch.int64).contiguous()
