@@ -61,7 +61,7 @@ SAME_UNIT_TESTS = {
 # both workers); here the second worker starts on Triton work (the interpreter, no numba attention kernel) and
 # reaches test_engine_errors after test_engine_fork has written those kernels to the disk cache.
 # The small eval run goes third, to the worker done with the smoke: it is the first to load the packaged SmolLM2,
-# so its one-time conversion from GGUF (~17 s of CPU, under a lock) happens there and then. Later in the list it
+# so its one-time conversion from GGUF (~9 s of CPU, under a lock) happens there and then. Later in the list it
 # ran beside the first SmolLM2 server, which waited ~20 s on that lock with its worker idle.
 LONG_UNITS = (
     "tests/test_engine_fork.py",  # 152-191 s: the INT8 and F16 decode / prefill kernels

@@ -202,3 +202,37 @@ def test_model_dir_and_config_without_loading_weights(tmp_path, fake_gguf, count
     assert model_dir(directory) == directory and model_config(directory).vocab_size == 4
     with pytest.raises(ModelNotFoundError):
         model_config(tmp_path / "missing")
+
+
+def _write_gguf(path: Path, value: int) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_uint32("test.value", value)
+    writer.add_tensor("token_embd.weight", np.full((2, 4), value, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_conversion_parses_each_gguf_file_once_and_puts_gguf_back(tmp_path):
+    import gguf
+
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    _write_gguf(first, 3)
+    _write_gguf(second, 5)
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="inside"), loader._one_gguf_parse():
+        a = gguf.GGUFReader(first)
+        assert gguf.GGUFReader(str(first)) is a  # the same parse, whichever way the path is spelt
+        b = gguf.GGUFReader(second)
+        assert b is not a
+        assert int(a.fields["test.value"].parts[-1][0]) == 3 and int(b.fields["test.value"].parts[-1][0]) == 5
+        assert float(b.tensors[0].data.reshape(-1)[0]) == 5.0
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("inside")
+    assert gguf.GGUFReader is reader and gguf.get_tensor_name_map is names
+    assert gguf.GGUFReader(first) is not gguf.GGUFReader(first)  # outside, every call parses again

@@ -1,6 +1,6 @@
 """Offline model loading: the packaged SmolLM2 GGUF, any local ``.gguf``, or a local transformers directory.
 
-Converting a GGUF file with transformers (dequantizing every tensor, rebuilding the tokenizer) takes ~20 s,
+Converting a GGUF file with transformers (dequantizing every tensor, rebuilding the tokenizer) takes ~10 s,
 so the result is kept as an ordinary transformers directory (safetensors + config + tokenizer) under the
 model cache and later loads take well under a second:
 
@@ -170,7 +170,7 @@ def model_dir(
     progress: Progress | None = None,
 ) -> Path:
     """The transformers directory :func:`load_model` reads for ``path_or_none``: a local directory as it is,
-    a GGUF file's conversion under the model cache (made on first use, ~20 s)."""
+    a GGUF file's conversion under the model cache (made on first use, ~10 s)."""
     source = _source(path_or_none)
     return _converted_dir(source, cache_dir, progress or (lambda _msg: None)) if source.is_file() else source
 
@@ -191,7 +191,7 @@ def model_config(
 ) -> Any:
     """The transformers config of the model :func:`load_model` would load, without loading its weights, so
     that settings that depend on the model's sizes can be checked first. A GGUF file not converted yet is
-    converted here (once, ~20 s): reading the packaged GGUF's config through transformers' GGUF reader took
+    converted here (once, ~10 s): reading the packaged GGUF's config through transformers' GGUF reader took
     40 s on the 2-core VM at load 8, longer than the conversion, as it parses the whole tokenizer vocabulary."""
     from transformers import AutoConfig
 
@@ -274,7 +274,7 @@ def _converted_dir(gguf: Path, cache_dir: str | os.PathLike[str] | None, say: Pr
 @contextlib.contextmanager
 def _conversion_lock(final: Path) -> Iterator[None]:
     """An exclusive lock on the cache directory holding ``final`` (no lock file left in it): loaders started
-    together (parallel test workers, server replicas) convert the model once, the others wait ~20 s and load
+    together (parallel test workers, server replicas) convert the model once, the others wait ~10 s and load
     the finished copy."""
     fd = os.open(final.parent, os.O_RDONLY)
     try:
@@ -294,7 +294,7 @@ def _convert_into(gguf: Path, final: Path, say: Progress) -> Path:
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)
     try:
-        say(f"converting {gguf.name} to a transformers checkpoint (first use only, ~20 s)")
+        say(f"converting {gguf.name} to a transformers checkpoint (first use only, ~10 s)")
         try:
             _convert_gguf(gguf, tmp)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
@@ -313,15 +313,45 @@ def _convert_into(gguf: Path, final: Path, say: Progress) -> Path:
     return final
 
 
+@contextlib.contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """While converting: each GGUF file parsed once, and gguf's tensor-name map built once per (arch, layers).
+
+    transformers parses the file anew for the tokenizer's config, the tokenizer, the model's config and its
+    tensors (gguf-py's reader builds a numpy view for each of the ~300k parts of SmolLM2's vocabulary and
+    merges: ~4 s a parse here), and builds the same name map for each of the model's ~400 modules (~21 ms
+    each). Both are read-only: the converted files are the same bytes with or without this (checked on the
+    packaged SmolLM2: model.safetensors, tokenizer.json and the configs identical). Measured on a 2-vCPU Intel
+    Xeon VM (Emerald Rapids): the conversion 21.8 s -> ~11 s (docs/benchmarks.md, "Converting a GGUF file").
+    gguf's module attributes are put back on exit; transformers looks both up in that module at each call."""
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed: dict[tuple[str, str], Any] = {}
+
+    def read_once(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in parsed:
+            parsed[key] = reader(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantize ``gguf`` with transformers and save it to ``out_dir`` as float32 safetensors + tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    # float32 keeps the dequantized Q4 values exactly; load_model casts to the requested dtype afterwards.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
+    with _one_gguf_parse():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        # float32 keeps the dequantized Q4 values exactly; load_model casts to the requested dtype afterwards.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
     not_float = sorted({str(p.dtype) for p in model.state_dict().values() if not p.is_floating_point()})
     if not_float:
         raise InvalidModelError(f"{gguf} converted to non-float tensors ({not_float}); cannot cache it")
