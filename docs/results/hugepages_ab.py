@@ -25,7 +25,7 @@ from int8kv.ops.plan import plan_attention
 
 MADV_HUGEPAGE, MADV_NOHUGEPAGE = 14, 15
 HUGE = 2 << 20
-_libc = ctypes.CDLL(None)
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 

@@ -732,7 +732,8 @@ def _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split,
 # row, integer ones for int16 rows on INT8 blocks), where the head_dim fits them (`_work`); `_general_item` for
 # the rest (`_attend_item`: several rows, or a head_dim the row kernels do not take). A call compiles only the
 # leaves its items use: a decode-only run never builds `_general_item`. Each leaf calls its kernel by address
-# too (leaves[4] / leaves[6], the signature tag leaves[5] / leaves[7] checked first), for two reasons:
+# too (`_attend_row` at leaves[4]; `_attend_item` at leaves[6] without lows or leaves[8] with them; the
+# signature tag in the slot after each checked first), for two reasons:
 # - the same bits whatever was compiled when. Linked into the leaf, the kernel's machine code depended on
 #   whether numba had just compiled it (its IR inlined into the leaf and optimised again) or loaded it from the
 #   disk cache: `int8kv eval --prompts 0 --no-fp8` gave INT8 13.105603 in a process that compiled the kernels
