@@ -121,3 +121,42 @@ def test_the_drop_in_prepares_once_per_forward_for_every_layer(monkeypatch):
         full = model(input_ids=ids).logits[:, -1:]
     assert built == [HQ] and HQ % HKV == 0
     assert rel_err(step, full) < 2e-3
+
+
+def test_attention_with_one_plan_follows_numbas_thread_count():
+    # `attention` keeps what it resolved for a plan (the CPU's work items and their split of the keys over
+    # threads) per numba thread count: after `numba.set_num_threads` it runs the split of the new count, as a call
+    # prepared under that count does. One long sequence: two threads split its keys (then merge), one does not, so
+    # the two counts' outputs differ in their last bits and a call that kept the other count's split is seen.
+    import numba
+
+    threads = numba.get_num_threads()
+    if threads < 2:
+        pytest.skip("numba runs one thread here")
+    fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+    cache, q, plan, *_ = _one_long_sequence(fmt, 2_000, seed=31)
+    outs = {}
+    try:
+        for n in (threads, 1, threads):
+            numba.set_num_threads(n)
+            prepared = PreparedAttention(cache, plan, q.shape[1]).run(cache, 0, q)
+            for _ in range(3):
+                assert torch.equal(attention(cache, 0, q, plan), prepared), n
+            outs.setdefault(n, prepared)
+            assert torch.equal(outs[n], prepared)
+    finally:
+        numba.set_num_threads(threads)
+    assert not torch.equal(outs[1], outs[threads])  # the check above could tell the two splits apart
+
+
+def _one_long_sequence(fmt, n: int, seed: int):
+    from int8kv.cache.paged import PagedKvCache
+
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedKvCache(-(-n // 16), 16, 1, 2, 64, fmt)
+    cache.add_sequence(0, n)
+    k, v = (torch.randn(n, 2, 64, generator=gen) for _ in range(2))
+    append_paged_kv(cache, 0, k, v, cache.slots(0))
+    tables, context = cache.batch_tensors([0], min_blocks=1)
+    q = torch.randn(1, 6, 64, generator=gen)
+    return cache, q, plan_attention(cache.pool, tables, context)

@@ -1516,12 +1516,25 @@ def _work(plan: AttentionPlan, pool: KvPool, num_q_heads: int, threads: int, var
 
 def prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: AttentionVariant | None = None):
     """`attend` for every layer that shares ``plan``, ``num_q_heads`` and ``variant``: ``run(pool, layer, q)``,
-    with the work items, thread choice, query path and softcap resolved here once (`ops.PreparedAttention`)."""
+    with the work items, thread choice, query path and softcap resolved here once (`ops.PreparedAttention`).
+
+    Without a variant the ``run`` itself is kept in the plan, per number of query heads, numba thread count and
+    format, so `ops.attention` called layer after layer with one plan resolves it once: `ops._resolve` 3.55 ->
+    2.57 us a call, most of what is left `numba.get_num_threads` (batch 1 x 512 keys, SmolLM2's shape, both
+    checkouts in one process, the 2-vCPU Intel Xeon VM; docs/benchmarks.md "Per-call cost of `ops.attention`")."""
     if getattr(pool, "writes_by_step", False):  # int8kv.cache.pool_q4w: its own kernel
         from .cpu_q4w import attend as attend_q4w
 
         return lambda pool, layer, q: attend_q4w(pool, layer, q, plan, variant)
     threads = numba.get_num_threads()
+    if variant is None:
+        key = ("cpu-run", num_q_heads, threads, pool.format)
+        return plan.derived(key, lambda: _prepare(pool, plan, num_q_heads, None, threads))
+    return _prepare(pool, plan, num_q_heads, variant, threads)
+
+
+def _prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: AttentionVariant | None, threads: int):
+    """`prepare`'s ``run``, built."""
     key: tuple = ("cpu-work", num_q_heads, threads)
     cap, sinks = None, _NO_SINKS
     if variant is not None:
