@@ -4,6 +4,7 @@ offsets, accumulators that already hold values."""
 
 from __future__ import annotations
 
+import functools
 import textwrap
 
 import numpy as np
@@ -23,6 +24,15 @@ def _scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
 @njit
 def _accumulate(w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
     pv16(w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim)
+
+
+@functools.cache  # one jitted caller (and compile) per kernel for the whole module
+def _qk16_caller(kernel):
+    @njit
+    def scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
+        kernel(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
+
+    return scores
 
 
 def _codes(rng, n: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
@@ -51,6 +61,13 @@ def test_qk16_matches_float64(kind, seed):
     q = rng.standard_normal(qoff + rows * dim).astype(np.float32)
     out = np.full(ooff + rows * ostride + LANES, np.nan, np.float32)
     _scores(q, qoff, codes, koff, kstride, out, ooff, ostride, rows, dim, np.empty(LANES * dim, np.float32))
+    # An AVX2 target runs a row in passes of 4 keys (`keys_per_pass`): each key's sums see the same additions in
+    # the same order, so every pass width gives this CPU's kernel's bits.
+    for per_pass, kernel in cpu_simd.QK16.items():
+        again = np.full(out.shape, np.nan, np.float32)
+        _qk16_caller(kernel)(q, qoff, codes, koff, kstride, again, ooff, ostride, rows, dim,
+                             np.empty(LANES * dim, np.float32))
+        assert np.array_equal(again, out, equal_nan=True), per_pass
     keys = _key_rows(values, koff, kstride, dim)
     qs = q[qoff : qoff + rows * dim].astype(np.float64).reshape(rows, dim)
     want = qs @ keys.T  # [rows, 16]
@@ -87,6 +104,16 @@ def test_pv16_matches_float64(kind, seed):
     assert np.all(np.abs(acc - want) <= 1e-5 * scale + 1e-30)
     assert np.array_equal(acc[:aoff], before[:aoff].astype(np.float32))  # outside the rows: unchanged
     assert np.array_equal(acc[aoff + rows * dim :], before[aoff + rows * dim :].astype(np.float32))
+
+
+def test_keys_per_pass_keeps_the_sums_in_registers():
+    avx512 = "+avx,+avx2,+fma,+avx512f,+avx512bw,+avx512vl"
+    avx2 = "+avx,+avx2,+fma,+f16c,-avx512f,-avx512bw"
+    assert cpu_simd.keys_per_pass(512, avx512) == 16 and cpu_simd.keys_per_pass(256, avx512) == 16
+    # 16 ymm registers: float32 sums of 16 lanes take two each, int32 sums of 8 lanes one
+    assert cpu_simd.keys_per_pass(512, avx2) == 4 and cpu_simd.keys_per_pass(256, avx2) == 8
+    assert cpu_simd.keys_per_pass(512, "+neon,+fp-armv8") == 16  # not x86: one pass, as before
+    assert cpu_simd.qk16 is cpu_simd.QK16[cpu_simd.keys_per_pass(512)]
 
 
 def test_fits_only_whole_vectors():
@@ -134,11 +161,13 @@ _VARIANT_CPU = {"vnni512": ("icelake-server", "vpdpwssd"), "vnni256": ("alderlak
 _HOST_FEATURES = cpu_simd.target_features()
 
 
-@pytest.mark.parametrize("kind", cpu_simd.DOTS)
+@pytest.mark.parametrize("kind,keys", [(kind, None) for kind in cpu_simd.DOTS] + [("vnni256", 8), ("avx2", 8),
+                                                                                      ("avx2", 4)])
 @pytest.mark.parametrize("seed", range(4))
-def test_qk16i_matches_float64(kind, seed):
+def test_qk16i_matches_float64(kind, keys, seed):
     """Every variant this CPU can run, exact in int32: full-range int16 query codes, int8 codes including -128,
-    head_dims of one to several vectors up to the 512 the int32 sums allow, keys at arbitrary strides."""
+    head_dims of one to several vectors up to the 512 the int32 sums allow, keys at arbitrary strides; the 256-bit
+    variants also in passes of fewer keys (`keys_per_pass`: how a target with 16 vector registers runs them)."""
     if kind not in cpu_simd.dots_for(_HOST_FEATURES):
         pytest.skip(f"this CPU lacks {kind}: test_qk16i_variants_compile covers it")
     rng = np.random.default_rng(200 + seed)
@@ -155,7 +184,8 @@ def test_qk16i_matches_float64(kind, seed):
     if seed == 0:
         q[:] = -32767
     out = np.full(ooff + rows * ostride + LANES, np.nan, np.float32)
-    _qk16i_caller(kind)(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, np.empty(LANES * dim, np.int16))
+    caller = _qk16i_caller(kind) if keys is None else _qk16_caller(_qk16i_in_passes(kind, keys))
+    caller(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, np.empty(LANES * dim, np.int16))
     keys = _key_rows(k.astype(np.float64), koff, kstride, dim)
     want = q[qoff : qoff + rows * dim].astype(np.float64).reshape(rows, dim) @ keys.T
     got = np.stack([out[ooff + r * ostride : ooff + r * ostride + LANES] for r in range(rows)])
@@ -165,6 +195,11 @@ def test_qk16i_matches_float64(kind, seed):
     for r in range(rows):
         untouched[ooff + r * ostride : ooff + r * ostride + LANES] = False
     assert np.isnan(out[untouched]).all()
+
+
+@functools.cache
+def _qk16i_in_passes(kind: str, keys: int):
+    return cpu_simd.qk16i_kernel(kind, keys)
 
 
 # What a variant needs turned on in a feature string, for a child process that compiles it.

@@ -1,11 +1,12 @@
 """CPU attention of this checkout against another checkout's, in one process, on the same inputs.
 
     PYTHONPATH= python docs/results/attention_ab.py --baseline /tmp/kmain [--contexts 512,2048] [--queries 0]
-        [--seconds 15] [--json PATH]
+        [--shape smollm2|batch8|long] [--format int8|f16] [--seconds 15] [--json PATH]
 
 The baseline's package is loaded under the name ``int8kv_baseline`` (its modules import each other relatively),
-this checkout's as ``int8kv``; both get the same random INT8 cache (SmolLM2's shape: batch 1, 9 q / 3 kv
-heads, head_dim 64, block 16, block table a random permutation) and query, their outputs must be bit-identical,
+this checkout's as ``int8kv``; both get the same random cache (INT8 unless ``--format f16``; SmolLM2's shape,
+batch 1, 9 q / 3 kv heads, head_dim 64, unless ``--shape`` names another of `bench attention`'s presets; block
+16, block table a random permutation) and query, their outputs must be bit-identical,
 and their calls alternate in bursts of five for ``--seconds`` per context. ``--queries N`` times a prefill chunk
 of N queries at the end of the context instead of a decode step. Prints and records median and best us per call
 and the ratios this / baseline. numba's on-disk cache goes to ``--numba-cache`` (default: a new temporary
@@ -41,9 +42,13 @@ def load(name: str, root: Path):
     return sys.modules[f"{name}.ops"], sys.modules[f"{name}.cache.paged"], sys.modules[f"{name}.formats"]
 
 
-def call_for(ops, paged, formats, ctx: int, nq: int):
-    batch, hq, hkv, d, bs = 1, 9, 3, 64, 16
-    fmt = formats.KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
+# bench attention's presets: (batch, q heads, kv heads, head_dim)
+SHAPES = {"smollm2": (1, 9, 3, 64), "batch8": (8, 32, 8, 128), "long": (1, 32, 8, 128)}
+
+
+def call_for(ops, paged, formats, ctx: int, nq: int, shape: str = "smollm2", fmt_name: str = "int8"):
+    (batch, hq, hkv, d), bs = SHAPES[shape], 16
+    fmt = formats.KvStorageFormat.F16 if fmt_name == "f16" else formats.KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
     gen = torch.Generator().manual_seed(0)
     nb = batch * -(-ctx // bs)
     cache = paged.PagedKvCache(nb, bs, 1, hkv, d, fmt)
@@ -65,6 +70,8 @@ def main() -> None:
     parser.add_argument("--baseline", required=True, type=Path, help="root of the other checkout")
     parser.add_argument("--contexts", default="512,2048")
     parser.add_argument("--queries", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="batch and heads (default smollm2)")
+    parser.add_argument("--format", choices=("int8", "f16"), default="int8")
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--json")
     parser.add_argument("--numba-cache", help="numba's cache directory for this run (default: a new one)")
@@ -73,7 +80,7 @@ def main() -> None:
     trees = {"baseline": load("int8kv_baseline", args.baseline), "this": load("int8kv", HERE)}
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
-        calls = {name: call_for(*mods, ctx, args.queries) for name, mods in trees.items()}
+        calls = {name: call_for(*mods, ctx, args.queries, args.shape, args.format) for name, mods in trees.items()}
         assert torch.equal(calls["baseline"](), calls["this"]()), "outputs differ"
         samples: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(20):  # warm-up: thread choice, caches
@@ -88,8 +95,9 @@ def main() -> None:
                     samples[name].append(time.perf_counter() - t)
         med = {n: statistics.median(s) * 1e6 for n, s in samples.items()}
         best = {n: min(s) * 1e6 for n, s in samples.items()}
-        row = {"context": ctx, "queries": args.queries, "calls": len(samples["this"]), "median_us": med,
-               "best_us": best, "median_ratio": med["this"] / med["baseline"], "best_ratio": best["this"] / best["baseline"]}
+        row = {"context": ctx, "queries": args.queries, "shape": args.shape, "format": args.format,
+               "calls": len(samples["this"]), "median_us": med, "best_us": best,
+               "median_ratio": med["this"] / med["baseline"], "best_ratio": best["this"] / best["baseline"]}
         rows.append(row)
         print(f"context {ctx}, {args.queries or 'decode'} queries: {row['calls']} calls each; median us baseline "
               f"{med['baseline']:.1f} this {med['this']:.1f} ({row['median_ratio']:.3f}); best {best['baseline']:.1f} "

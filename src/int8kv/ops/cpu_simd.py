@@ -9,7 +9,9 @@ block prefetched; of the 22, scores 12, values 8, softmax 5 by ablation):
 
   `qk16`  scores of g query rows against 16 keys: 16 vector accumulators (one per key, 16 lanes of head_dim
           each), codes converted once into a scratch, then one transpose-and-add tree turns the 16 accumulators into
-          the 16 scores (15 adds and 30 shuffles per row instead of 16 horizontal sums of 8 operations each).
+          the 16 scores (15 adds and 30 shuffles per row instead of 16 horizontal sums of 8 operations each). Where
+          the 16 do not fit in the vector registers (AVX2: 16 of 256 bits), a row runs in passes over head_dim of
+          the keys that do (`keys_per_pass`), with the same bits.
   `pv16`  acc[r, :] += sum_t w[r, t] v_t for g rows and 16 values: each value row converted once in registers
           and used by every row; an accumulator chunk stays in a register across the 16 keys.
 
@@ -69,8 +71,8 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 __all__ = [
-    "DOT", "DOTS", "LANES", "QK16I", "dot_for", "dots_for", "fits", "gather16", "int_fits", "logits16", "prefetch",
-    "pv16", "qk16", "qk16i", "strided_lanes", "weights16",
+    "DOT", "DOTS", "LANES", "QK16", "QK16I", "dot_for", "dots_for", "fits", "gather16", "int_fits", "keys_per_pass",
+    "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel", "strided_lanes", "weights16",
 ]
 
 LANES = 16  # keys per call and float32 lanes per vector
@@ -167,6 +169,15 @@ def _reduce(builder, vecs: list, add, width: int | None = None) -> ir.Value:
     return vecs[0]
 
 
+def _score_args(context, builder, signature, args) -> tuple:
+    """`qk16` / `qk16i`'s arguments with each array as its data pointer: q, qoff, k, koff, kstride, out, ooff,
+    ostride, rows, dim, buf."""
+    values = list(args)
+    for i in (0, 2, 5, 10):  # q, k, out, buf
+        values[i] = _data(context, builder, signature.args[i], args[i])
+    return tuple(values)
+
+
 def _fadd(builder, a, b):
     return builder.fadd(a, b, flags=_FAST)
 
@@ -182,66 +193,69 @@ def _check(codes) -> ir.IntType:
     return _NIBBLES if codes.dtype == types.uint8 else ir.IntType(codes.dtype.bitwidth)
 
 
-@intrinsic
-def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
-    """out[ooff + r*ostride + t] = sum_i q[qoff + r*dim + i] * k[koff + t*kstride + i] for r < rows, t < 16.
+def _make_qk16(keys: int):
+    def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
+        """out[ooff + r*ostride + t] = sum_i q[qoff + r*dim + i] * k[koff + t*kstride + i] for r < rows, t < 16.
 
-    q: float32 flat array (the rows' values, contiguous by row); k: int8 codes, int16 F16 bits or uint8 packed
-    4-bit codes (module docs), flat;
-    out: float32 flat; offsets, strides, rows and dim: int64 element counts (dim a multiple of 16); buf: float32
-    scratch of at least 16 * dim values. The 16 keys are converted into buf once and read by every row (an FMA
-    with a memory operand) rather than converted again for each row: fewer vector operations, though the
-    whole kernel measured the same either way (22.0 vs 22.1 ns per (key, KV head), 3 rows of 64)."""
-    elem = _check(k)
-    sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
+        q: float32 flat array (the rows' values, contiguous by row); k: int8 codes, int16 F16 bits or uint8 packed
+        4-bit codes (module docs), flat;
+        out: float32 flat; offsets, strides, rows and dim: int64 element counts (dim a multiple of 16); buf: float32
+        scratch of at least 16 * dim values. The 16 keys are converted into buf once and read by every row (an FMA
+        with a memory operand) rather than converted again for each row: fewer vector operations, though the
+        whole kernel measured the same either way (22.0 vs 22.1 ns per (key, KV head), 3 rows of 64)."""
+        elem = _check(k)
+        sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
 
-    def codegen(context, builder, signature, args):
-        q_arr, qo, k_arr, ko, ks, out_arr, oo, os_, nrows, d, buf_arr = args
-        qp = _data(context, builder, signature.args[0], q_arr)
-        kp = _data(context, builder, signature.args[2], k_arr)
-        op = _data(context, builder, signature.args[5], out_arr)
-        bp = _data(context, builder, signature.args[10], buf_arr)
-        i64 = qo.type
-        chunks = builder.sdiv(d, ir.Constant(i64, LANES))
-        if elem is _NIBBLES:  # each 16-byte load gives two chunks: the low nibbles' and the high ones'
-            half = builder.sdiv(d, ir.Constant(i64, 2))
-            with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, 2 * LANES))) as chunk:
-                col = builder.mul(chunk.index, ir.Constant(i64, LANES))
-                key, at = builder.add(ko, col), col
-                for _ in range(LANES):
-                    low, high = _load_nibbles(builder, kp, key)
-                    _store_f32(builder, low, bp, at)
-                    _store_f32(builder, high, bp, builder.add(at, half))
-                    key = builder.add(key, ks)
-                    at = builder.add(at, d)
-        else:
-            with cgutils.for_range(builder, chunks) as chunk:
-                col = builder.mul(chunk.index, ir.Constant(i64, LANES))
-                key, at = builder.add(ko, col), col
-                for _ in range(LANES):
-                    _store_f32(builder, _load_codes(builder, kp, key, elem), bp, at)
-                    key = builder.add(key, ks)
-                    at = builder.add(at, d)
-        slots = [cgutils.alloca_once(builder, _VEC) for _ in range(LANES)]
-        zero = ir.Constant(_VEC, None)
-        with cgutils.for_range(builder, nrows) as row:
-            for slot in slots:
-                builder.store(zero, slot)
-            qrow = builder.add(qo, builder.mul(row.index, d))
-            with cgutils.for_range(builder, chunks) as chunk:
-                col = builder.mul(chunk.index, ir.Constant(i64, LANES))
-                qv = _load_f32(builder, qp, builder.add(qrow, col))
-                at = col
+        def codegen(context, builder, signature, args):
+            qp, qo, kp, ko, ks, op, oo, os_, nrows, d, bp = _score_args(context, builder, signature, args)
+            i64 = qo.type
+            chunks = builder.sdiv(d, ir.Constant(i64, LANES))
+            if elem is _NIBBLES:  # each 16-byte load gives two chunks: the low nibbles' and the high ones'
+                half = builder.sdiv(d, ir.Constant(i64, 2))
+                with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, 2 * LANES))) as chunk:
+                    col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+                    key, at = builder.add(ko, col), col
+                    for _ in range(LANES):
+                        low, high = _load_nibbles(builder, kp, key)
+                        _store_f32(builder, low, bp, at)
+                        _store_f32(builder, high, bp, builder.add(at, half))
+                        key = builder.add(key, ks)
+                        at = builder.add(at, d)
+            else:
+                with cgutils.for_range(builder, chunks) as chunk:
+                    col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+                    key, at = builder.add(ko, col), col
+                    for _ in range(LANES):
+                        _store_f32(builder, _load_codes(builder, kp, key, elem), bp, at)
+                        key = builder.add(key, ks)
+                        at = builder.add(at, d)
+            slots = [cgutils.alloca_once(builder, _VEC) for _ in range(LANES)]
+            zero = ir.Constant(_VEC, None)
+            with cgutils.for_range(builder, nrows) as row:
                 for slot in slots:
-                    kv = _load_f32(builder, bp, at)
-                    acc = builder.load(slot)
-                    builder.store(builder.fadd(acc, builder.fmul(qv, kv, flags=_FAST), flags=_FAST), slot)
-                    at = builder.add(at, d)
-            total = _reduce(builder, [builder.load(slot) for slot in slots], _fadd)
-            _store_f32(builder, total, op, builder.add(oo, builder.mul(row.index, os_)))
-        return context.get_dummy_value()
+                    builder.store(zero, slot)
+                qrow = builder.add(qo, builder.mul(row.index, d))
+                for first in range(0, LANES, keys):  # `keys_per_pass`: the sums a pass keeps in registers
+                    with cgutils.for_range(builder, chunks) as chunk:
+                        col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+                        qv = _load_f32(builder, qp, builder.add(qrow, col))
+                        at = builder.add(col, builder.mul(d, ir.Constant(i64, first)))
+                        for slot in slots[first : first + keys]:
+                            kv = _load_f32(builder, bp, at)
+                            acc = builder.load(slot)
+                            builder.store(builder.fadd(acc, builder.fmul(qv, kv, flags=_FAST), flags=_FAST), slot)
+                            at = builder.add(at, d)
+                total = _reduce(builder, [builder.load(slot) for slot in slots], _fadd)
+                _store_f32(builder, total, op, builder.add(oo, builder.mul(row.index, os_)))
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    qk16.__name__ = qk16.__qualname__ = f"qk16_keys{keys}"
+    return intrinsic(qk16)
+
+
+QK16 = {keys: _make_qk16(keys) for keys in (4, 8, 16)}  # every pass width, for tests: `qk16` takes this target's
 
 
 # -- integer q . k: int16 query codes x int8 key codes, summed exactly in int32 --------------------------------
@@ -250,6 +264,42 @@ def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, bu
 #   vnni512  AVX-512 VNNI `vpdpwssd` on 512 bits (32 int16 per instruction, the accumulate fused)
 #   vnni256  AVX-VNNI (or AVX-512 VNNI + VL) `vpdpwssd` on 256 bits
 #   avx2     `vpmaddwd` + `vpaddd` on 256 bits
+def _registers(features: str) -> tuple[int, int] | None:
+    """(vector registers, bits per register) under an LLVM feature string: 32 x 512 with AVX-512, 16 x 256 with
+    AVX only; None on other targets (the kernels then keep all 16 keys' sums in one pass, as LLVM allocates them)."""
+    on = features.split(",")
+    if "+avx512f" in on:
+        return 32, 512
+    if "+avx" in on:
+        return 16, 256
+    return None
+
+
+def keys_per_pass(acc_bits: int, features: str | None = None) -> int:
+    """Keys whose running sums (one vector of ``acc_bits`` each) a score kernel keeps in registers in one pass
+    over head_dim: all 16 where they fit beside the query chunk and a key chunk, else the largest power of two
+    that does. With every key at once on AVX2 (16 registers), `qk16i`'s inner loop kept 16 int32 sums in 18
+    registers: LLVM spilled two to the stack and rotated ~26 register copies an iteration; `qk16`'s float sums (two
+    ymm each) alone needed 32. The sums of each key see the same additions in the same order either way, so integer
+    scores are the same bits; each pass reloads the query row's chunks (from L1). ``features``: an LLVM feature
+    string (default: the compile target's, `target_features`).
+
+    Both trees, each one's kernels from a new numba cache, compiled for AVX2 on the Emerald Rapids VM (every
+    AVX-512, AMX and VNNI feature off), calls taking turns (docs/results/attention_ab.py): batch 8 x 4,096 keys at
+    32 / 8 x 128, median us, INT8 (int16 query) 11,750 -> 11,030 (0.94x), F16 20,822 -> 16,910 (0.81x); SmolLM2's
+    shape at 512 / 2,048 / 7,000 keys INT8 0.97 / 0.96 / 0.96x, F16 0.91 / 0.84 / 0.85x; every output the same
+    bits; the AVX-512 code is unchanged (all 16 keys in one pass)."""
+    regs = _registers(target_features() if features is None else features)
+    if regs is None:
+        return LANES
+    count, bits = regs
+    per_sum = max(1, acc_bits // bits)
+    keys = LANES
+    while keys > 1 and keys * per_sum + 2 * per_sum + 2 > count:  # sums, the query chunk, a key chunk
+        keys //= 2
+    return keys
+
+
 DOTS = ("vnni512", "vnni256", "avx2")
 DOT_WIDTH = {"vnni512": 32, "vnni256": 16, "avx2": 16}
 # |code| <= 32,767 (query) x 128 (key) x head_dim must stay below 2**31: 512 x 32,767 x 128 = 2,147,418,112.
@@ -284,6 +334,7 @@ def target_features() -> str:
 
 
 DOT = dot_for(target_features())  # the variant `qk16i` compiles to on this process's target
+qk16 = QK16[keys_per_pass(8 * 4 * LANES)]  # float32 sums of 16 lanes
 
 
 def _dot_step(kind: str):
@@ -309,7 +360,10 @@ def _dot_step(kind: str):
     return step
 
 
-def _make_qk16i(kind: str):
+def qk16i_kernel(kind: str, keys: int | None = None):
+    """`qk16i` built with the ``kind`` variant's instructions. ``keys``: the keys a pass over head_dim adds into
+    (`keys_per_pass`; None: this target's for the 256-bit variants' int32 sums; the 512-bit variant pairs its keys
+    and always takes all 16)."""
     width = DOT_WIDTH[kind]
     lanes = width // 2  # int32 accumulator lanes
     i16 = ir.IntType(16)
@@ -321,6 +375,8 @@ def _make_qk16i(kind: str):
     # x 3 rows x 64 channels called over 2,048 keys hot in cache: 3.81 against 4.16 ns per (key, KV head); at 4
     # rows x 128: 8.21 against 8.58. On 256 bits the pairs would take twice the stores to build, for less.
     paired = kind == "vnni512"
+    if keys is None:
+        keys = LANES if paired else keys_per_pass(32 * (width // 2))
 
     def iadd(builder, a, b):
         return builder.add(a, b)
@@ -333,11 +389,7 @@ def _make_qk16i(kind: str):
         sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
 
         def codegen(context, builder, signature, args):
-            q_arr, qo, k_arr, ko, ks, out_arr, oo, os_, nrows, d, buf_arr = args
-            qp = _data(context, builder, signature.args[0], q_arr)
-            kp = _data(context, builder, signature.args[2], k_arr)
-            op = _data(context, builder, signature.args[5], out_arr)
-            bp = _data(context, builder, signature.args[10], buf_arr)
+            qp, qo, kp, ko, ks, op, oo, os_, nrows, d, bp = _score_args(context, builder, signature, args)
             i64 = qo.type
             chunks = builder.sdiv(d, ir.Constant(i64, width))
 
@@ -373,19 +425,21 @@ def _make_qk16i(kind: str):
                     builder.store(zero, slot)
                 qrow = builder.add(qo, builder.mul(row.index, d))
                 step_cols = width // 2 if paired else width  # q channels per instruction
-                with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, step_cols))) as chunk:
-                    col = builder.mul(chunk.index, ir.Constant(i64, step_cols))
-                    if paired:  # the 16 channels twice, against both keys of a pair
-                        q16 = builder.load(vec(qp, builder.add(qrow, col), half_ty), align=2)
-                        qv = builder.shuffle_vector(q16, q16, _mask(list(range(width // 2)) * 2))
-                        at, skip = builder.add(col, col), builder.add(d, d)
-                    else:
-                        qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
-                        at, skip = col, d
-                    for slot in slots:
-                        kv = builder.load(vec(bp, at, pair_ty), align=2)
-                        builder.store(step(builder, builder.load(slot), qv, kv), slot)
-                        at = builder.add(at, skip)
+                per_pass = accumulators if paired else keys
+                for first in range(0, accumulators, per_pass):  # the sums a pass keeps in registers
+                    with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, step_cols))) as chunk:
+                        col = builder.mul(chunk.index, ir.Constant(i64, step_cols))
+                        if paired:  # the 16 channels twice, against both keys of a pair
+                            q16 = builder.load(vec(qp, builder.add(qrow, col), half_ty), align=2)
+                            qv = builder.shuffle_vector(q16, q16, _mask(list(range(width // 2)) * 2))
+                            at, skip = builder.add(col, col), builder.add(d, d)
+                        else:
+                            qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
+                            at, skip = builder.add(col, builder.mul(d, ir.Constant(i64, first))), d
+                        for slot in slots[first : first + per_pass]:
+                            kv = builder.load(vec(bp, at, pair_ty), align=2)
+                            builder.store(step(builder, builder.load(slot), qv, kv), slot)
+                            at = builder.add(at, skip)
                 sums = [builder.load(slot) for slot in slots]
                 if paired:  # 8 vectors of two keys' 8 lanes: the tree's first level is already done
                     total = _reduce(builder, sums, iadd, width=lanes // 2)
@@ -399,12 +453,12 @@ def _make_qk16i(kind: str):
 
         return sig, codegen
 
-    qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}"
+    qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}" if keys == LANES or paired else f"qk16_{kind}_keys{keys}"
     qk16i.__doc__ = f"""`qk16i` with the {kind} instructions (see `qk16i`; runs only on CPUs that have them)."""
     return intrinsic(qk16i)
 
 
-QK16I = {kind: _make_qk16i(kind) for kind in DOTS}  # every variant, for tests and benchmarks
+QK16I = {kind: qk16i_kernel(kind) for kind in DOTS}  # every variant, for tests and benchmarks
 
 
 def _no_dot(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
