@@ -194,6 +194,8 @@ def _check(codes) -> ir.IntType:
 
 
 def _make_qk16(keys: int):
+    """`qk16` adding into ``keys`` keys' sums per pass over head_dim (`keys_per_pass`)."""
+
     def qk16(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
         """out[ooff + r*ostride + t] = sum_i q[qoff + r*dim + i] * k[koff + t*kstride + i] for r < rows, t < 16.
 
@@ -258,12 +260,6 @@ def _make_qk16(keys: int):
 QK16 = {keys: _make_qk16(keys) for keys in (4, 8, 16)}  # every pass width, for tests: `qk16` takes this target's
 
 
-# -- integer q . k: int16 query codes x int8 key codes, summed exactly in int32 --------------------------------
-# The variants, by the instruction that multiplies 2 x int16 pairs and adds them into int32 lanes. `DOT_WIDTH`:
-# int16 values per vector (head_dim must be a multiple of it).
-#   vnni512  AVX-512 VNNI `vpdpwssd` on 512 bits (32 int16 per instruction, the accumulate fused)
-#   vnni256  AVX-VNNI (or AVX-512 VNNI + VL) `vpdpwssd` on 256 bits
-#   avx2     `vpmaddwd` + `vpaddd` on 256 bits
 def _registers(features: str) -> tuple[int, int] | None:
     """(vector registers, bits per register) under an LLVM feature string: 32 x 512 with AVX-512, 16 x 256 with
     AVX only; None on other targets (the kernels then keep all 16 keys' sums in one pass, as LLVM allocates them)."""
@@ -300,6 +296,12 @@ def keys_per_pass(acc_bits: int, features: str | None = None) -> int:
     return keys
 
 
+# -- integer q . k: int16 query codes x int8 key codes, summed exactly in int32 --------------------------------
+# The variants, by the instruction that multiplies 2 x int16 pairs and adds them into int32 lanes. `DOT_WIDTH`:
+# int16 values per vector (head_dim must be a multiple of it).
+#   vnni512  AVX-512 VNNI `vpdpwssd` on 512 bits (32 int16 per instruction, the accumulate fused)
+#   vnni256  AVX-VNNI (or AVX-512 VNNI + VL) `vpdpwssd` on 256 bits
+#   avx2     `vpmaddwd` + `vpaddd` on 256 bits
 DOTS = ("vnni512", "vnni256", "avx2")
 DOT_WIDTH = {"vnni512": 32, "vnni256": 16, "avx2": 16}
 # |code| <= 32,767 (query) x 128 (key) x head_dim must stay below 2**31: 512 x 32,767 x 128 = 2,147,418,112.
