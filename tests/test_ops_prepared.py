@@ -134,7 +134,7 @@ def test_attention_with_one_plan_follows_numbas_thread_count():
     if threads < 2:
         pytest.skip("numba runs one thread here")
     fmt = KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1
-    cache, q, plan, *_ = _one_long_sequence(fmt, 2_000, seed=31)
+    cache, q, plan = _one_long_sequence(fmt, 2_000, seed=31)
     outs = {}
     try:
         for n in (threads, 1, threads):

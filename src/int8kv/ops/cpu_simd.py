@@ -62,6 +62,7 @@ prefetching each block's V during the score pass instead of one block ahead gain
 
 from __future__ import annotations
 
+import functools
 import struct
 
 from llvmlite import ir
@@ -325,6 +326,7 @@ def dot_for(features: str) -> str | None:
     return allowed[0] if allowed else None
 
 
+@functools.cache  # numba reads its target once per process; asked by each kernel factory at import (~0.3 ms)
 def target_features() -> str:
     """The features numba compiles for: NUMBA_CPU_FEATURES if set, else the host's (numba's own rule, so the
     variant chosen is always one the compiled code may use, and numba's disk cache, keyed by the same string,
