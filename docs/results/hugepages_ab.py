@@ -13,11 +13,11 @@ import argparse
 import ctypes
 import json
 import statistics
-import time
 
 import torch
 
 from int8kv.bench import attention as bench
+from int8kv.bench.timing import seconds_in_turns
 from int8kv.cache.pool import KvPool
 from int8kv.formats import KvStorageFormat
 from int8kv.ops import attention
@@ -74,13 +74,7 @@ def main() -> None:
     for fn in fns.values():
         for _ in range(10):
             fn()
-    seconds: dict[bool, list[float]] = {h: [] for h in fns}
-    for _ in range(opts.rounds):
-        for h, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(5):
-                fn()
-            seconds[h].append((time.perf_counter() - start) / 5)
+    seconds = seconds_in_turns(fns, opts.rounds, 5)
     rows = {("2M" if h else "4K"): {"median_ms": statistics.median(s) * 1e3, "best_ms": min(s) * 1e3}
             for h, s in seconds.items()}
     for name, row in rows.items():

@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -34,6 +33,7 @@ def main() -> None:
     import attention_ab as ab
 
     trees = {"baseline": ab.load("int8kv_baseline", args.baseline), "this": ab.load("int8kv", HERE.parents[1])}
+    from int8kv.bench.timing import seconds_in_turns  # this checkout's, as loaded above
     pieces = {}
     for name, (ops, paged, formats) in trees.items():
         call = ab.call_for(ops, paged, formats, 512, 0)
@@ -45,13 +45,7 @@ def main() -> None:
             c.pool, p, h, "cpu", None, None, None, None
         )
         pieces[(name, "check_query")] = lambda o=ops, c=cache, p=plan, x=q: o.check_query(c.pool, x, p)
-    seconds: dict[tuple[str, str], list[float]] = {k: [] for k in pieces}
-    for _ in range(args.rounds):
-        for key, fn in pieces.items():
-            start = time.perf_counter()
-            for _ in range(2000):
-                fn()
-            seconds[key].append((time.perf_counter() - start) / 2000)
+    seconds = seconds_in_turns(pieces, args.rounds, 2000)
     rows = []
     for (tree, piece), s in seconds.items():
         row = {"tree": tree, "piece": piece, "median_us": statistics.median(s) * 1e6, "best_us": min(s) * 1e6}

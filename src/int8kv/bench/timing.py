@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,6 +21,20 @@ def best_seconds(fn: Callable[[], object], repeat: int = 20, warmup: int = 3) ->
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def seconds_in_turns(fns: dict[Any, Callable[[], object]], rounds: int, calls: int) -> dict[Any, list[float]]:
+    """Seconds a call of each of ``fns``, one figure per round: every round runs each function ``calls`` times in
+    a row, the functions taking turns, so a shared machine's drifting load reaches them all alike (A/B scripts in
+    docs/results: the mean of a batch of calls, where one call is too short to time alone)."""
+    seconds: dict[Any, list[float]] = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            seconds[key].append((time.perf_counter() - start) / calls)
+    return seconds
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeat: int = 10) -> float:
