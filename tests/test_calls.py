@@ -103,3 +103,51 @@ def test_a_finisher_compiled_for_other_types_is_refused_and_nothing_runs():
         fan_out(*Compiled(_scaled_square).address((INDEX, INDEX, *args)), np.array([0, 4], np.int64), args, address,
                 tag, (out, np.zeros(1)))
     assert not out.any()
+
+
+@njit
+def _fails_where_flagged(first, last, flags, out):
+    # flags[first]: 0 runs the range; 1 raises once (clearing the flag first); 2 raises every time
+    if flags[first] != 0:
+        if flags[first] == 1:
+            flags[first] = 0
+        raise ValueError("planted failure of a worker's range")
+    for i in range(first, last):
+        out[i] += i + 1.0
+
+
+def _fan_out_flagged(flags: np.ndarray, out: np.ndarray) -> None:
+    args = (flags, out)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        fan_out(*Compiled(_fails_where_flagged).address((INDEX, INDEX, *args)), np.array([0, 3, 6], np.int64),
+                args, 0, 0, ())
+    finally:
+        numba.set_num_threads(previous)
+
+
+def test_a_worker_that_raises_raises_on_the_calling_thread_with_its_own_message():
+    # The failing range runs again on the calling thread, where the exception propagates as itself (on omp a
+    # worker's exception would reach the caller as numba's SystemError; on workqueue it would be dropped).
+    flags = np.array([0, 0, 0, 2, 0, 0], np.int64)
+    out = np.zeros(6)
+    with pytest.raises(ValueError, match="planted failure of a worker's range"):
+        _fan_out_flagged(flags, out)
+    np.testing.assert_array_equal(out[:3], [1.0, 2.0, 3.0])  # the other worker's range ran, once
+    assert not out[3:].any()
+
+
+def test_a_range_that_fails_once_is_done_by_the_calling_thread_and_nothing_runs_twice():
+    flags = np.array([0, 0, 0, 1, 0, 0], np.int64)
+    out = np.zeros(6)
+    _fan_out_flagged(flags, out)
+    np.testing.assert_array_equal(out, np.arange(1.0, 7.0))  # every item once: the failed range had run none
+    assert not flags.any()
+
+
+def test_two_ranges_that_fail_once_are_an_error_not_a_partial_result():
+    # Only the first failed range runs again; the second one's items would be missing, so the call raises.
+    flags = np.array([1, 0, 0, 1, 0, 0], np.int64)
+    with pytest.raises(RuntimeError, match="several workers failed"):
+        _fan_out_flagged(flags, np.zeros(6))

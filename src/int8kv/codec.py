@@ -81,6 +81,7 @@ def quantize_int8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from . import _codec_cpu
+    from .numba_threads import launch
 
     # float16/bfloat16 -> float32 is exact, so rounding to float16 afterwards is still one rounding.
     rows = x.to(torch.float32).reshape(-1, x.shape[-1]).contiguous().numpy()
@@ -92,7 +93,7 @@ def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bad = _codec_cpu.quantize_rows_serial(rows, q, scale)
     else:
         with _codec_cpu.threads_for(rows.size) as threads:
-            bad = _codec_cpu.quantize_rows(rows, q, scale, threads)
+            bad = launch(_codec_cpu.quantize_rows, rows, q, scale, threads)
     if bad:
         refuse_rows(bad, x)
     return torch.from_numpy(q).view(x.shape), torch.from_numpy(scale).view(x.shape[:-1])
@@ -153,11 +154,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         )
     if q.device.type == "cpu" and q.numel() > 0:
         from . import _codec_cpu
+        from .numba_threads import launch
 
         rows = q.reshape(-1, q.shape[-1]).contiguous()
         out = torch.empty(rows.shape, dtype=torch.float32)
         with _codec_cpu.threads_for(rows.numel()):
-            _codec_cpu.dequantize_rows(rows.numpy(), scale.reshape(-1).contiguous().numpy(), out.numpy())
+            launch(_codec_cpu.dequantize_rows, rows.numpy(), scale.reshape(-1).contiguous().numpy(), out.numpy())
         return out.reshape(q.shape)
     return q.to(torch.float32) * scale.unsqueeze(-1)
 

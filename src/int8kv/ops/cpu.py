@@ -28,6 +28,7 @@ from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
 from ..numba_cache import share_compiles
+from ..numba_threads import launch
 from . import cpu_simd
 from .calls import INDEX, Compiled, call_at, compiled_count, fan_out, tag_of
 from .parts import KERNELS as PARTS_KERNELS
@@ -904,7 +905,7 @@ def _run_parallel(found: dict, key: tuple, uses: tuple, bounded: bool, lists: np
         parts, merge = _NO_PARTS, (0, 0)
         merge_args = (*parts, o, sinks)
     call = (False, splits, _leaves(found, key, (*args, *parts), uses, bounded), *args, *parts)
-    fan_out(*_items_at(found, key, call), lists, call, *merge, merge_args)
+    launch(fan_out, *_items_at(found, key, call), lists, call, *merge, merge_args)
     if splits > 1:
         found["parts"] = parts
 

@@ -35,6 +35,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from ..numba_cache import share_compiles
+from ..numba_threads import launch
 
 __all__ = [
     "BLOCK", "KINDS", "block_ranges", "check_parts", "decode_q4_1", "decode_q8_0", "encode_q4_1", "encode_q8_0",
@@ -285,7 +286,7 @@ def matmul_rows(x: np.ndarray, parts: tuple[np.ndarray, ...]) -> np.ndarray:
     if x.ndim != 2 or x.shape[1] != codes.shape[1] * (2 if q4 else 1):
         raise ValueError(f"x must be (m, {codes.shape[1] * (2 if q4 else 1)}), got {x.shape}")
     out = np.empty((x.shape[0], codes.shape[0]), np.float32)
-    _matmul(x, codes, parts[1], parts[2] if q4 else _NO_LOW, out)
+    launch(_matmul, x, codes, parts[1], parts[2] if q4 else _NO_LOW, out)
     return out
 
 
@@ -312,31 +313,31 @@ def block_ranges(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each block's smallest and largest weight, (n, k / 32) each, of a C-contiguous float32 (n, k)."""
     low = np.empty((w.shape[0], w.shape[1] // BLOCK), np.float32)
     high = np.empty_like(low)
-    _ranges(w, low, high)
+    launch(_ranges, w, low, high)
     return low, high
 
 
 def encode_q4_1(w: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray | None:
     """The Q4_1 codes of w (n, k) float32 with these blocks' d and m, or None unless they decode to w exactly."""
     codes = np.empty((w.shape[0], w.shape[1] // 2), np.uint8)
-    return codes if _encode(w, scale, low, codes) == 0 else None
+    return codes if launch(_encode, w, scale, low, codes) == 0 else None
 
 
 def encode_q8_0(w: np.ndarray, scale: np.ndarray) -> np.ndarray | None:
     """The Q8_0 codes of w (n, k) float32 with these blocks' d, or None unless they decode to w exactly."""
     codes = np.empty(w.shape, np.int8)
-    return codes if _encode(w, scale, _NO_LOW, codes) == 0 else None
+    return codes if launch(_encode, w, scale, _NO_LOW, codes) == 0 else None
 
 
 def decode_q4_1(codes: np.ndarray, scale: np.ndarray, low: np.ndarray) -> np.ndarray:
     """The float32 weights (n, k) of Q4_1 blocks."""
     out = np.empty((codes.shape[0], codes.shape[1] * 2), np.float32)
-    _decode(codes, scale, low, out)
+    launch(_decode, codes, scale, low, out)
     return out
 
 
 def decode_q8_0(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The float32 weights (n, k) of Q8_0 blocks."""
     out = np.empty(codes.shape, np.float32)
-    _decode(codes, scale, _NO_LOW, out)
+    launch(_decode, codes, scale, _NO_LOW, out)
     return out

@@ -38,6 +38,7 @@ import numpy as np
 from numba import njit
 
 from ..numba_cache import share_compiles
+from ..numba_threads import launch
 from ..quant4 import BLOCK
 from . import cpu_simd
 from .calls import INDEX, Compiled, compiled_count, fan_out
@@ -312,7 +313,7 @@ def run_items(items: Compiled, n: int, parallel: bool, lists: np.ndarray | None,
     lists[w]..lists[w + 1] through `calls.fan_out`, then `merge_parts` on the calling thread. Here and in
     ops/cpu_q4w.py."""
     if parallel:
-        fan_out(*items.address((INDEX, INDEX, False, *args)), lists, (False, *args), 0, 0, ())
+        launch(fan_out, *items.address((INDEX, INDEX, False, *args)), lists, (False, *args), 0, 0, ())
         merge_parts(*args[-3:], firsts, sinks, out)
     else:
         items.dispatcher(0, n, True, *args)

@@ -1,0 +1,52 @@
+"""numba's threading layer, as int8kv's parallel kernels meet it: every Python call of a ``parallel=True`` kernel
+goes through :func:`launch`.
+
+numba runs ``prange`` loops on one of three layers, the first of ``NUMBA_THREADING_LAYER_PRIORITY`` (tbb, omp,
+workqueue) that loads. omp needs the system's GNU OpenMP runtime under the name ``libgomp.so.1.0.0`` (Debian's
+``libgomp1``; torch's bundled copy does not count), tbb the ``tbb`` package. Without either, as in a slim
+container image, numba takes workqueue, which aborts the whole process when two threads launch parallel kernels
+at once ("Concurrent access has been detected"): three threads calling ``ops.attention`` did that at their first
+overlap. omp and tbb take concurrent launches, so :func:`launch` calls straight through on them; on workqueue
+(and before the first launch tells which layer runs) it holds a process-wide lock around each launch, so threads
+take turns instead of ending the process. (A launch from a numba kernel of another library in the process is
+outside this lock.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numba
+
+__all__ = ["THREAD_SAFE_LAYERS", "launch", "layer"]
+
+THREAD_SAFE_LAYERS = ("omp", "tbb")
+
+_LOCK = threading.Lock()
+_safe = False  # the layer in use takes concurrent launches (known once a parallel kernel has run)
+
+
+def layer() -> str | None:
+    """The name of the threading layer numba runs parallel kernels on; None before the first one has run."""
+    try:
+        return numba.threading_layer()
+    except ValueError:  # "Threading layer is not initialized"
+        return None
+
+
+def launch(kernel: Callable[..., Any], *args: Any) -> Any:
+    """``kernel(*args)`` for a numba ``parallel=True`` kernel: one launch at a time in the process unless the
+    layer is known to take concurrent ones (module docs). Costs one Python call on omp and tbb."""
+    if _safe:
+        return kernel(*args)
+    return _launch_in_turn(kernel, args)
+
+
+def _launch_in_turn(kernel: Callable[..., Any], args: tuple) -> Any:
+    global _safe
+    with _LOCK:
+        out = kernel(*args)
+    _safe = layer() in THREAD_SAFE_LAYERS
+    return out

@@ -1,0 +1,107 @@
+"""int8kv.numba_threads: the parallel kernels on numba's workqueue layer, the one numba falls back to where the
+system has no GNU OpenMP runtime (a slim container image). workqueue ends the process when two threads launch
+parallel kernels at once, and drops an exception raised in a worker.
+
+Each check runs in a child process with NUMBA_THREADING_LAYER=workqueue (the layer is fixed at a process's first
+parallel launch), against the same kernels the suite loads from numba's disk cache.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numba
+import pytest
+import torch
+
+from int8kv import numba_threads
+from int8kv.codec import quantize_int8
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="parallel launches need two threads")
+
+# Three threads decode through ops.attention (parallel: fan_out), a fourth encodes and decodes INT8 rows
+# (codec.quantize_int8 / dequantize_int8 above their serial size) and a fifth multiplies by Q8_0 weights
+# (cpu_packed), all at once, each checking its result against its own first call. Without the lock every run of
+# this on the 2-core dev VM ended in "Concurrent access has been detected" (exit status 134).
+CONCURRENT = """
+import threading, numba, numpy as np, torch
+from int8kv import numba_threads
+from int8kv.cache.paged import PagedKvCache
+from int8kv.codec import dequantize_int8, quantize_int8
+from int8kv.formats import KvStorageFormat
+from int8kv.ops import attention, cpu, cpu_packed, plan_attention
+
+gen = torch.Generator().manual_seed(0)
+cache = PagedKvCache(257, 16, 1, 3, 64, KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1)
+cache.k_codes[0].copy_(torch.randint(-127, 128, cache.k_codes[0].shape, dtype=torch.int8, generator=gen))
+cache.v_codes[0].copy_(torch.randint(-127, 128, cache.v_codes[0].shape, dtype=torch.int8, generator=gen))
+cache.k_scales[0].copy_(torch.rand(cache.k_scales[0].shape, generator=gen) * 0.01 + 0.005)
+cache.v_scales[0].copy_(torch.rand(cache.v_scales[0].shape, generator=gen) * 0.01 + 0.005)
+tables = (torch.randperm(256, generator=gen) + 1).to(torch.int32).reshape(1, 256)
+plan = plan_attention(cache.pool, tables, torch.tensor([4096], dtype=torch.int32))
+q = torch.randn(1, 9, 64, generator=gen)
+rows = torch.randn(512, 256, generator=gen)
+w = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)
+scale = np.abs(w.reshape(256, 16, 32)).max(axis=2) / 127
+codes = np.clip(np.rint(w / np.repeat(scale, 32, axis=1)), -127, 127).astype(np.int8)
+x = np.random.default_rng(1).standard_normal((4, 512)).astype(np.float32)
+
+def decode():
+    return attention(cache, 0, q, plan, backend="cpu")
+
+def codec():
+    return dequantize_int8(*quantize_int8(rows))
+
+def matmul():
+    return torch.from_numpy(cpu_packed.matmul_q8_0(x, codes, scale))
+
+cpu.ThreadChoice.parallel = lambda self, work, threads: True  # every decode through fan_out, whatever it measures
+jobs = [decode, decode, decode, codec, matmul]
+want = [job() for job in jobs]
+bad = []
+
+def loop(i):
+    for _ in range(300):
+        if not torch.equal(jobs[i](), want[i]):
+            bad.append(i)
+
+threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(jobs))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("layer", numba_threads.layer(), "mismatches", len(bad))
+"""
+
+
+def _child(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_threads_launching_kernels_at_once_take_turns_on_workqueue():
+    done = _child(CONCURRENT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.strip().splitlines()[-1] == "layer workqueue mismatches 0"
+
+
+def test_a_kernel_refused_in_a_worker_is_refused_to_the_caller_on_workqueue():
+    # The tag check of ops/calls.py inside a parallel worker: on workqueue the worker's TypeError used to be
+    # dropped and the call returned the output buffer unwritten.
+    test = "tests/test_ops_cpu.py::test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_runs"
+    code = f"import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '{ROOT / test}']))"
+    done = _child(code)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "4 passed" in done.stdout
+
+
+def test_the_layer_is_named_once_a_parallel_kernel_has_run():
+    quantize_int8(torch.randn(1024, 128))  # above the serial size: a parallel launch
+    assert numba_threads.layer() == numba.threading_layer()
+    assert numba_threads.launch(lambda a, b: a + b, 2, 3) == 5
