@@ -105,3 +105,19 @@ def test_the_layer_is_named_once_a_parallel_kernel_has_run():
     quantize_int8(torch.randn(1024, 128))  # above the serial size: a parallel launch
     assert numba_threads.layer() == numba.threading_layer()
     assert numba_threads.launch(lambda a, b: a + b, 2, 3) == 5
+
+
+def test_int8kv_calls_leave_torchs_thread_count_alone():
+    # numba and torch share one OpenMP runtime on omp: a thread count set through the runtime would move torch's.
+    # The codec runs a small input's parallel kernel with numba on one thread (numba.set_num_threads), a large one
+    # on all of numba's.
+    from int8kv.codec import dequantize_int8
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows in (4, 2048):
+            dequantize_int8(*quantize_int8(torch.randn(rows, 128)))
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
