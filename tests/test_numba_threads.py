@@ -8,6 +8,7 @@ parallel launch), against the same kernels the suite loads from numba's disk cac
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -121,3 +122,60 @@ def test_int8kv_calls_leave_torchs_thread_count_alone():
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(previous)
+
+
+def _parallel_kernels(tree: ast.Module) -> set[str]:
+    """Names of the functions a module compiles with numba's ``parallel=True`` (decorated ``njit(parallel=True)``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and any(
+                    k.arg == "parallel" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in dec.keywords
+                ):
+                    names.add(node.name)
+    return names
+
+
+def _kernel_names_in(tree: ast.Module, module: str, kernels: dict[str, set[str]]) -> tuple[set[str], set[str]]:
+    """(bare names that are parallel kernels in this module: its own and those imported from their modules,
+    the names this module gives the kernel modules it imports)."""
+    bare = set(kernels.get(module, ()))
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = (node.module or "").rsplit(".", 1)[-1]
+            for alias in node.names:
+                if alias.name in kernels.get(source, ()):
+                    bare.add(alias.asname or alias.name)
+                if alias.name in kernels:  # `from . import _codec_cpu`
+                    aliases.add(alias.asname or alias.name)
+    return bare, aliases
+
+
+def test_every_parallel_kernel_is_launched_through_numba_threads():
+    # A parallel kernel called directly from Python would skip the workqueue lock: on that layer two threads
+    # reaching it at once end the process. Every call of one in the package names it as launch's first argument.
+    trees = {path: ast.parse(path.read_text()) for path in (ROOT / "src" / "int8kv").rglob("*.py")}
+    kernels = {path.stem: _parallel_kernels(tree) for path, tree in trees.items()}
+    kernels = {module: names for module, names in kernels.items() if names}
+    every = set().union(*kernels.values())
+    assert {"fan_out", "quantize_rows", "dequantize_rows", "_matmul", "_encode", "_decode", "_ranges"} <= every
+    direct, launched = [], set()
+    for path, tree in trees.items():
+        bare, aliases = _kernel_names_in(tree, path.stem, kernels)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if (isinstance(func, ast.Name) and func.id in bare) or (
+                isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in aliases
+                and func.attr in kernels[func.value.id]
+            ):
+                direct.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+            if isinstance(func, ast.Name) and func.id == "launch" and node.args:
+                first = node.args[0]
+                launched.add(first.attr if isinstance(first, ast.Attribute) else getattr(first, "id", None))
+    assert not direct, "parallel kernels called without numba_threads.launch: " + ", ".join(direct)
+    assert every <= launched  # and each one is launched somewhere
