@@ -38,6 +38,7 @@ import numba
 import torch
 import torch.nn.functional as F
 
+from .. import numba_threads
 from ..cache.paged import PagedKvCache
 from ..cli_common import CliError, bench_parser, check_minimums, output_path
 from ..formats import KvStorageFormat
@@ -288,7 +289,7 @@ def _run_config(args: argparse.Namespace, bandwidth: float, names: tuple[str, ..
             "dot": cpu_simd.DOT,  # the integer q . k variant of the int16 path (None: float fallback)
             "torch_threads": torch.get_num_threads(),
             "numba_threads": numba.get_num_threads(),
-            "numba_threading_layer": _threading_layer(),
+            "numba_threading_layer": numba_threads.layer() or "not yet initialised",
             "torch": torch.__version__,
         },
         "copy_gb_per_s": bandwidth / 1e9,
@@ -314,13 +315,6 @@ def _cpu_model() -> dict:
     except OSError:
         pass
     return {"model": model, "llvm_name": binding.get_host_cpu_name(), "flags": flags}
-
-
-def _threading_layer() -> str:
-    try:
-        return numba.threading_layer()
-    except ValueError:  # only known once a parallel kernel has run
-        return "not yet initialised"
 
 
 def report(result: dict) -> str:

@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from .. import numba_threads
 from ..formats import KvStorageFormat
 from ..progress import note
 from .timing import emit
@@ -160,7 +161,8 @@ def run(model_path: str | None, contexts: list[int], batches: list[int], runs: i
             cells.append({"context": context, "batch": batch, "results": results, "ratios": _ratios(results)})
     return {
         "new_tokens": new_tokens, "runs": runs, "threads": torch.get_num_threads(), "peers": list(PEER_SETS[peers]),
-        "max_batch_tokens": max_batch_tokens, "cells": cells, "skipped": skipped,
+        "numba_threading_layer": numba_threads.layer(), "max_batch_tokens": max_batch_tokens, "cells": cells,
+        "skipped": skipped,
     }
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import numba_threads
 from ..cli_common import CliError, bench_parser, check_minimums
 from ..engine.llm import IMPLEMENTATIONS
 from ..formats import KvStorageFormat
@@ -202,6 +203,7 @@ def run(args: argparse.Namespace) -> dict:
         "new_tokens": args.new_tokens,
         "repeat": args.repeat,
         "threads": threads,
+        "numba_threading_layer": numba_threads.layer(),
         "weights": args.weights,
         "implementations": args.implementations,
         "llama_cpp": llama_note,
