@@ -195,3 +195,46 @@ def test_a_kernel_is_rebuilt_when_only_a_module_it_inlines_changes(tmp_path):
     assert run() == ["1", "1"]  # loaded from the cache
     (package / "helper.py").write_text(helper.format(2))
     assert run() == ["2", "0"]  # compiled again, not the old build
+
+
+def test_the_compiled_only_kernels_refuse_to_load_with_numbas_compiler_off():
+    # NUMBA_DISABLE_JIT=1 (numba's debugging switch) runs njit functions as Python: the CPU backend's LLVM IR
+    # kernels and calls by address then failed at the first call with an AttributeError from inside numba. They
+    # refuse to load instead (UnknownBackend, by name), while the reference backend still answers, its q checked.
+    code = textwrap.dedent("""
+        import torch
+        from int8kv.cache.paged import PagedKvCache
+        from int8kv.errors import UnknownBackend
+        from int8kv.formats import KvStorageFormat
+        from int8kv.ops import attention, plan_attention
+
+        cache = PagedKvCache(3, 16, 1, 2, 32, KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1)
+        cache.k_scales[0].fill_(0.01)
+        cache.v_scales[0].fill_(0.01)
+        tables, lens = torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+        plan = plan_attention(cache.pool, tables, lens)
+        q = torch.randn(1, 4, 32)
+        print("reference", tuple(attention(cache, 0, q, plan, backend="reference").shape))
+        for backend in (None, "cpu"):
+            try:
+                attention(cache, 0, q, plan, backend=backend)
+            except UnknownBackend as e:
+                print("refused", backend, e)
+        q[0, 0, 0] = float("nan")
+        try:
+            attention(cache, 0, q, plan, backend="reference")
+        except ValueError as e:
+            print("nan", type(e).__name__)
+        try:
+            from int8kv.ops import cpu_packed
+        except UnknownBackend:
+            print("cpu_packed refused")
+    """)
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1", PYTHONPATH=str(SRC))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "reference (1, 4, 32)"
+    assert [line.split(" ", 2)[:2] for line in lines[1:3]] == [["refused", "None"], ["refused", "cpu"]]
+    assert "NUMBA_DISABLE_JIT=1" in lines[1] and "backend='reference'" in lines[1]
+    assert lines[3:] == ["nan NonFiniteError", "cpu_packed refused"]

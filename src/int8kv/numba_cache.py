@@ -36,6 +36,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 
+import numba
 from numba.core import caching, sigutils
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.registry import CPUDispatcher
@@ -162,3 +163,17 @@ def share_compiles(namespace: dict) -> None:
     for _, value in cached:
         if not isinstance(value._cache, SharedFunctionCache):
             _share(value)
+
+
+def require_jit(module: str) -> None:
+    """Refuse (UnknownBackend) to load ``module``, whose kernels exist only as numba-compiled code (LLVM IR
+    intrinsics, calls by address), when numba's compiler is off (``NUMBA_DISABLE_JIT=1``, numba's debugging
+    switch): run as Python they failed at their first call with an AttributeError from inside numba. The codec's
+    kernels and the reference backend run as Python there (slowly)."""
+    if numba.config.DISABLE_JIT:
+        from .errors import UnknownBackend  # here: the tests load this file alone, outside its package
+
+        raise UnknownBackend(
+            f"{module} runs numba-compiled kernels only, and NUMBA_DISABLE_JIT=1 turns numba's compiler off: unset "
+            "it, or use backend='reference' (the float64 oracle) for attention"
+        )

@@ -114,11 +114,20 @@ _FINITE: list = []  # cpu.all_finite, once the CPU backend is loaded
 
 
 def _all_finite() -> Any:
-    """``cpu.all_finite`` (imported on first use: numba loads with the CPU backend, not with ``int8kv.ops``)."""
+    """``cpu.all_finite`` (imported on first use: numba loads with the CPU backend, not with ``int8kv.ops``);
+    numpy's check where numba's compiler is off, since the CPU backend then refuses to load
+    (`numba_cache.require_jit`) and the reference backend still checks its q."""
     if not _FINITE:
-        from .cpu import all_finite
+        import numba
 
-        _FINITE.append(all_finite)
+        if numba.config.DISABLE_JIT:
+            import numpy as np
+
+            _FINITE.append(lambda a: bool(np.isfinite(a).all()))
+        else:
+            from .cpu import all_finite
+
+            _FINITE.append(all_finite)
     return _FINITE[0]
 
 

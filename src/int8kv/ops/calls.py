@@ -32,7 +32,9 @@ from numba.core import cgutils
 from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
 
-from ..numba_cache import share_compiles
+from ..numba_cache import require_jit, share_compiles
+
+require_jit(__name__)
 
 __all__ = ["INDEX", "Compiled", "call_at", "compiled_count", "failed_at", "fan_out", "signature_tag", "tag_of"]
 

@@ -34,8 +34,10 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from ..numba_cache import share_compiles
+from ..numba_cache import require_jit, share_compiles
 from ..numba_threads import launch
+
+require_jit(__name__)
 
 __all__ = [
     "BLOCK", "KINDS", "block_ranges", "check_parts", "decode_q4_1", "decode_q8_0", "encode_q4_1", "encode_q8_0",

@@ -71,6 +71,10 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
+from ..numba_cache import require_jit
+
+require_jit(__name__)
+
 __all__ = [
     "DOT", "DOTS", "LANES", "QK16", "QK16I", "dot_for", "dots_for", "fits", "gather16", "int_fits", "keys_per_pass",
     "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel", "strided_lanes", "weights16",
