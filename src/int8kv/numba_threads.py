@@ -25,7 +25,8 @@ __all__ = ["THREAD_SAFE_LAYERS", "launch", "layer"]
 THREAD_SAFE_LAYERS = ("omp", "tbb")
 
 _LOCK = threading.Lock()
-_safe = False  # the layer in use takes concurrent launches (known once a parallel kernel has run)
+_safe = False  # the layer in use takes concurrent launches
+_named = False  # numba has named its layer (after the first parallel launch): _safe is final
 
 
 def layer() -> str | None:
@@ -45,8 +46,10 @@ def launch(kernel: Callable[..., Any], *args: Any) -> Any:
 
 
 def _launch_in_turn(kernel: Callable[..., Any], args: tuple) -> Any:
-    global _safe
+    global _safe, _named
     with _LOCK:
         out = kernel(*args)
-    _safe = layer() in THREAD_SAFE_LAYERS
+    if not _named:  # asked until numba names its layer, then never again (on workqueue every launch comes here)
+        name = layer()
+        _named, _safe = name is not None, name in THREAD_SAFE_LAYERS
     return out
