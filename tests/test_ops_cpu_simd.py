@@ -295,3 +295,24 @@ def test_qk16i_refuses_other_dtypes():
     with pytest.raises(TypingError, match="q must be a int16"):
         scores(np.zeros(16, np.float32), 0, np.zeros(256, np.int8), 0, 16, np.zeros(16, np.float32), 0, 16, 1, 16,
                np.zeros(256, np.int16))
+
+
+@njit
+def _absmax(x, off, n):
+    return cpu_simd.absmax16(x, off, n)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_absmax16_is_the_largest_magnitude(seed):
+    """Against numpy on fresh inputs, at odd offsets and lengths of 0 to 32 vectors, the largest value placed in
+    each lane position in turn and negative as often as positive; nothing outside [off, off + n) counts."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        n = LANES * int(rng.integers(0, 33))
+        off = int(rng.integers(0, 40))
+        x = (rng.standard_normal(off + n + 20) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+        x[:off] = x[off + n :] = 1e30  # outside the range: must not count
+        if n:
+            x[off + int(rng.integers(0, n))] = np.float32(rng.choice([-1, 1]) * 1e6)
+        expected = float(np.abs(x[off : off + n]).max()) if n else 0.0
+        assert _absmax(x, off, n) == expected

@@ -519,15 +519,21 @@ QUERY_CODE_MAX = 32767  # int16 query codes: rounding error <= max|q| / 65,534 p
 def _quantize_rows(x, d, sm, codes, scale):
     """Each row of d values of the flat float32 ``x`` as symmetric int16 codes, ``x ~ codes * scale / sm``:
     codes [len(x)] int16 in [-32767, 32767], scale [rows] float32 with the softmax scale sm folded in; a row of
-    zeros gets scale 0."""
+    zeros gets scale 0. Each row is a slice indexed from 0: indexed as x[h * d + i], LLVM could not rule out a
+    negative index and vectorised the rounding with gathers and scattered stores; the range comes from
+    `cpu_simd.absmax16`. Together 1.05 -> 0.10 us for SmolLM2's 9 heads x 64, 7.9 -> 0.75 at 32 x 128, the same
+    codes and scales (a few ns a key-head at 512 keys: each work item quantizes its row)."""
+    vector = d - d % cpu_simd.LANES
     for h in range(x.shape[0] // d):
-        top = np.float32(0.0)
-        for i in range(h * d, (h + 1) * d):
-            top = max(top, abs(x[i]))
+        row = x[h * d : (h + 1) * d]
+        out = codes[h * d : (h + 1) * d]
+        top = cpu_simd.absmax16(x, h * d, vector)
+        for i in range(vector, d):
+            top = max(top, abs(row[i]))
         inv = np.float32(QUERY_CODE_MAX) / top if top > 0 else np.float32(0.0)
         scale[h] = top / np.float32(QUERY_CODE_MAX) * sm
-        for i in range(h * d, (h + 1) * d):
-            codes[i] = np.int16(np.rint(x[i] * inv))
+        for i in range(d):
+            out[i] = np.int16(np.rint(row[i] * inv))
 
 
 def _row_query(q, q_scale, row, sm):  # typed by the overload below

@@ -76,8 +76,8 @@ from ..numba_cache import require_jit
 require_jit(__name__)
 
 __all__ = [
-    "DOT", "DOTS", "LANES", "QK16", "QK16I", "dot_for", "dots_for", "fits", "gather16", "int_fits", "keys_per_pass",
-    "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel", "strided_lanes", "weights16",
+    "DOT", "DOTS", "LANES", "QK16", "QK16I", "absmax16", "dot_for", "dots_for", "fits", "gather16", "int_fits",
+    "keys_per_pass", "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel", "strided_lanes", "weights16",
 ]
 
 LANES = 16  # keys per call and float32 lanes per vector
@@ -753,5 +753,28 @@ def gather16(typingctx, src, first, stride, dst, doff):
         dp = _data(context, builder, signature.args[3], dst_arr)
         _store_f32(builder, strided_lanes(builder, sp, start, step, _VEC), dp, do)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def absmax16(typingctx, x, off, n):
+    """max_i |x[off + i]| for i < n, 0 for n = 0 (n a multiple of 16; x float32 flat, finite; off, n int64): 16
+    lanes at a time, then halves. The int16 query path's range per head (`cpu._quantize_rows`): numba's loop of
+    `max(top, abs(v))` stays scalar, as LLVM does not vectorise that reduction."""
+    _check_f32(x, x)
+    sig = types.float32(x, off, n)
+
+    def codegen(context, builder, signature, args):
+        x_arr, xo, count = args
+        xp = _data(context, builder, signature.args[0], x_arr)
+        i64 = xo.type
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC]), "llvm.fabs.v16f32")
+        best = cgutils.alloca_once_value(builder, ir.Constant(_VEC, None))
+        with cgutils.for_range(builder, builder.sdiv(count, ir.Constant(i64, LANES))) as vec:
+            first = builder.add(xo, builder.mul(vec.index, ir.Constant(i64, LANES)))
+            builder.store(_fmax(builder, builder.load(best), builder.call(fabs, [_load_f32(builder, xp, first)])),
+                          best)
+        return _hreduce(builder, builder.load(best), _fmax)
 
     return sig, codegen
