@@ -17,44 +17,66 @@ from ..numba_cache import share_compiles
 __all__ = ["rope_neox", "split_rotate"]
 
 
+@njit(inline="always")
+def _rotate(x, c, s, out):
+    """One head: out[i] = x[i] c[i] - x[i + half] s[i] and out[i + half] = x[i + half] c[i] + x[i] s[i] for
+    i < half = len(x) / 2. Every row a slice indexed from 0, so LLVM can prove the indices non-negative and
+    vectorises with plain loads and stores (indexed as x[t, h, i + half] it used gathers)."""
+    half = x.shape[0] // 2
+    xa, xb, oa, ob = x[:half], x[half:], out[:half], out[half:]
+    for i in range(half):
+        a = xa[i]
+        b = xb[i]
+        oa[i] = a * c[i] - b * s[i]
+        ob[i] = b * c[i] + a * s[i]
+
+
+@njit(inline="always")
+def _finite(x) -> bool:
+    """Whether every value of the C-contiguous ``x`` is finite (x - x is 0 for a finite x, NaN for inf and NaN),
+    with no early exit, so the loop vectorises."""
+    flat = x.reshape(-1)
+    ok = True
+    for i in range(flat.shape[0]):
+        ok &= flat[i] - flat[i] == 0
+    return ok
+
+
 @njit(cache=True)
 def _neox(x, c, s, out):
     """out[t, h, i] = x[t, h, i] c[t, i] - x[t, h, i + half] s[t, i] and out[t, h, i + half] = x[t, h, i + half]
     c[t, i] + x[t, h, i] s[t, i], for i < half = dim / 2; x any strides, c and s [tokens, half]."""
     tokens, heads, dim = x.shape
-    half = dim // 2
     for t in range(tokens):
         for h in range(heads):
-            for i in range(half):
-                a = x[t, h, i]
-                b = x[t, h, i + half]
-                out[t, h, i] = a * c[t, i] - b * s[t, i]
-                out[t, h, i + half] = b * c[t, i] + a * s[t, i]
+            _rotate(x[t, h], c[t], s[t], out[t, h])
 
 
 @njit(cache=True)
 def split_rotate(qkv, c, s, q, k, v) -> int:
     """A planned decode step's packed rows ``qkv`` float32 ``[tokens, (hq + 2 hkv) dim]`` (C-contiguous) into
-    ``q [tokens, hq, dim]`` and ``k [tokens, hkv, dim]`` rotated by `_neox` (by ``c, s [tokens, dim / 2]``) and
-    ``v [tokens, hkv, dim]`` copied (outputs float32, C-contiguous). Returns 1 where ``qkv`` holds NaN or inf
+    ``q [tokens, hq, dim]`` and ``k [tokens, hkv, dim]`` rotated as `_neox` does (by ``c, s [tokens, dim / 2]``)
+    and ``v [tokens, hkv, dim]`` copied (outputs float32, C-contiguous). Returns 1 where ``qkv`` holds NaN or inf
     (before anything is rotated), 2 where ``q`` does after the rotation (a table entry), else 0: the two refusals
-    of the write path's general route (write.prepare_qkv), in its order."""
+    of the write path's general route (write.prepare_qkv), in its order. Heads are taken from the C-contiguous
+    view one at a time (slices of it were strided arrays to numba, rotated with gathers) and the checks have no
+    early exit: SmolLM2's decode step (one token, 9 + 3 + 3 heads x 64) 1.83 -> 0.36 us a layer, 8 tokens
+    10.1 -> 1.1 us, the same bits (scripts and figures: docs/benchmarks.md, "Loops numba indexed with gathers")."""
     tokens, hq, dim = q.shape
     hkv = k.shape[1]
-    for t in range(tokens):
-        for j in range(qkv.shape[1]):
-            if not np.isfinite(qkv[t, j]):
-                return 1
+    if not _finite(qkv):
+        return 1
     heads = qkv.reshape(tokens, hq + 2 * hkv, dim)
-    _neox(heads[:, :hq], c, s, q)
-    _neox(heads[:, hq : hq + hkv], c, s, k)
-    v[:] = heads[:, hq + hkv :]
     for t in range(tokens):
+        ct, st = c[t], s[t]
         for h in range(hq):
+            _rotate(heads[t, h], ct, st, q[t, h])
+        for h in range(hkv):
+            _rotate(heads[t, hq + h], ct, st, k[t, h])
+            vh, src = v[t, h], heads[t, hq + hkv + h]
             for i in range(dim):
-                if not np.isfinite(q[t, h, i]):
-                    return 2
-    return 0
+                vh[i] = src[i]
+    return 0 if _finite(q) else 2
 
 
 share_compiles(globals())
