@@ -521,8 +521,9 @@ def _quantize_rows(x, d, sm, codes, scale):
     codes [len(x)] int16 in [-32767, 32767], scale [rows] float32 with the softmax scale sm folded in; a row of
     zeros gets scale 0. Each row is a slice indexed from 0: indexed as x[h * d + i], LLVM could not rule out a
     negative index and vectorised the rounding with gathers and scattered stores; the range comes from
-    `cpu_simd.absmax16`. Together 1.05 -> 0.10 us for SmolLM2's 9 heads x 64, 7.9 -> 0.75 at 32 x 128, the same
-    codes and scales (a few ns a key-head at 512 keys: each work item quantizes its row)."""
+    `cpu_simd.absmax16`. Together 1.18 -> 0.16 us for SmolLM2's 9 heads x 64, 8.4 -> 0.85 at 32 x 128, the same
+    codes and scales (each work item quantizes its row; docs/benchmarks.md, "Loops that numba indexed with
+    gathers")."""
     vector = d - d % cpu_simd.LANES
     for h in range(x.shape[0] // d):
         row = x[h * d : (h + 1) * d]
@@ -1270,7 +1271,8 @@ def thread_choice(key: tuple) -> ThreadChoice:
 def all_finite(a):
     """Whether every value of the C-contiguous float array ``a`` is finite (x - x is 0 for a finite x, NaN for
     inf and NaN). The query check of `ops.check_query` on the CPU. Indexed from 0: iterating the array itself
-    compiled to gathers, 0.51 -> 0.22 us a call at 1 x 9 x 64 and 17.2 -> 1.3 us at 8 x 32 x 128."""
+    compiled to gathers, 0.33 -> 0.03 us at 1 x 9 x 64 and 17.5 -> 1.6 us at 8 x 32 x 128 (called from a jitted
+    loop; from Python 0.51 -> 0.22 us at 1 x 9 x 64)."""
     flat = a.reshape(-1)
     ok = True
     for i in range(flat.shape[0]):
