@@ -40,8 +40,9 @@ the float64-oracle tests bound it.
           `avx2` (`vpmaddwd` + `vpaddd` on ymm); none on other CPUs, where callers keep the float path. The
           target is numba's (NUMBA_CPU_FEATURES, else the host's), so forcing another variant is
           `NUMBA_CPU_FEATURES=<features with +avx512vnni / +avxvnni turned to ->`, and numba's disk cache, keyed by
-          the same string, never hands one variant's code to another. LLVM 22 tuned for Emerald Rapids
-          still emits 15 of the 16 `vpdpwssd` of a chunk as `vpmaddwd` + `vpaddd` (its choice for that core).
+          the same string, never hands one variant's code to another. `vnni512` writes the instruction as
+          inline assembly: from the intrinsic LLVM 22 tuned for Emerald Rapids emitted 15 of the 16 `vpdpwssd`
+          of a chunk as `vpmaddwd` + `vpaddd` (`_dot_step`).
 
 The softmax of a decode row's tile runs here too: `logits16` (the scaled logits and their max) and `weights16`
 (exp, the running sum, the value scales folded in), 16 lanes a vector with the tile's ragged end masked, and
@@ -65,7 +66,7 @@ from __future__ import annotations
 import functools
 import struct
 
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.core.errors import TypingError
@@ -74,6 +75,8 @@ from numba.extending import intrinsic
 from ..numba_cache import require_jit
 
 require_jit(__name__)
+# Inline assembly (the 512-bit `vpdpwssd`, `_dot_step`) needs LLVM's assembly parser, which numba leaves out.
+binding.initialize_native_asmparser()
 
 __all__ = [
     "DOT", "DOTS", "LANES", "QK16", "QK16I", "absmax16", "dot_for", "dots_for", "fits", "gather16", "int_fits",
@@ -335,7 +338,6 @@ def target_features() -> str:
     """The features numba compiles for: NUMBA_CPU_FEATURES if set, else the host's (numba's own rule, so the
     variant chosen is always one the compiled code may use, and numba's disk cache, keyed by the same string,
     never serves a kernel built for another variant)."""
-    from llvmlite import binding
     from numba.core import config
 
     return config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
@@ -358,8 +360,21 @@ def _dot_step(kind: str):
             return builder.add(acc, builder.call(fn, [q, k]))
 
         return step
-    name = "llvm.x86.avx512.vpdpwssd.512" if kind == "vnni512" else "llvm.x86.avx512.vpdpwssd.256"
     fnty = ir.FunctionType(acc_ty, [acc_ty, acc_ty, acc_ty])  # the pairs passed as int32 lanes (LLVM's signature)
+    if kind == "vnni512":
+        # The instruction itself, as inline assembly: from the intrinsic, LLVM (tuned for Emerald Rapids) emitted 15
+        # of each 16 as `vpmaddwd` + `vpaddd`. The whole decode call, both checkouts in one process, bit-identical,
+        # two runs: 0.98x / 0.97-0.98x / 0.95-0.97x the time at 512 / 2,048 / 7,000 keys (SmolLM2's shape;
+        # docs/benchmarks.md, "The 512-bit vpdpwssd as written"). 256 bits keep the intrinsic: on a CPU with
+        # AVX-VNNI but no AVX-512 the assembler would have to pick the VEX form of the same mnemonic, which no
+        # machine here can run.
+        dpwssd = ir.InlineAsm(fnty, "vpdpwssd $3, $2, $0", "=v,0,v,v")
+
+        def step(builder, acc, q, k):
+            return builder.call(dpwssd, [acc, builder.bitcast(q, acc_ty), builder.bitcast(k, acc_ty)])
+
+        return step
+    name = "llvm.x86.avx512.vpdpwssd.256"
 
     def step(builder, acc, q, k):
         fn = cgutils.get_or_insert_function(builder.module, fnty, name)
