@@ -48,17 +48,20 @@ The softmax of a decode row's tile runs here too: `logits16` (the scaled logits 
 (exp, the running sum, the value scales folded in), 16 lanes a vector with the tile's ragged end masked, and
 `gather16` brings a run's 16 per-token scales of one head in as one vector.
 
-p . v stays float32 (`pv16`): int16 weights (each row's 16 weights rounded to int16 with one scale) times
-int8 value rows interleaved in pairs, `vpdpwssd` into int32 per 16-key block, measured in a prototype at 3
-rows x 64 (SmolLM2's group) on 1,024 keys, ns per key, best of 15, load 15: 4.3 vs 4.7 (AVX-512 VNNI) and 9.2
-vs 7.7 (AVX2) with the weights already quantized, 12.3-13.1 vs 5.6-8.2 once each block's weights are
-quantized (max, scale, round, pack per row and block), which is the only way to get them. Converting int8 rows
-without byte shuffles (64 codes loaded as 16 int32 lanes, each byte sign-extended in place by a left and a right
-shift, the accumulator kept in that permuted order) measured 0.90x `pv16` at 3 rows x 64 and 0.91x at 4 x 128
-(one thread, 2,048 / 1,024 keys hot in cache, AVX-512, Zen 4): the widening is not what limits `pv16`. In the
-whole kernel at batch 8 x 4,096 keys (32 / 8 x 128, K and V from DRAM) p . v takes ~30 ns per (key, KV head) and
-thread against ~11 hot (measured by leaving `pv16` out of the row kernel): there the arithmetic is not the limit;
-prefetching each block's V during the score pass instead of one block ahead gained 2-3 %, within the noise.
+p . v stays float32 (`pv16`): int16 weights (each row's 16 weights rounded to int16 with one scale) times int8 value
+rows interleaved in pairs, `vpdpwssd` into int32 per 16-key block, measured in a prototype at 3 rows x 64 (SmolLM2's
+group) on 1,024 keys, ns per key, best of 15, load 15: 4.3 vs 4.7 (AVX-512 VNNI) and 9.2 vs 7.7 (AVX2) with the
+weights already quantized, 12.3-13.1 vs 5.6-8.2 once each block's weights are quantized (max, scale, round, pack per
+row and block), which is the only way to get them. Again on Emerald Rapids with the instruction written as inline
+assembly and one weight scale per 64-key tile (docs/results/pv_dpwssd_prototype.py): the dot products 1.70 ns a key
+against `pv16`'s 3.53, the whole 3.61 once the weights are quantized and the sums folded back, and the rounding
+moves an attention output by 4-7e-5 of its max, beyond the int16 path's checks. Converting int8 rows without byte
+shuffles (64 codes loaded as 16 int32 lanes, each byte sign-extended in place by a left and a right shift, the
+accumulator kept in that permuted order) measured 0.90x `pv16` at 3 rows x 64 and 0.91x at 4 x 128 (one thread,
+2,048 / 1,024 keys hot in cache, AVX-512, Zen 4): the widening is not what limits `pv16`. In the whole kernel at
+batch 8 x 4,096 keys (32 / 8 x 128, K and V from DRAM) p . v takes ~30 ns per (key, KV head) and thread against ~11
+hot (measured by leaving `pv16` out of the row kernel): there the arithmetic is not the limit; prefetching each
+block's V during the score pass instead of one block ahead gained 2-3 %, within the noise.
 """
 
 from __future__ import annotations
