@@ -33,37 +33,47 @@ LEFT_OUT = {
 }
 
 
-def variant(left_out: str | None):
-    """The kernel without ``left_out`` (None: whole); None where this checkout's kernel has no such call (an
-    older one: then only the whole kernel is timed)."""
+def variant(left_out: str | None, tile: int | None = None):
+    """The kernel without ``left_out`` (None: whole), with ``tile`` keys a softmax step (None: the module's
+    TILE; docs/results/row_tile_ab.py); None where this checkout's kernel has no such call (an older one: then
+    only the whole kernel is timed)."""
     source = SOURCE
     if left_out is not None:
         if LEFT_OUT[left_out] not in source:
             return None
         source = source.replace(LEFT_OUT[left_out], "pass")
     namespace = dict(vars(cpu))
+    if tile is not None:
+        namespace["TILE"] = tile
     exec(source, namespace)
     return njit(fastmath=True)(namespace["_attend_row"])
+
+
+HQ, HKV, D, BS = 9, 3, 64, 16  # SmolLM2's shape, blocks of 16
+
+
+def row_args(rng, keys: int) -> tuple:
+    """The row kernel's arguments over ``keys`` keys of a random INT8 pool (blocks in shuffled order) with the
+    int16 query path; its state arrays m, denom, acc are the last three."""
+    nb = (keys + BS - 1) // BS + 4
+    kc = rng.integers(-127, 128, size=(nb, BS, HKV, D)).astype(np.int8)
+    vc = rng.integers(-127, 128, size=(nb, BS, HKV, D)).astype(np.int8)
+    ks = (rng.random((nb, BS, HKV)) * 0.01).astype(np.float32)
+    vs = (rng.random((nb, BS, HKV)) * 0.01).astype(np.float32)
+    tables = rng.permutation(nb)[: (keys + BS - 1) // BS].astype(np.int32)[None, :]
+    q = rng.standard_normal((1, HQ, D)).astype(np.float32)
+    m = np.empty((HKV, HQ // HKV), np.float32)
+    state = (m, np.empty_like(m), np.empty((HKV, HQ // HKV, D), np.float32))
+    return (q, cpu._INT16_QUERY, np.float32(0.125), None, kc, ks, vc, vs, tables, 0, 0, 0, keys, *state)
 
 
 def main() -> None:
     kernels = {"whole": variant(None), **{f"without {name}": variant(name) for name in LEFT_OUT}}
     kernels = {name: kernel for name, kernel in kernels.items() if kernel is not None}
     rng = np.random.default_rng(0)
-    hq, hkv, d, bs = 9, 3, 64, 16
     result = {"command": "PYTHONPATH=src python docs/results/row_ablation.py", "ns_per_key_head": {}}
     for keys in (512, 2048, 7000):
-        nb = (keys + bs - 1) // bs + 4
-        kc = rng.integers(-127, 128, size=(nb, bs, hkv, d)).astype(np.int8)
-        vc = rng.integers(-127, 128, size=(nb, bs, hkv, d)).astype(np.int8)
-        ks = (rng.random((nb, bs, hkv)) * 0.01).astype(np.float32)
-        vs = (rng.random((nb, bs, hkv)) * 0.01).astype(np.float32)
-        tables = rng.permutation(nb)[: (keys + bs - 1) // bs].astype(np.int32)[None, :]
-        q = rng.standard_normal((1, hq, d)).astype(np.float32)
-        m = np.empty((hkv, hq // hkv), np.float32)
-        denom = np.empty_like(m)
-        acc = np.empty((hkv, hq // hkv, d), np.float32)
-        args = (q, cpu._INT16_QUERY, np.float32(0.125), None, kc, ks, vc, vs, tables, 0, 0, 0, keys, m, denom, acc)
+        args = row_args(rng, keys)
         best = {name: float("inf") for name in kernels}
         reps = max(3, 300_000 // keys)
         for _ in range(7):
@@ -72,7 +82,7 @@ def main() -> None:
                 start = time.perf_counter()
                 for _ in range(reps):
                     kernel(*args)
-                best[name] = min(best[name], (time.perf_counter() - start) / reps / (keys * hkv) * 1e9)
+                best[name] = min(best[name], (time.perf_counter() - start) / reps / (keys * HKV) * 1e9)
         result["ns_per_key_head"][keys] = best
         print(keys, {name: round(ns, 2) for name, ns in best.items()}, flush=True)
     if len(sys.argv) > 1:
@@ -80,4 +90,5 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
 
-main()
+if __name__ == "__main__":
+    main()

@@ -6,53 +6,34 @@ each variant's largest difference from the first one's output.
     PYTHONPATH=src python docs/results/row_tile_ab.py 64,128,256,512
 """
 
-import inspect
 import sys
 import time
 
 import numpy as np
-from numba import njit
-
-from int8kv.ops import cpu
-
-SOURCE = inspect.getsource(cpu._attend_row.py_func)
-SOURCE = SOURCE[SOURCE.index("def ") :]
+from row_ablation import HKV, row_args, variant  # this directory: the same kernel source and inputs
 
 
-def variant(tile):
-    ns = dict(vars(cpu))
-    ns["TILE"] = tile
-    exec(SOURCE, ns)
-    return njit(fastmath=True)(ns["_attend_row"])
-
-
-tiles = [int(x) for x in sys.argv[1].split(",")]
-kernels = {t: variant(t) for t in tiles}
-rng = np.random.default_rng(0)
-hq, hkv, d, bs = 9, 3, 64, 16
-for keys in (512, 2048, 7000):
-    nb = (keys + bs - 1) // bs + 4
-    kc = rng.integers(-127, 128, size=(nb, bs, hkv, d)).astype(np.int8)
-    vc = rng.integers(-127, 128, size=(nb, bs, hkv, d)).astype(np.int8)
-    ks = (rng.random((nb, bs, hkv)) * 0.01).astype(np.float32)
-    vs = (rng.random((nb, bs, hkv)) * 0.01).astype(np.float32)
-    tables = rng.permutation(nb)[: (keys + bs - 1) // bs].astype(np.int32)[None, :]
-    q = rng.standard_normal((1, hq, d)).astype(np.float32)
-    outs = {}
-    best = {t: float("inf") for t in kernels}
-    reps = max(3, 300_000 // keys)
-    for _ in range(7):
-        for t, kernel in kernels.items():
-            m = np.empty((hkv, hq // hkv), np.float32)
-            denom = np.empty_like(m)
-            acc = np.empty((hkv, hq // hkv, d), np.float32)
-            args = (q, cpu._INT16_QUERY, np.float32(0.125), None, kc, ks, vc, vs, tables, 0, 0, 0, keys, m, denom, acc)
-            kernel(*args)
-            outs[t] = acc / denom[..., None]
-            start = time.perf_counter()
-            for _ in range(reps):
+def main() -> None:
+    tiles = [int(x) for x in sys.argv[1].split(",")]
+    kernels = {t: variant(None, tile=t) for t in tiles}
+    rng = np.random.default_rng(0)
+    for keys in (512, 2048, 7000):
+        args = row_args(rng, keys)
+        denom, acc = args[-2:]
+        outs = {}
+        best = {t: float("inf") for t in kernels}
+        reps = max(3, 300_000 // keys)
+        for _ in range(7):
+            for t, kernel in kernels.items():
                 kernel(*args)
-            best[t] = min(best[t], (time.perf_counter() - start) / reps / (keys * hkv) * 1e9)
-    ref = outs[tiles[0]]
-    diffs = {t: float(np.abs(o - ref).max()) for t, o in outs.items()}
-    print(keys, {t: round(ns, 2) for t, ns in best.items()}, diffs, flush=True)
+                outs[t] = acc / denom[..., None]
+                start = time.perf_counter()
+                for _ in range(reps):
+                    kernel(*args)
+                best[t] = min(best[t], (time.perf_counter() - start) / reps / (keys * HKV) * 1e9)
+        ref = outs[tiles[0]]
+        diffs = {t: float(np.abs(o - ref).max()) for t, o in outs.items()}
+        print(keys, {t: round(ns, 2) for t, ns in best.items()}, diffs, flush=True)
+
+
+main()
