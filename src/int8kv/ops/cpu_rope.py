@@ -14,7 +14,7 @@ from numba import njit
 
 from ..numba_cache import share_compiles
 
-__all__ = ["rope_neox", "split_rotate"]
+__all__ = ["finite", "rope_neox", "split_rotate"]
 
 
 @njit(inline="always")
@@ -31,10 +31,11 @@ def _rotate(x, c, s, out):
         ob[i] = b * c[i] + a * s[i]
 
 
-@njit(inline="always")
-def _finite(x) -> bool:
+@njit(inline="always")  # callers compile without fastmath: it lets LLVM assume every value finite
+def finite(x) -> bool:
     """Whether every value of the C-contiguous ``x`` is finite (x - x is 0 for a finite x, NaN for inf and NaN),
-    with no early exit, so the loop vectorises."""
+    with no early exit and indexed from 0, so the loop vectorises without gathers. Also the CPU query check
+    (`cpu.all_finite`)."""
     flat = x.reshape(-1)
     ok = True
     for i in range(flat.shape[0]):
@@ -64,7 +65,7 @@ def split_rotate(qkv, c, s, q, k, v) -> int:
     9.5 -> 2.1 us, the same bits (docs/benchmarks.md, "Loops that numba indexed with gathers")."""
     tokens, hq, dim = q.shape
     hkv = k.shape[1]
-    if not _finite(qkv):
+    if not finite(qkv):
         return 1
     heads = qkv.reshape(tokens, hq + 2 * hkv, dim)
     for t in range(tokens):
@@ -76,7 +77,7 @@ def split_rotate(qkv, c, s, q, k, v) -> int:
             vh, src = v[t, h], heads[t, hq + hkv + h]
             for i in range(dim):
                 vh[i] = src[i]
-    return 0 if _finite(q) else 2
+    return 0 if finite(q) else 2
 
 
 share_compiles(globals())
