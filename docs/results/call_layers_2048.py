@@ -10,13 +10,13 @@
 - "cpu run": the CPU backend's prepared call (`cpu.prepare(...)(pool, layer, q)`: `_run`, `fan_out`, the merge);
 - "prepared": `ops.PreparedAttention.run` (adds the pool, layer and query checks);
 - "attention": `ops.attention` (adds resolving the backend and the plan's work).
-Medians of 40 rounds of 50 calls each (the methods taking turns), us a call; the F16 / INT8 ratio per layer.
+Medians of 40 rounds of 50 calls each (the methods taking turns, `bench.timing.seconds_in_turns`), us a call;
+the F16 / INT8 ratio per layer; the workers' stamps from 200 more calls.
 """
 
 import argparse
 import json
 import statistics
-import time
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from numba.extending import intrinsic
 
 from int8kv import KvStorageFormat
 from int8kv.bench.attention import paged_cache
+from int8kv.bench.timing import seconds_in_turns
 from int8kv.ops import PreparedAttention, attention, cpu, plan_attention
 
 
@@ -94,21 +95,16 @@ def main() -> None:
             "prepared": lambda p=prepared, c=cache: p.run(c, 0, q),
             "attention": lambda c=cache, p=plan: attention(c, 0, q, p, backend="cpu"),
         }
-    samples = {(f, m): [] for f in fns for m in fns[f]}
-    for f in fns:
-        for fn in fns[f].values():
-            for _ in range(200):
-                fn()
+    calls = {(f, m): fn for f in fns for m, fn in fns[f].items()}
+    for fn in calls.values():
+        for _ in range(200):
+            fn()
+    samples = {key: [s * 1e6 for s in seconds] for key, seconds in seconds_in_turns(calls, 40, 50).items()}
     starts = {f: [] for f in fns}
-    for _ in range(40):
+    for _ in range(200):  # the workers' cycle stamps, of calls of their own after the timed ones
         for f in fns:
-            for m, fn in fns[f].items():
-                t = time.perf_counter()
-                for _ in range(50):
-                    fn()
-                samples[(f, m)].append((time.perf_counter() - t) / 50 * 1e6)
-                if m == "kernel, 2 threads":
-                    starts[f].append(stamps[f][[0, 8]].copy())
+            fns[f]["kernel, 2 threads"]()
+            starts[f].append(stamps[f][[0, 8]].copy())
     for m in fns["int8"]:
         i8, f16 = statistics.median(samples[("int8", m)]), statistics.median(samples[("f16", m)])
         result["us"][m] = {"int8": i8, "f16": f16, "f16_over_int8": f16 / i8}
