@@ -197,6 +197,25 @@ def test_qk16i_matches_float64(kind, keys, seed):
     assert np.isnan(out[untouched]).all()
 
 
+@pytest.mark.skipif(cpu_simd.DOT is None, reason="no integer dot product on this CPU")
+@pytest.mark.parametrize("rows", range(1, 11))
+def test_qk16i_every_row_count(rows):
+    """The host's variant at every row count up to 10: the 512-bit one takes rows three at a time and the rest
+    in a block of its own size (`_direct_kernel`), so each remainder and several whole groups run; each row's
+    scores land in its own slot and nowhere else."""
+    rng = np.random.default_rng(300 + rows)
+    dim, kstride, koff = 64, 3 * 64 + 16, 7
+    q = rng.integers(-32767, 32768, rows * dim, dtype=np.int16)
+    k = rng.integers(-128, 128, koff + LANES * kstride, dtype=np.int8)
+    ostride = LANES + 3
+    out = np.full(rows * ostride + 8, np.nan, np.float32)
+    _qk16i_caller(cpu_simd.DOT)(q, 0, k, koff, kstride, out, 0, ostride, rows, dim, np.empty(LANES * dim, np.int16))
+    want = q.astype(np.float64).reshape(rows, dim) @ _key_rows(k.astype(np.float64), koff, kstride, dim).T
+    got = np.stack([out[r * ostride : r * ostride + LANES] for r in range(rows)])
+    assert np.array_equal(got, want.astype(np.float32))
+    assert np.isnan(out.reshape(-1)[[r * ostride + LANES + j for r in range(rows) for j in range(3)]]).all()
+
+
 @functools.cache
 def _qk16i_in_passes(kind: str, keys: int):
     return cpu_simd.qk16i_kernel(kind, keys)

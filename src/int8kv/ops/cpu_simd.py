@@ -31,10 +31,11 @@ Summation order differs from a plain loop (16 lane sums, then the tree), like an
 the float64-oracle tests bound it.
 
   `qk16i` the scores of int16 query codes against 16 rows of int8 codes, summed exactly in int32 (|sum| <=
-          32,767 x 128 x 512 < 2**31, so head_dim <= 512) and stored as float32: the keys are sign-extended to
-          int16 once into a scratch, each row multiplies pairs of int16 and adds them into int32 lanes, one
-          instruction per 32 (512-bit) or 16 (256-bit) products where float32 takes one FMA per 16, then the
-          same tree in integers (on 512 bits two keys share a vector, so the tree starts one level down).
+          32,767 x 128 x 512 < 2**31, so head_dim <= 512) and stored as float32: each row multiplies pairs of
+          int16 and adds them into int32 lanes, one instruction per 32 (512-bit) or 16 (256-bit) products where
+          float32 takes one FMA per 16, then the same tree in integers. On 512 bits two keys share a vector (the
+          tree starts one level down), widened to int16 in registers and used by three rows at a time; on 256
+          bits the keys are sign-extended once into a scratch that every row reads.
           Three variants, `DOT` the one the compile target's features allow (the best first): `vnni512`
           (AVX-512 VNNI `vpdpwssd` on zmm), `vnni256` (AVX-VNNI or AVX-512 VNNI + VL on ymm),
           `avx2` (`vpmaddwd` + `vpaddd` on ymm); none on other CPUs, where callers keep the float path. The
@@ -386,23 +387,92 @@ def _dot_step(kind: str):
     return step
 
 
+# Query rows the 512-bit variant takes at a time: 8 int32 accumulators a row (one per key pair) and one query
+# vector, so 3 rows hold 27 of the 32 vector registers with the key pair being widened. One thread, 16 keys a
+# call over 1,024-2,048 keys hot in cache, ns per (key, KV head), three runs (docs/results/qk_direct_prototype.py):
+# 3 rows x 64 1.94-2.09 with 3 at a time against 2.08-2.48 with 4 and 2.53-2.83 with 2; 4 x 128 4.7-5.7 (3), 4.7-6.1
+# (4), 5.0-6.1 (2); 7 x 128 8.2-9.8 (3), 7.5-8.7 (4).
+_ROWS_AT_ONCE = 3
+
+
+def _direct_rows(builder, step, qp, qo, kp, ko, ks, op, oo, os_, d, row0, group):
+    """The 512-bit variant for query rows [row0, row0 + group) against the 16 keys, with no scratch: for each
+    16 channels, each row's 16 int16 values (twice, one copy per key of a pair), then each key pair's two 16-byte
+    rows joined and sign-extended in registers and one `vpdpwssd` per row into that pair's accumulator (lanes
+    0-7 the pair's first key, 8-15 its second); the tree then starts one level down."""
+    i64 = qo.type
+    i16 = ir.IntType(16)
+    half_ty, pair_ty = ir.VectorType(i16, LANES), ir.VectorType(i16, 2 * LANES)
+    bytes_ty = ir.VectorType(ir.IntType(8), LANES)
+    acc_ty = ir.VectorType(_I32, LANES)
+
+    def vec(base, offset, ty):
+        return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
+
+    slots = [[cgutils.alloca_once(builder, acc_ty) for _ in range(LANES // 2)] for _ in range(group)]
+    for row in slots:
+        for slot in row:
+            builder.store(ir.Constant(acc_ty, None), slot)
+    with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, LANES))) as chunk:
+        col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+        qvs = []
+        for r in range(group):
+            qrow = builder.add(qo, builder.mul(builder.add(row0, ir.Constant(i64, r)), d))
+            q16 = builder.load(vec(qp, builder.add(qrow, col), half_ty), align=2)
+            qvs.append(builder.shuffle_vector(q16, q16, _mask(list(range(LANES)) * 2)))
+        key = builder.add(ko, col)
+        for pair in range(LANES // 2):
+            first = builder.load(vec(kp, key, bytes_ty), align=1)
+            key = builder.add(key, ks)
+            second = builder.load(vec(kp, key, bytes_ty), align=1)
+            key = builder.add(key, ks)
+            kv = builder.sext(builder.shuffle_vector(first, second, _mask(list(range(2 * LANES)))), pair_ty)
+            for r in range(group):
+                builder.store(step(builder, builder.load(slots[r][pair]), qvs[r], kv), slots[r][pair])
+    for r in range(group):
+        total = _reduce(builder, [builder.load(slot) for slot in slots[r]], lambda b, x, y: b.add(x, y),
+                        width=LANES // 2)
+        at = builder.add(oo, builder.mul(builder.add(row0, ir.Constant(i64, r)), os_))
+        _store_f32(builder, builder.sitofp(total, _VEC), op, at)
+
+
+def _direct_kernel(builder, step, args, nrows, d, rows_at_once: int = _ROWS_AT_ONCE, rows_block=_direct_rows):
+    """``rows_block`` (`_direct_rows`) over every row: whole groups of ``rows_at_once`` in a loop, then the rest
+    as one group of its own size (a block per size, picked by a switch)."""
+    group = ir.Constant(nrows.type, rows_at_once)
+    full = builder.sdiv(nrows, group)
+    with cgutils.for_range(builder, full) as index:
+        rows_block(builder, step, *args, d, builder.mul(index.index, group), rows_at_once)
+    done = builder.append_basic_block("rows_done")
+    switch = builder.switch(builder.srem(nrows, group), done)
+    for size in range(1, rows_at_once):
+        block = builder.append_basic_block(f"rows_left_{size}")
+        switch.add_case(ir.Constant(nrows.type, size), block)
+        builder.position_at_end(block)
+        rows_block(builder, step, *args, d, builder.mul(full, group), size)
+        builder.branch(done)
+    builder.position_at_end(done)
+
+
 def qk16i_kernel(kind: str, keys: int | None = None):
     """`qk16i` built with the ``kind`` variant's instructions. ``keys``: the keys a pass over head_dim adds into
-    (`keys_per_pass`; None: this target's for the 256-bit variants' int32 sums; the 512-bit variant pairs its keys
-    and always takes all 16)."""
+    (`keys_per_pass`; None: this target's for the 256-bit variants' int32 sums; the 512-bit variant widens key
+    pairs in registers (`_direct_rows`) and always takes all 16)."""
     width = DOT_WIDTH[kind]
     lanes = width // 2  # int32 accumulator lanes
     i16 = ir.IntType(16)
     pair_ty = ir.VectorType(i16, width)
     acc_ty = ir.VectorType(_I32, lanes)
     step = _dot_step(kind)
-    # 512 bits: two keys share a vector (16 channels each), so each row's 16 sums take 8 accumulators and the
-    # reduction starts one level down (21 shuffles and adds instead of 45 per row). One thread, Zen 4, 16 keys
-    # x 3 rows x 64 channels called over 2,048 keys hot in cache: 3.81 against 4.16 ns per (key, KV head); at 4
-    # rows x 128: 8.21 against 8.58. On 256 bits the pairs would take twice the stores to build, for less.
-    paired = kind == "vnni512"
+    # 512 bits: two keys share a vector (16 channels each), widened in registers from the codes. Against the same
+    # pairs sign-extended once into the int16 scratch and read back by every row: one thread, 16 keys a call over
+    # 2,048 keys hot in cache, 3 rows x 64: 1.94-2.09 ns per (key, KV head) against 2.79-4.67 (three runs,
+    # docs/results/qk_direct_prototype.py); 4 x 128 4.7-5.7 against 8.6-9.3. On 256 bits the same in registers
+    # (three rows at a time, passes of four keys to fit AVX2's 16 registers) read 0.9-1.1x the scratch's time on
+    # the AVX2 code path (`qk_direct_prototype.py - avx2`), so those variants keep the scratch.
+    direct = kind == "vnni512"
     if keys is None:
-        keys = LANES if paired else keys_per_pass(32 * (width // 2))
+        keys = LANES if direct else keys_per_pass(32 * (width // 2))
 
     def iadd(builder, a, b):
         return builder.add(a, b)
@@ -416,70 +486,50 @@ def qk16i_kernel(kind: str, keys: int | None = None):
 
         def codegen(context, builder, signature, args):
             qp, qo, kp, ko, ks, op, oo, os_, nrows, d, bp = _score_args(context, builder, signature, args)
+            if direct:
+                _direct_kernel(builder, step, (qp, qo, kp, ko, ks, op, oo, os_), nrows, d)
+                return context.get_dummy_value()
             i64 = qo.type
             chunks = builder.sdiv(d, ir.Constant(i64, width))
 
             def vec(base, offset, ty):
                 return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
 
-            if paired:  # keys 2p and 2p + 1 side by side, 16 channels each: buf[p * 2d + 32c + 16(t % 2) + i]
-                half_ty = ir.VectorType(i16, width // 2)
-                with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, width // 2))) as chunk:
-                    col = builder.mul(chunk.index, ir.Constant(i64, width // 2))
-                    key = builder.add(ko, col)
-                    for t in range(LANES):
-                        raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width // 2)), align=1)
-                        at = builder.add(builder.add(builder.mul(ir.Constant(i64, 2 * (t // 2)), d),
-                                                     builder.add(col, col)), ir.Constant(i64, (t % 2) * width // 2))
-                        builder.store(builder.sext(raw, half_ty), vec(bp, at, half_ty), align=2)
-                        key = builder.add(key, ks)
-            else:
-                with cgutils.for_range(builder, chunks) as chunk:  # the 16 keys sign-extended to int16, once
-                    col = builder.mul(chunk.index, ir.Constant(i64, width))
-                    key = builder.add(ko, col)
-                    at = col
-                    for _ in range(LANES):
-                        raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width)), align=1)
-                        builder.store(builder.sext(raw, pair_ty), vec(bp, at, pair_ty), align=2)
-                        key = builder.add(key, ks)
-                        at = builder.add(at, d)
-            accumulators = LANES // 2 if paired else LANES
-            slots = [cgutils.alloca_once(builder, acc_ty) for _ in range(accumulators)]
+            with cgutils.for_range(builder, chunks) as chunk:  # the 16 keys sign-extended to int16, once
+                col = builder.mul(chunk.index, ir.Constant(i64, width))
+                key = builder.add(ko, col)
+                at = col
+                for _ in range(LANES):
+                    raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width)), align=1)
+                    builder.store(builder.sext(raw, pair_ty), vec(bp, at, pair_ty), align=2)
+                    key = builder.add(key, ks)
+                    at = builder.add(at, d)
+            slots = [cgutils.alloca_once(builder, acc_ty) for _ in range(LANES)]
             zero = ir.Constant(acc_ty, None)
             with cgutils.for_range(builder, nrows) as row:
                 for slot in slots:
                     builder.store(zero, slot)
                 qrow = builder.add(qo, builder.mul(row.index, d))
-                step_cols = width // 2 if paired else width  # q channels per instruction
-                per_pass = accumulators if paired else keys
-                for first in range(0, accumulators, per_pass):  # the sums a pass keeps in registers
-                    with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, step_cols))) as chunk:
-                        col = builder.mul(chunk.index, ir.Constant(i64, step_cols))
-                        if paired:  # the 16 channels twice, against both keys of a pair
-                            q16 = builder.load(vec(qp, builder.add(qrow, col), half_ty), align=2)
-                            qv = builder.shuffle_vector(q16, q16, _mask(list(range(width // 2)) * 2))
-                            at, skip = builder.add(col, col), builder.add(d, d)
-                        else:
-                            qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
-                            at, skip = builder.add(col, builder.mul(d, ir.Constant(i64, first))), d
-                        for slot in slots[first : first + per_pass]:
+                for first in range(0, LANES, keys):  # the sums a pass keeps in registers
+                    with cgutils.for_range(builder, chunks) as chunk:
+                        col = builder.mul(chunk.index, ir.Constant(i64, width))
+                        qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
+                        at = builder.add(col, builder.mul(d, ir.Constant(i64, first)))
+                        for slot in slots[first : first + keys]:
                             kv = builder.load(vec(bp, at, pair_ty), align=2)
                             builder.store(step(builder, builder.load(slot), qv, kv), slot)
-                            at = builder.add(at, skip)
+                            at = builder.add(at, d)
+                # lanes x lanes at a time: two trees of 8 (256 bits)
                 sums = [builder.load(slot) for slot in slots]
-                if paired:  # 8 vectors of two keys' 8 lanes: the tree's first level is already done
-                    total = _reduce(builder, sums, iadd, width=lanes // 2)
-                else:
-                    # lanes x lanes at a time: two trees of 8 (256 bits)
-                    parts = [_reduce(builder, sums[i : i + lanes], iadd) for i in range(0, LANES, lanes)]
-                    total = parts[0] if len(parts) == 1 else builder.shuffle_vector(parts[0], parts[1],
-                                                                                    _mask(list(range(LANES))))
+                parts = [_reduce(builder, sums[i : i + lanes], iadd) for i in range(0, LANES, lanes)]
+                total = parts[0] if len(parts) == 1 else builder.shuffle_vector(parts[0], parts[1],
+                                                                                _mask(list(range(LANES))))
                 _store_f32(builder, builder.sitofp(total, _VEC), op, builder.add(oo, builder.mul(row.index, os_)))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}" if keys == LANES or paired else f"qk16_{kind}_keys{keys}"
+    qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}" if keys == LANES or direct else f"qk16_{kind}_keys{keys}"
     qk16i.__doc__ = f"""`qk16i` with the {kind} instructions (see `qk16i`; runs only on CPUs that have them)."""
     return intrinsic(qk16i)
 
@@ -497,8 +547,8 @@ t < 16, summed exactly in int32 and stored as float32.
 
 q: int16 flat array (query codes, rows contiguous); k: int8 codes, flat; out: float32 flat; offsets, strides, rows
 and dim: int64 element counts (callers check `int_fits(dim)`); buf: int16 scratch of at least 16 * dim values,
-where the 16 keys are sign-extended once for every row. The variant is `DOT`, chosen from the compile target's
-features."""
+where the 256-bit variants sign-extend the 16 keys once for every row (the 512-bit one leaves it unused). The
+variant is `DOT`, chosen from the compile target's features."""
 
 
 # head_dims the integer path takes: multiples of the widest variant's vector on every target, so a head_dim runs
