@@ -114,6 +114,9 @@ def test_keys_per_pass_keeps_the_sums_in_registers():
     assert cpu_simd.keys_per_pass(512, avx2) == 4 and cpu_simd.keys_per_pass(256, avx2) == 8
     assert cpu_simd.keys_per_pass(512, "+neon,+fp-armv8") == 16  # not x86: one pass, as before
     assert cpu_simd.qk16 is cpu_simd.QK16[cpu_simd.keys_per_pass(512)]
+    # `qk16i`'s 256-bit variants: three rows' int32 sums, their query vectors and a key's in the registers
+    assert cpu_simd.keys_per_row_group(avx2) == 4 and cpu_simd.keys_per_row_group(avx512) == 8
+    assert cpu_simd.keys_per_row_group("+neon,+fp-armv8") == 8
 
 
 def test_fits_only_whole_vectors():
@@ -145,12 +148,12 @@ def test_prefetch_reads_nothing_it_changes():
 
 
 # -- integer q . k (`qk16i` and its variants) ----------------------------------------------------------------
-def _qk16i_caller(kind: str):
-    kernel = cpu_simd.QK16I[kind]
+def _qk16i_caller(kind: str, keys: int | None = None):
+    kernel = cpu_simd.QK16I[kind] if keys is None else _qk16i_in_passes(kind, keys)
 
     @njit
-    def scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
-        kernel(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
+    def scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim):
+        kernel(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim)
 
     return scores
 
@@ -161,13 +164,13 @@ _VARIANT_CPU = {"vnni512": ("icelake-server", "vpdpwssd"), "vnni256": ("alderlak
 _HOST_FEATURES = cpu_simd.target_features()
 
 
-@pytest.mark.parametrize("kind,keys", [(kind, None) for kind in cpu_simd.DOTS] + [("vnni256", 8), ("avx2", 8),
-                                                                                      ("avx2", 4)])
+@pytest.mark.parametrize("kind,keys", [(kind, None) for kind in cpu_simd.DOTS] + [("vnni256", 4), ("avx2", 8),
+                                                                                      ("avx2", 4), ("avx2", 2)])
 @pytest.mark.parametrize("seed", range(4))
 def test_qk16i_matches_float64(kind, keys, seed):
     """Every variant this CPU can run, exact in int32: full-range int16 query codes, int8 codes including -128,
     head_dims of one to several vectors up to the 512 the int32 sums allow, keys at arbitrary strides; the 256-bit
-    variants also in passes of fewer keys (`keys_per_pass`: how a target with 16 vector registers runs them)."""
+    variants also in passes of other key counts (how a target with 16 or 32 vector registers runs them)."""
     if kind not in cpu_simd.dots_for(_HOST_FEATURES):
         pytest.skip(f"this CPU lacks {kind}: test_qk16i_variants_compile covers it")
     rng = np.random.default_rng(200 + seed)
@@ -184,8 +187,7 @@ def test_qk16i_matches_float64(kind, keys, seed):
     if seed == 0:
         q[:] = -32767
     out = np.full(ooff + rows * ostride + LANES, np.nan, np.float32)
-    caller = _qk16i_caller(kind) if keys is None else _qk16_caller(_qk16i_in_passes(kind, keys))
-    caller(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, np.empty(LANES * dim, np.int16))
+    _qk16i_caller(kind, keys)(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim)
     keys = _key_rows(k.astype(np.float64), koff, kstride, dim)
     want = q[qoff : qoff + rows * dim].astype(np.float64).reshape(rows, dim) @ keys.T
     got = np.stack([out[ooff + r * ostride : ooff + r * ostride + LANES] for r in range(rows)])
@@ -197,19 +199,21 @@ def test_qk16i_matches_float64(kind, keys, seed):
     assert np.isnan(out[untouched]).all()
 
 
-@pytest.mark.skipif(cpu_simd.DOT is None, reason="no integer dot product on this CPU")
+@pytest.mark.parametrize("kind", cpu_simd.DOTS)
 @pytest.mark.parametrize("rows", range(1, 11))
-def test_qk16i_every_row_count(rows):
-    """The host's variant at every row count up to 10: the 512-bit one takes rows three at a time and the rest
-    in a block of its own size (`_direct_kernel`), so each remainder and several whole groups run; each row's
-    scores land in its own slot and nowhere else."""
+def test_qk16i_every_row_count(kind, rows):
+    """Each variant this CPU runs at every row count up to 10: rows go three at a time and the rest in a block of
+    its own size (`_direct_kernel`), so each remainder and several whole groups run; each row's scores land in
+    its own slot and nowhere else."""
+    if kind not in cpu_simd.dots_for(_HOST_FEATURES):
+        pytest.skip(f"this CPU lacks {kind}: test_qk16i_variants_compile covers it")
     rng = np.random.default_rng(300 + rows)
     dim, kstride, koff = 64, 3 * 64 + 16, 7
     q = rng.integers(-32767, 32768, rows * dim, dtype=np.int16)
     k = rng.integers(-128, 128, koff + LANES * kstride, dtype=np.int8)
     ostride = LANES + 3
     out = np.full(rows * ostride + 8, np.nan, np.float32)
-    _qk16i_caller(cpu_simd.DOT)(q, 0, k, koff, kstride, out, 0, ostride, rows, dim, np.empty(LANES * dim, np.int16))
+    _qk16i_caller(kind)(q, 0, k, koff, kstride, out, 0, ostride, rows, dim)
     want = q.astype(np.float64).reshape(rows, dim) @ _key_rows(k.astype(np.float64), koff, kstride, dim).T
     got = np.stack([out[r * ostride : r * ostride + LANES] for r in range(rows)])
     assert np.array_equal(got, want.astype(np.float32))
@@ -234,12 +238,12 @@ _CHILD_COMPILE = textwrap.dedent("""
     kernel = cpu_simd.QK16I[sys.argv[2]]
 
     @njit
-    def scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
-        kernel(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
+    def scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim):
+        kernel(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim)
 
     a16, a8, f32 = (types.Array(t, 1, "C") for t in (types.int16, types.int8, types.float32))
     i64 = types.int64
-    sig = (a16, i64, a8, i64, i64, f32, i64, i64, i64, i64, a16)
+    sig = (a16, i64, a8, i64, i64, f32, i64, i64, i64, i64)
     scores.compile(sig)
     print(scores.inspect_asm(sig))
 """)
@@ -282,7 +286,7 @@ def test_qk16i_variants_compile(kind):
     scores = _qk16i_caller(kind)
     a16, a8, f32 = types.Array(types.int16, 1, "C"), types.Array(types.int8, 1, "C"), types.Array(types.float32, 1, "C")
     i64 = types.int64
-    sig = (a16, i64, a8, i64, i64, f32, i64, i64, i64, i64, a16)
+    sig = (a16, i64, a8, i64, i64, f32, i64, i64, i64, i64)
     scores.compile(sig)
     llvm_ir = scores.inspect_llvm(sig)
     cpu, instruction = _VARIANT_CPU[kind]
@@ -312,8 +316,7 @@ def test_dot_variant_follows_the_features():
 def test_qk16i_refuses_other_dtypes():
     scores = _qk16i_caller(cpu_simd.DOT or "avx2")
     with pytest.raises(TypingError, match="q must be a int16"):
-        scores(np.zeros(16, np.float32), 0, np.zeros(256, np.int8), 0, 16, np.zeros(16, np.float32), 0, 16, 1, 16,
-               np.zeros(256, np.int16))
+        scores(np.zeros(16, np.float32), 0, np.zeros(256, np.int8), 0, 16, np.zeros(16, np.float32), 0, 16, 1, 16)
 
 
 @njit

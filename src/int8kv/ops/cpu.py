@@ -561,14 +561,17 @@ def _row_query_impl(q, q_scale, row, sm):
 
 
 def _scores16(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):  # typed by the overload below
-    """Scores of 16 keys: `cpu_simd.qk16` for float32 q, `cpu_simd.qk16i` for int16 query codes."""
+    """Scores of 16 keys: `cpu_simd.qk16` for float32 q (buf its scratch), `cpu_simd.qk16i` for int16 query codes
+    (widened in registers: buf unused)."""
     raise NotImplementedError
 
 
 @overload(_scores16, inline="always")
 def _scores16_impl(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
-    kernel = cpu_simd.qk16i if isinstance(q.dtype, types.Integer) else cpu_simd.qk16
-    return lambda q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf: kernel(
+    if isinstance(q.dtype, types.Integer):
+        return lambda q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf: cpu_simd.qk16i(
+            q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim)
+    return lambda q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf: cpu_simd.qk16(
         q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
 
 
@@ -632,7 +635,7 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
     v_scale = np.empty((hkv, TILE), np.float32)
     k_scale_flat = k_scale.reshape(-1)
     v_scale_flat = v_scale.reshape(-1)
-    kbuf = np.empty(cpu_simd.LANES * d, qflat.dtype)  # the 16 keys as q's type: float32, or int16 for codes
+    kbuf = np.empty(cpu_simd.LANES * d if qflat.itemsize == 4 else 0, qflat.dtype)  # `qk16`'s 16 keys as float32
     m[:] = NEG
     denom[:] = 0.0
     acc[:] = 0.0

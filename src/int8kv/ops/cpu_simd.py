@@ -33,9 +33,9 @@ the float64-oracle tests bound it.
   `qk16i` the scores of int16 query codes against 16 rows of int8 codes, summed exactly in int32 (|sum| <=
           32,767 x 128 x 512 < 2**31, so head_dim <= 512) and stored as float32: each row multiplies pairs of
           int16 and adds them into int32 lanes, one instruction per 32 (512-bit) or 16 (256-bit) products where
-          float32 takes one FMA per 16, then the same tree in integers. On 512 bits two keys share a vector (the
-          tree starts one level down), widened to int16 in registers and used by three rows at a time; on 256
-          bits the keys are sign-extended once into a scratch that every row reads.
+          float32 takes one FMA per 16, then the same tree in integers. The rows go three at a time, each key's
+          codes sign-extended to int16 in registers and used by the three (on 512 bits two keys share a vector
+          and the tree starts one level down; on 256 bits the keys go in passes whose sums fit the registers).
           Three variants, `DOT` the one the compile target's features allow (the best first): `vnni512`
           (AVX-512 VNNI `vpdpwssd` on zmm), `vnni256` (AVX-VNNI or AVX-512 VNNI + VL on ymm),
           `avx2` (`vpmaddwd` + `vpaddd` on ymm); none on other CPUs, where callers keep the float path. The
@@ -84,7 +84,8 @@ binding.initialize_native_asmparser()
 
 __all__ = [
     "DOT", "DOTS", "LANES", "QK16", "QK16I", "absmax16", "dot_for", "dots_for", "fits", "gather16", "int_fits",
-    "keys_per_pass", "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel", "strided_lanes", "weights16",
+    "keys_per_pass", "keys_per_row_group", "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel",
+    "strided_lanes", "weights16",
 ]
 
 LANES = 16  # keys per call and float32 lanes per vector
@@ -183,9 +184,9 @@ def _reduce(builder, vecs: list, add, width: int | None = None) -> ir.Value:
 
 def _score_args(context, builder, signature, args) -> tuple:
     """`qk16` / `qk16i`'s arguments with each array as its data pointer: q, qoff, k, koff, kstride, out, ooff,
-    ostride, rows, dim, buf."""
+    ostride, rows, dim, then `qk16`'s buf."""
     values = list(args)
-    for i in (0, 2, 5, 10):  # q, k, out, buf
+    for i in (0, 2, 5, 10)[: 3 + (len(values) > 10)]:  # q, k, out (and buf)
         values[i] = _data(context, builder, signature.args[i], args[i])
     return tuple(values)
 
@@ -285,11 +286,11 @@ def _registers(features: str) -> tuple[int, int] | None:
 
 def keys_per_pass(acc_bits: int, features: str | None = None) -> int:
     """Keys whose running sums (one vector of ``acc_bits`` each) a score kernel keeps in registers in one pass
-    over head_dim: all 16 where they fit beside the query chunk and a key chunk, else the largest power of two
-    that does. With every key at once on AVX2 (16 registers), `qk16i`'s inner loop kept 16 int32 sums in 18
-    registers: LLVM spilled two to the stack and rotated ~26 register copies an iteration; `qk16`'s float sums (two
-    ymm each) alone needed 32. The sums of each key see the same additions in the same order either way, so integer
-    scores are the same bits; each pass reloads the query row's chunks (from L1). ``features``: an LLVM feature
+    over head_dim (`qk16`): all 16 where they fit beside the query chunk and a key chunk, else the largest power
+    of two that does. With every key at once on AVX2 (16 registers), `qk16`'s float sums (two ymm each) alone
+    needed 32, and 16 int32 sums in one row's pass took 18 registers (LLVM spilled two to the stack and rotated
+    ~26 register copies an iteration). The sums of each key see the same additions in the same order either way;
+    each pass reloads the query row's chunks (from L1). ``features``: an LLVM feature
     string (default: the compile target's, `target_features`).
 
     Both trees, each one's kernels from a new numba cache, compiled for AVX2 on the Emerald Rapids VM (every
@@ -387,11 +388,13 @@ def _dot_step(kind: str):
     return step
 
 
-# Query rows the 512-bit variant takes at a time: 8 int32 accumulators a row (one per key pair) and one query
-# vector, so 3 rows hold 27 of the 32 vector registers with the key pair being widened. One thread, 16 keys a
-# call over 1,024-2,048 keys hot in cache, ns per (key, KV head), three runs (docs/results/qk_direct_prototype.py):
-# 3 rows x 64 1.94-2.09 with 3 at a time against 2.08-2.48 with 4 and 2.53-2.83 with 2; 4 x 128 4.7-5.7 (3), 4.7-6.1
-# (4), 5.0-6.1 (2); 7 x 128 8.2-9.8 (3), 7.5-8.7 (4).
+# Query rows `qk16i` takes at a time. On 512 bits: 8 int32 accumulators a row (one per key pair) and one query
+# vector, so 3 rows hold 27 of the 32 vector registers with the key pair being widened; on AVX2's 16 registers,
+# 3 rows x 4 keys a pass (`keys_per_row_group`). One thread, 16 keys a call over 512-2,048 keys hot in cache, ns
+# per (key, KV head), the sizes taking turns (docs/results/qk_row_groups.py, qk_row_groups_emr{,_avx2}.json):
+# 512 bits, 3 / 4 / 2 rows at a time: 3 rows x 64 2.18 / 2.19 / 2.68, 4 x 128 4.98 / 8.17 / 4.95, 7 x 128 8.30 /
+# 10.91 / 9.21, 8 x 256 16.8 / 30.6 / 19.2; AVX2 code, 3 x 4 keys against 2 x 4 and 4 x 2: 3 x 64 4.50 / 5.39 /
+# 4.92, 4 x 128 11.27 / 11.04 / 11.06, 7 x 128 17.7 / 19.9 / 18.8.
 _ROWS_AT_ONCE = 3
 
 
@@ -436,6 +439,45 @@ def _direct_rows(builder, step, qp, qo, kp, ko, ks, op, oo, os_, d, row0, group)
         _store_f32(builder, builder.sitofp(total, _VEC), op, at)
 
 
+def _direct_rows256(builder, step, qp, qo, kp, ko, ks, op, oo, os_, d, row0, group, keys):
+    """The 256-bit variants for query rows [row0, row0 + group): the 16 keys in passes of ``keys`` (a group's
+    accumulators, one per row and key, must fit beside the rows' query vectors: 3 x 4 + 3 + 1 of AVX2's 16
+    registers), each key's 16 channels sign-extended from memory once per pass and row group and used by every
+    row of the group; then each row's 16 sums by two trees of 8."""
+    i64 = qo.type
+    i16 = ir.IntType(16)
+    codes_ty, wide_ty = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(i16, LANES)
+    acc_ty = ir.VectorType(_I32, LANES // 2)
+
+    def vec(base, offset, ty):
+        return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
+
+    slots = [[cgutils.alloca_once(builder, acc_ty) for _ in range(LANES)] for _ in range(group)]
+    for row in slots:
+        for slot in row:
+            builder.store(ir.Constant(acc_ty, None), slot)
+    for first in range(0, LANES, keys):
+        with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, LANES))) as chunk:
+            col = builder.mul(chunk.index, ir.Constant(i64, LANES))
+            qvs = []
+            for r in range(group):
+                qrow = builder.add(qo, builder.mul(builder.add(row0, ir.Constant(i64, r)), d))
+                qvs.append(builder.load(vec(qp, builder.add(qrow, col), wide_ty), align=2))
+            key = builder.add(builder.add(ko, col), builder.mul(ks, ir.Constant(i64, first)))
+            for t in range(first, first + keys):
+                kv = builder.sext(builder.load(vec(kp, key, codes_ty), align=1), wide_ty)
+                key = builder.add(key, ks)
+                for r in range(group):
+                    builder.store(step(builder, builder.load(slots[r][t]), qvs[r], kv), slots[r][t])
+    for r in range(group):
+        sums = [builder.load(slot) for slot in slots[r]]
+        half = LANES // 2
+        parts = [_reduce(builder, sums[i : i + half], lambda b, x, y: b.add(x, y)) for i in (0, half)]
+        total = builder.shuffle_vector(parts[0], parts[1], _mask(list(range(LANES))))
+        at = builder.add(oo, builder.mul(builder.add(row0, ir.Constant(i64, r)), os_))
+        _store_f32(builder, builder.sitofp(total, _VEC), op, at)
+
+
 def _direct_kernel(builder, step, args, nrows, d, rows_at_once: int = _ROWS_AT_ONCE, rows_block=_direct_rows):
     """``rows_block`` (`_direct_rows`) over every row: whole groups of ``rows_at_once`` in a loop, then the rest
     as one group of its own size (a block per size, picked by a switch)."""
@@ -454,82 +496,51 @@ def _direct_kernel(builder, step, args, nrows, d, rows_at_once: int = _ROWS_AT_O
     builder.position_at_end(done)
 
 
+def keys_per_row_group(features: str | None = None) -> int:
+    """Keys a pass of the 256-bit variants takes: the most (a power of two, up to 16) whose accumulators for a
+    group of `_ROWS_AT_ONCE` rows fit in the vector registers beside the group's query vectors and a key's."""
+    regs = _registers(target_features() if features is None else features)
+    count = 32 if regs is None else regs[0]
+    keys = LANES
+    while keys > 1 and _ROWS_AT_ONCE * keys + _ROWS_AT_ONCE + 1 > count:
+        keys //= 2
+    return keys
+
+
 def qk16i_kernel(kind: str, keys: int | None = None):
-    """`qk16i` built with the ``kind`` variant's instructions. ``keys``: the keys a pass over head_dim adds into
-    (`keys_per_pass`; None: this target's for the 256-bit variants' int32 sums; the 512-bit variant widens key
-    pairs in registers (`_direct_rows`) and always takes all 16)."""
-    width = DOT_WIDTH[kind]
-    lanes = width // 2  # int32 accumulator lanes
-    i16 = ir.IntType(16)
-    pair_ty = ir.VectorType(i16, width)
-    acc_ty = ir.VectorType(_I32, lanes)
+    """`qk16i` built with the ``kind`` variant's instructions: query rows `_ROWS_AT_ONCE` at a time, each key's
+    codes widened to int16 in registers and used by every row of the group. ``keys``: the keys a pass over
+    head_dim adds into (256-bit variants; None: `keys_per_row_group`); the 512-bit variant pairs its keys and
+    always takes all 16.
+
+    Against the keys sign-extended once into an int16 scratch that each row then reads back, the whole decode
+    call (both checkouts in one process, the same bits; docs/benchmarks.md, "q . k widened in registers"): 512
+    bits 0.98x / 0.91-0.95x / 0.86-0.91x the time at 512 / 2,048 / 7,000 keys (SmolLM2's shape) and 0.86x at
+    batch 8 x 4,096 (32 / 8 x 128); the AVX2 code 0.96x / 0.95x / 0.93x and 0.96x."""
     step = _dot_step(kind)
-    # 512 bits: two keys share a vector (16 channels each), widened in registers from the codes. Against the same
-    # pairs sign-extended once into the int16 scratch and read back by every row: one thread, 16 keys a call over
-    # 2,048 keys hot in cache, 3 rows x 64: 1.94-2.09 ns per (key, KV head) against 2.79-4.67 (three runs,
-    # docs/results/qk_direct_prototype.py); 4 x 128 4.7-5.7 against 8.6-9.3. On 256 bits the same in registers
-    # (three rows at a time, passes of four keys to fit AVX2's 16 registers) read 0.9-1.1x the scratch's time on
-    # the AVX2 code path (`qk_direct_prototype.py - avx2`), so those variants keep the scratch.
-    direct = kind == "vnni512"
-    if keys is None:
-        keys = LANES if direct else keys_per_pass(32 * (width // 2))
+    if kind == "vnni512":
+        block = _direct_rows
+    else:
+        keys = keys_per_row_group() if keys is None else keys
 
-    def iadd(builder, a, b):
-        return builder.add(a, b)
+        def block(builder, step, *args):
+            _direct_rows256(builder, step, *args, keys)
 
-    def qk16i(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
-        for arr, dtype, what in ((q, types.int16, "q"), (k, types.int8, "k"), (out, types.float32, "out"),
-                                 (buf, types.int16, "buf")):
+    def qk16i(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim):
+        for arr, dtype, what in ((q, types.int16, "q"), (k, types.int8, "k"), (out, types.float32, "out")):
             if not isinstance(arr, types.Array) or arr.dtype != dtype:
                 raise TypingError(f"{what} must be a {dtype} array")
-        sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
+        sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim)
 
         def codegen(context, builder, signature, args):
-            qp, qo, kp, ko, ks, op, oo, os_, nrows, d, bp = _score_args(context, builder, signature, args)
-            if direct:
-                _direct_kernel(builder, step, (qp, qo, kp, ko, ks, op, oo, os_), nrows, d)
-                return context.get_dummy_value()
-            i64 = qo.type
-            chunks = builder.sdiv(d, ir.Constant(i64, width))
-
-            def vec(base, offset, ty):
-                return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
-
-            with cgutils.for_range(builder, chunks) as chunk:  # the 16 keys sign-extended to int16, once
-                col = builder.mul(chunk.index, ir.Constant(i64, width))
-                key = builder.add(ko, col)
-                at = col
-                for _ in range(LANES):
-                    raw = builder.load(vec(kp, key, ir.VectorType(ir.IntType(8), width)), align=1)
-                    builder.store(builder.sext(raw, pair_ty), vec(bp, at, pair_ty), align=2)
-                    key = builder.add(key, ks)
-                    at = builder.add(at, d)
-            slots = [cgutils.alloca_once(builder, acc_ty) for _ in range(LANES)]
-            zero = ir.Constant(acc_ty, None)
-            with cgutils.for_range(builder, nrows) as row:
-                for slot in slots:
-                    builder.store(zero, slot)
-                qrow = builder.add(qo, builder.mul(row.index, d))
-                for first in range(0, LANES, keys):  # the sums a pass keeps in registers
-                    with cgutils.for_range(builder, chunks) as chunk:
-                        col = builder.mul(chunk.index, ir.Constant(i64, width))
-                        qv = builder.load(vec(qp, builder.add(qrow, col), pair_ty), align=2)
-                        at = builder.add(col, builder.mul(d, ir.Constant(i64, first)))
-                        for slot in slots[first : first + keys]:
-                            kv = builder.load(vec(bp, at, pair_ty), align=2)
-                            builder.store(step(builder, builder.load(slot), qv, kv), slot)
-                            at = builder.add(at, d)
-                # lanes x lanes at a time: two trees of 8 (256 bits)
-                sums = [builder.load(slot) for slot in slots]
-                parts = [_reduce(builder, sums[i : i + lanes], iadd) for i in range(0, LANES, lanes)]
-                total = parts[0] if len(parts) == 1 else builder.shuffle_vector(parts[0], parts[1],
-                                                                                _mask(list(range(LANES))))
-                _store_f32(builder, builder.sitofp(total, _VEC), op, builder.add(oo, builder.mul(row.index, os_)))
+            qp, qo, kp, ko, ks, op, oo, os_, nrows, d = _score_args(context, builder, signature, args)
+            _direct_kernel(builder, step, (qp, qo, kp, ko, ks, op, oo, os_), nrows, d, _ROWS_AT_ONCE, block)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}" if keys == LANES or direct else f"qk16_{kind}_keys{keys}"
+    passes = "" if kind == "vnni512" or keys == keys_per_row_group() else f"_keys{keys}"
+    qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}{passes}"
     qk16i.__doc__ = f"""`qk16i` with the {kind} instructions (see `qk16i`; runs only on CPUs that have them)."""
     return intrinsic(qk16i)
 
@@ -537,7 +548,7 @@ def qk16i_kernel(kind: str, keys: int | None = None):
 QK16I = {kind: qk16i_kernel(kind) for kind in DOTS}  # every variant, for tests and benchmarks
 
 
-def _no_dot(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf):
+def _no_dot(typingctx, q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim):
     raise TypingError("this CPU has no integer dot product (AVX2 or VNNI): callers check int_fits")
 
 
@@ -546,9 +557,8 @@ qk16i.__doc__ = """out[ooff + r*ostride + t] = sum_i q[qoff + r*dim + i] * k[kof
 t < 16, summed exactly in int32 and stored as float32.
 
 q: int16 flat array (query codes, rows contiguous); k: int8 codes, flat; out: float32 flat; offsets, strides, rows
-and dim: int64 element counts (callers check `int_fits(dim)`); buf: int16 scratch of at least 16 * dim values,
-where the 256-bit variants sign-extend the 16 keys once for every row (the 512-bit one leaves it unused). The
-variant is `DOT`, chosen from the compile target's features."""
+and dim: int64 element counts (callers check `int_fits(dim)`). The variant is `DOT`, chosen from the compile
+target's features."""
 
 
 # head_dims the integer path takes: multiples of the widest variant's vector on every target, so a head_dim runs
