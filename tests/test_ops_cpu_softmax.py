@@ -25,8 +25,8 @@ def _weights(s, soff, n, mx, vscale, voff):
 
 
 @njit
-def _gather(src, first, stride, dst, doff):
-    cpu_simd.gather16(src, first, stride, dst, doff)
+def _gather(src, first, stride, heads, hstep, dst, doff, dstride):
+    cpu_simd.gather16(src, first, stride, heads, hstep, dst, doff, dstride)
 
 
 def _padded(n: int) -> int:
@@ -127,19 +127,29 @@ def test_vector_softmax_is_the_loops_bit_for_bit(seed):
         np.testing.assert_allclose(a2, a1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_gather16_reads_strided_scales(seed):
-    rng = np.random.default_rng(300 + seed)
-    blocks, bs, heads = int(rng.integers(2, 5)), 16 * int(rng.integers(1, 3)), int(rng.integers(1, 9))
+@pytest.mark.parametrize("layout", ["rows", "heads_major"])
+@pytest.mark.parametrize("heads", range(1, 10))
+def test_gather16_reads_every_heads_scales(heads, layout):
+    """Every head's 16 scales of a run, into its own slot and nowhere else: rows of heads contiguous (the pool's
+    layout: one vector load split by shuffles for the head counts in `_WIDE_HEADS`, strided loads for the rest)
+    and a heads-major view (strided loads)."""
+    rng = np.random.default_rng(300 + heads)
+    blocks, bs = int(rng.integers(2, 5)), 16 * int(rng.integers(1, 3))
     scales = rng.random((blocks, bs, heads)).astype(np.float32)
-    block, offset, h = int(rng.integers(0, blocks)), int(rng.integers(0, bs - 15)), int(rng.integers(0, heads))
-    doff = int(rng.integers(0, 8))
-    dst = np.full(doff + 2 * LANES, np.nan, np.float32)
+    if layout == "heads_major":  # the same values, each head's tokens contiguous
+        scales = np.ascontiguousarray(scales.transpose(0, 2, 1)).transpose(0, 2, 1)
+    block, offset = int(rng.integers(0, blocks)), int(rng.integers(0, bs - 15))
+    doff, dstride = int(rng.integers(0, 8)), LANES + int(rng.integers(0, 9))
+    dst = np.full(doff + heads * dstride + LANES, np.nan, np.float32)
     size = scales.itemsize
-    first = (block * scales.strides[0] + offset * scales.strides[1] + h * scales.strides[2]) // size
-    _gather(scales, first, scales.strides[1] // size, dst, doff)
-    assert np.array_equal(dst[doff : doff + LANES], scales[block, offset : offset + LANES, h])
-    assert np.isnan(dst[:doff]).all() and np.isnan(dst[doff + LANES :]).all()
+    first = (block * scales.strides[0] + offset * scales.strides[1]) // size
+    _gather(scales, first, scales.strides[1] // size, heads, scales.strides[2] // size, dst, doff, dstride)
+    written = np.zeros(dst.shape, bool)
+    for h in range(heads):
+        at = doff + h * dstride
+        assert np.array_equal(dst[at : at + LANES], scales[block, offset : offset + LANES, h])
+        written[at : at + LANES] = True
+    assert np.isnan(dst[~written]).all()
 
 
 def test_kernels_refuse_other_types():
@@ -152,4 +162,4 @@ def test_kernels_refuse_other_types():
     with pytest.raises(TypingError, match="float32"):
         _weights(s.astype(np.float64), 0, 4, np.float32(0.0), s, 0)
     with pytest.raises(TypingError, match="float32"):
-        _gather(s, 0, 1, s.astype(np.float64), 0)
+        _gather(s, 0, 1, 1, 1, s.astype(np.float64), 0, 16)

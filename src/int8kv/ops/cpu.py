@@ -143,25 +143,27 @@ def _scale_of(scales, block_id, offset, h):
     return scales[block_id, offset, h]
 
 
-def _scales16(scales, block_id, offset, h, dst, doff):  # typed by the overload below
-    """dst[doff + j] = the scale of row offset + j of block block_id, head h, for j < 16: INT8's own (one
-    `cpu_simd.gather16`), or 1 for F16 (no scales)."""
+def _scales16(scales, block_id, offset, dst, doff, dstride):  # typed by the overload below
+    """dst[doff + h * dstride + j] = the scale of row offset + j of block block_id, head h, for j < 16 and every
+    head: INT8's own (one `cpu_simd.gather16`), or 1 for F16 (no scales)."""
     raise NotImplementedError
 
 
 @overload(_scales16, inline="always")
-def _scales16_impl(scales, block_id, offset, h, dst, doff):
+def _scales16_impl(scales, block_id, offset, dst, doff, dstride):
     if isinstance(scales, types.NoneType):
 
-        def ones(scales, block_id, offset, h, dst, doff):
-            dst[doff : doff + cpu_simd.LANES] = np.float32(1.0)
+        def ones(scales, block_id, offset, dst, doff, dstride):
+            for h in range(dst.shape[0] // dstride):
+                dst[doff + h * dstride : doff + h * dstride + cpu_simd.LANES] = np.float32(1.0)
 
         return ones
 
-    def gather(scales, block_id, offset, h, dst, doff):
+    def gather(scales, block_id, offset, dst, doff, dstride):
         size = scales.itemsize
-        first = (block_id * scales.strides[0] + offset * scales.strides[1] + h * scales.strides[2]) // size
-        cpu_simd.gather16(scales, first, scales.strides[1] // size, dst, doff)
+        first = (block_id * scales.strides[0] + offset * scales.strides[1]) // size
+        cpu_simd.gather16(scales, first, scales.strides[1] // size, scales.shape[2], scales.strides[2] // size, dst,
+                          doff, dstride)
 
     return gather
 
@@ -654,9 +656,9 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
             if run >= lanes:
                 run = lanes
                 base = (block_id * bs + offset) * row_stride
+                _scales16(ks, block_id, offset, k_scale_flat, t, TILE)
+                _scales16(vs, block_id, offset, v_scale_flat, t, TILE)
                 for h in range(hkv):
-                    _scales16(ks, block_id, offset, h, k_scale_flat, h * TILE + t)
-                    _scales16(vs, block_id, offset, h, v_scale_flat, h * TILE + t)
                     if following >= 0:
                         cpu_simd.prefetch(kflat, following + h * (count // hkv), count // hkv)
                     _scores16(qflat, h * g * d, kflat, base + h * d, row_stride, sflat, h * g * TILE + t,
