@@ -817,10 +817,10 @@ def strided_lanes(builder, base, start, step, vector_type):
 
 
 # Head counts whose 16 rows `gather16` reads as one vector and splits by shuffles (LLVM's permutes) when a row
-# of heads is contiguous. One call for all heads of a 16-token run, against 16 scalar loads and inserts per head,
-# ns per run (a loop of calls, one thread, Emerald Rapids; the AVX2 code after the slash): 3 heads 13.8 -> 1.9 /
-# 9.3 -> 2.3, 2 heads 8.9 -> 1.2 / 6.5 -> 1.6, 8 heads 35.6 -> 11.8 / 25.0 -> 17.6; 5 heads (not in the set)
-# 18.9 either way.
+# of heads is contiguous. One call for all heads of a 16-token run against 16 scalar loads and inserts per head,
+# ns per run, one thread, Emerald Rapids, native / the AVX2 code (docs/results/gather_heads_ab.py): 2 heads 9.1
+# -> 0.8 / 7.8 -> 1.9, 3 heads 13.5 -> 1.8 / 11.7 -> 2.9, 4 heads 16.8 -> 3.4 / 15.1 -> 8.0, 8 heads 35.8 -> 11.8 /
+# 25.2 -> 24.6; 5 heads (left to the per-head loads) 21.0 / 17.8.
 _WIDE_HEADS = (1, 2, 3, 4, 8)
 
 
