@@ -96,38 +96,32 @@ def test_weights16_exp_over_its_whole_range():
 
 @njit(fastmath=True)
 def _both_paths(s_loops, s_vectors, k_scale, v_scale, q_scales, nt, m1, d1, a1, m2, d2, a2):
-    """The loops row by row (`_softmax_step`, then the value scales) into s_loops / m1, d1, a1; `_tile_weights`
-    on the whole tile (every KV head's rows in one call) into s_vectors / m2, d2, a2. s [hkv, g, TILE], scales
-    [hkv, TILE], q_scales [hkv * g], m, d [hkv, g], a [hkv, g, 64]."""
-    hkv, g = s_loops.shape[0], s_loops.shape[1]
-    for h in range(hkv):
-        for r in range(g):
-            cpu._softmax_step(s_loops[h, r], k_scale[h], q_scales[h * g + r], nt, r, m1[h], d1[h], a1[h], None)
-            w = s_loops[h, r]
-            for j in range(nt):
-                w[j] *= v_scale[h, j]
-    cpu._tile_weights(s_vectors, k_scale, v_scale, q_scales, nt, m2, d2, a2, None, np.empty(hkv * g, np.float32))
+    for r in range(s_loops.shape[0]):
+        cpu._softmax_step(s_loops[r], k_scale, q_scales[r], nt, r, m1, d1, a1, None)
+        w = s_loops[r]
+        for j in range(nt):
+            w[j] *= v_scale[j]
+        cpu._tile_weights(s_vectors[r], k_scale, v_scale, q_scales[r], nt, r, m2, d2, a2, None)
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_vector_softmax_is_the_loops_bit_for_bit(seed):
-    """Two tiles in a row through both paths, one to three KV heads of one to four rows: the running max and the
-    weights are identical, the denominators (a sum in another order) and the rescaled accumulators agree to
-    float32 rounding."""
+    """Two tiles in a row through both paths: the running max and the weights are identical, the denominators
+    (a sum in another order) and the rescaled accumulators agree to float32 rounding."""
     rng = np.random.default_rng(200 + seed)
-    hkv, rows = int(rng.integers(1, 4)), int(rng.integers(1, 5))
-    m1, d1 = np.full((hkv, rows), NEG, np.float32), np.zeros((hkv, rows), np.float32)
-    a1 = rng.standard_normal((hkv, rows, 64)).astype(np.float32)
+    rows = int(rng.integers(1, 5))
+    m1, d1 = np.full(rows, NEG, np.float32), np.zeros(rows, np.float32)
+    a1 = rng.standard_normal((rows, 64)).astype(np.float32)
     m2, d2, a2 = m1.copy(), d1.copy(), a1.copy()
     for _tile in range(2):
         nt = int(rng.integers(1, 65))
-        s = (rng.standard_normal((hkv, rows, cpu.TILE)) * float(rng.choice([10, 300, 3000]))).astype(np.float32)
-        k_scale = (rng.random((hkv, cpu.TILE)) * 0.02).astype(np.float32)
-        v_scale = (rng.random((hkv, cpu.TILE)) * 0.02).astype(np.float32)
-        q_scales = (rng.random(hkv * rows) * 0.01).astype(np.float32)
+        s = (rng.standard_normal((rows, cpu.TILE)) * float(rng.choice([10, 300, 3000]))).astype(np.float32)
+        k_scale = (rng.random(cpu.TILE) * 0.02).astype(np.float32)
+        v_scale = (rng.random(cpu.TILE) * 0.02).astype(np.float32)
+        q_scales = (rng.random(rows) * 0.01).astype(np.float32)
         s_loops, s_vectors = s.copy(), s.copy()
         _both_paths(s_loops, s_vectors, k_scale, v_scale, q_scales, nt, m1, d1, a1, m2, d2, a2)
-        assert np.array_equal(s_loops[:, :, :nt], s_vectors[:, :, :nt])
+        assert np.array_equal(s_loops[:, :nt], s_vectors[:, :nt])
         assert np.array_equal(m1, m2)
         np.testing.assert_allclose(d2, d1, rtol=1e-6)
         np.testing.assert_allclose(a2, a1, rtol=1e-6)

@@ -27,7 +27,7 @@ LEFT_OUT = {
     "                              TILE, g, d, kbuf)",
     "values": "cpu_simd.pv16(sflat, h * g * TILE + t, TILE, vflat, base + h * d, row_stride, accflat,\n"
     "                                  h * g * d, g, d)",
-    "softmax": "_tile_weights(s, k_scale, v_scale, q_logit, nt, m, denom, acc, cap, tops)",
+    "softmax": "_tile_weights(s[h, r], k_scale[h], v_scale[h], q_logit[h * g + r], nt, r, m[h], denom[h], acc[h], cap)",
     "scales": "_scales16(ks, block_id, offset, k_scale_flat, t, TILE)\n"
     "                _scales16(vs, block_id, offset, v_scale_flat, t, TILE)",
 }

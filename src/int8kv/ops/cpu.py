@@ -365,38 +365,27 @@ def _move_max(r, mx, total, m, denom, acc):
             a[i] *= alpha
 
 
-def _tile_weights(s, k_scale, v_scale, q_logit, nt, m, denom, acc, cap, tops):  # typed by the overload below
-    """`_softmax_step` for every row of the tile (s [hkv, g, TILE]; q_logit [hkv * g]; m, denom [hkv, g]; acc
-    [hkv, g, d]), then s[h, r, t] *= v_scale[h, t] (p_t * s_v,t: the value scales folded into the weights): the
-    decode row kernel's softmax. Without a softcap through `cpu_simd.logits16` / `weights16` (16 lanes a vector;
-    the same weights bit for bit, the tile's sum of weights in another order), every row's logits and max first
-    (into ``tops`` [hkv * g]) and then every row's weights, so one row's exponentials overlap the next one's; with a
-    softcap as before."""
+def _tile_weights(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):  # typed by the overload below
+    """`_softmax_step` for row r, then s[t] *= v_scale[t] (p_t * s_v,t: the value scales folded into the weights):
+    the decode row kernel's softmax. Without a softcap through `cpu_simd.logits16` / `weights16` (16 lanes a
+    vector; the same weights bit for bit, the tile's sum of weights in another order), with one as before."""
     raise NotImplementedError
 
 
 @overload(_tile_weights, inline="always")
-def _tile_weights_impl(s, k_scale, v_scale, q_logit, nt, m, denom, acc, cap, tops):
+def _tile_weights_impl(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):
     if isinstance(cap, types.NoneType):
 
-        def vectors(s, k_scale, v_scale, q_logit, nt, m, denom, acc, cap, tops):
-            hkv, g = s.shape[0], s.shape[1]
-            for h in range(hkv):
-                for r in range(g):
-                    tops[h * g + r] = cpu_simd.logits16(s[h, r], 0, nt, k_scale[h], 0, q_logit[h * g + r], m[h, r])
-            for h in range(hkv):
-                for r in range(g):
-                    mx = tops[h * g + r]
-                    _move_max(r, mx, cpu_simd.weights16(s[h, r], 0, nt, mx, v_scale[h], 0), m[h], denom[h], acc[h])
+        def vectors(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):
+            mx = cpu_simd.logits16(s, 0, nt, k_scale, 0, q_scale, m[r])
+            _move_max(r, mx, cpu_simd.weights16(s, 0, nt, mx, v_scale, 0), m, denom, acc)
 
         return vectors
 
-    def loops(s, k_scale, v_scale, q_logit, nt, m, denom, acc, cap, tops):
-        for h in range(s.shape[0]):
-            for r in range(s.shape[1]):
-                _softmax_step(s[h, r], k_scale[h], q_logit[h * s.shape[1] + r], nt, r, m[h], denom[h], acc[h], cap)
-                for j in range(nt):
-                    s[h, r, j] *= v_scale[h, j]
+    def loops(s, k_scale, v_scale, q_scale, nt, r, m, denom, acc, cap):
+        _softmax_step(s, k_scale, q_scale, nt, r, m, denom, acc, cap)
+        for j in range(nt):
+            s[j] *= v_scale[j]
 
     return loops
 
@@ -648,7 +637,6 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
     v_scale = np.empty((hkv, TILE), np.float32)
     k_scale_flat = k_scale.reshape(-1)
     v_scale_flat = v_scale.reshape(-1)
-    tops = np.empty(hkv * g, np.float32)  # each row's logit max in a tile (`_tile_weights`)
     kbuf = np.empty(cpu_simd.LANES * d if qflat.itemsize == 4 else 0, qflat.dtype)  # `qk16`'s 16 keys as float32
     m[:] = NEG
     denom[:] = 0.0
@@ -685,7 +673,9 @@ def _attend_row(q, q_scale, sm, caps, kc, ks, vc, vs, tables, seq, row, lo, hi, 
                             head = (h * g + r) * d
                             s[h, r, t + j] = _dot_codes(qflat[head : head + d], krow)
             t += run
-        _tile_weights(s, k_scale, v_scale, q_logit, nt, m, denom, acc, cap, tops)
+        for h in range(hkv):
+            for r in range(g):
+                _tile_weights(s[h, r], k_scale[h], v_scale[h], q_logit[h * g + r], nt, r, m[h], denom[h], acc[h], cap)
         t = 0
         while t < nt:  # p . v
             block_id, offset, run, following, count = _enter_run(table, p0 + t, bs, nt - t, t == 0, blocks, vflat,
