@@ -579,7 +579,9 @@ def int_fits(head_dim: int) -> bool:
 # (AVX-512: 16 zmm), 8 where there are 16 registers of half the width (AVX2: a <16 x float> row takes two ymm, so
 # 16 rows spilled to the stack). One thread, Zen 4 running each target's code, ns per (key, KV head), best of 5:
 # AVX2 code 7.26 -> 5.98 at 3 rows x 64 and 18.8 -> 15.4 at 4 rows x 128 with 8; the AVX-512 code 4.24 with 16
-# against 5.67 with 8.
+# against 5.67 with 8. With 4 on the AVX2 code (Emerald Rapids, the whole decode call at SmolLM2's shape, both in
+# one process, docs/results/attention_ab.py): 1.03x / 1.07x / 1.10x the time at 512 / 2,048 / 7,000 keys for
+# INT8, 1.05x / 1.08x / 1.02x for F16.
 _PV_KEYS = LANES if "+avx512f" in target_features().split(",") else 8
 
 
