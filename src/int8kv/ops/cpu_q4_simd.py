@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from .cpu_simd import LANES, strided_lanes
+from .cpu_simd import LANES, strided_lanes, vector_at
 
 __all__ = ["expsum16", "fold", "max16", "unpack16", "weights16", "widen16"]
 
@@ -47,11 +47,6 @@ _FAST = ("fast",)
 
 def _base(context, builder, aryty, value):
     return context.make_array(aryty)(context, builder, value).data
-
-
-def _at(builder, base, offset, ty):
-    """A pointer to a `ty` vector starting at base[offset]."""
-    return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
 
 
 def _splat(value: float) -> ir.Constant:
@@ -124,8 +119,8 @@ def fold(typingctx, q, qoff, scale, minimum, soff, out, bias, boff, rows, dim):
             evens, odds = list(range(0, width, 2)), list(range(1, width, 2))
 
             def split(base, col):
-                v = builder.fpext(builder.bitcast(builder.load(_at(builder, base, builder.add(so, col), bits), align=2),
-                                                  ir.VectorType(ir.HalfType(), width)), wide)
+                raw = builder.load(vector_at(builder, base, builder.add(so, col), bits), align=2)
+                v = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), width)), wide)
                 return _pick(builder, v, evens), _pick(builder, v, odds)
 
             with cgutils.for_range(builder, nrows) as row:
@@ -138,8 +133,8 @@ def fold(typingctx, q, qoff, scale, minimum, soff, out, bias, boff, rows, dim):
                     acc = None
                     scales, lows = split(sp, col), split(mp, col)
                     for sv, mv, shift in zip(scales, lows, (at, builder.add(at, half)), strict=True):
-                        qv = builder.load(_at(builder, qp, builder.add(qrow, shift), part), align=4)
-                        where = _at(builder, op, builder.add(orow, shift), part)
+                        qv = builder.load(vector_at(builder, qp, builder.add(qrow, shift), part), align=4)
+                        where = vector_at(builder, op, builder.add(orow, shift), part)
                         builder.store(builder.fmul(qv, sv, flags=_FAST), where, align=4)
                         term = builder.fmul(qv, mv, flags=_FAST)
                         acc = term if acc is None else builder.fadd(acc, term, flags=_FAST)
@@ -177,7 +172,7 @@ def expsum16(typingctx, x, off, shift):
     def codegen(context, builder, signature, args):
         x_arr, xo, top = args
         xp = _base(context, builder, signature.args[0], x_arr)
-        ptr = _at(builder, xp, xo, _VEC)
+        ptr = vector_at(builder, xp, xo, _VEC)
         undef = ir.Constant(_VEC, ir.Undefined)
         shift_v = builder.shuffle_vector(builder.insert_element(undef, top, ir.Constant(ir.IntType(32), 0)), undef,
                                          ir.Constant(_INTS, [0] * LANES))
@@ -210,7 +205,7 @@ def max16(typingctx, x, off):
 
     def codegen(context, builder, signature, args):
         xp = _base(context, builder, signature.args[0], args[0])
-        return _max(builder, builder.load(_at(builder, xp, args[1], _VEC), align=4))
+        return _max(builder, builder.load(vector_at(builder, xp, args[1], _VEC), align=4))
 
     return sig, codegen
 
@@ -227,10 +222,10 @@ def weights16(typingctx, s, soff, sstride, scale, minimum, voff, total, toff, ro
     def codegen(context, builder, signature, args):
         s_arr, so, ss, sc_arr, mn_arr, vo, t_arr, to, nrows = args
         sp, scp, mnp, tp = (_base(context, builder, signature.args[i], args[i]) for i in (0, 3, 4, 6))
-        sv = builder.load(_at(builder, scp, vo, _VEC), align=4)
-        mv = builder.load(_at(builder, mnp, vo, _VEC), align=4)
+        sv = builder.load(vector_at(builder, scp, vo, _VEC), align=4)
+        mv = builder.load(vector_at(builder, mnp, vo, _VEC), align=4)
         with cgutils.for_range(builder, nrows) as row:
-            ptr = _at(builder, sp, builder.add(so, builder.mul(row.index, ss)), _VEC)
+            ptr = vector_at(builder, sp, builder.add(so, builder.mul(row.index, ss)), _VEC)
             p = builder.load(ptr, align=4)
             builder.store(builder.fmul(p, sv, flags=_FAST), ptr, align=4)
             where = builder.gep(tp, [builder.add(to, row.index)])
@@ -254,7 +249,7 @@ def widen16(typingctx, bits, off, stride, out, ooff):
         bp = _base(context, builder, signature.args[0], b_arr)
         op = _base(context, builder, signature.args[3], o_arr)
         vec = strided_lanes(builder, bp, bo, bs, _BITS)
-        builder.store(_widen(builder, vec), _at(builder, op, oo, _VEC), align=4)
+        builder.store(_widen(builder, vec), vector_at(builder, op, oo, _VEC), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -282,10 +277,11 @@ def unpack16(typingctx, codes, off, stride, half, dst):
             ty = ir.VectorType(ir.IntType(8), width)
             src, dst_at = builder.add(co, col), col
             for _ in range(LANES):
-                raw = builder.load(_at(builder, cp, src, ty), align=1)
-                builder.store(builder.and_(raw, ir.Constant(ty, [15] * width)), _at(builder, dp, dst_at, ty), align=1)
+                raw = builder.load(vector_at(builder, cp, src, ty), align=1)
+                builder.store(builder.and_(raw, ir.Constant(ty, [15] * width)), vector_at(builder, dp, dst_at, ty),
+                              align=1)
                 builder.store(builder.lshr(raw, ir.Constant(ty, [4] * width)),
-                              _at(builder, dp, builder.add(dst_at, h), ty), align=1)
+                              vector_at(builder, dp, builder.add(dst_at, h), ty), align=1)
                 src = builder.add(src, cs)
                 dst_at = builder.add(dst_at, row_out)
 

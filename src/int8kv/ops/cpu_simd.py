@@ -85,7 +85,7 @@ binding.initialize_native_asmparser()
 __all__ = [
     "DOT", "DOTS", "LANES", "QK16", "QK16I", "absmax16", "dot_for", "dots_for", "fits", "gather16", "int_fits",
     "keys_per_pass", "keys_per_row_group", "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel",
-    "strided_lanes", "weights16",
+    "strided_lanes", "vector_at", "weights16",
 ]
 
 LANES = 16  # keys per call and float32 lanes per vector
@@ -109,10 +109,16 @@ def _data(context, builder, aryty, value):
     return context.make_array(aryty)(context, builder, value).data
 
 
+def vector_at(builder, base, offset, ty):
+    """A pointer to a ``ty`` vector starting at base[offset] (LLVM values: an element pointer, an int64 offset in
+    elements); loads and stores through it say their own alignment."""
+    return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
+
+
 def _load_nibbles(builder, base, offset):
     """16 bytes of packed 4-bit codes at base[offset] as two <16 x float>: their low nibbles, their high ones."""
     sixteen = ir.VectorType(ir.IntType(8), LANES)
-    raw = builder.load(builder.bitcast(builder.gep(base, [offset]), sixteen.as_pointer()), align=1)
+    raw = builder.load(vector_at(builder, base, offset, sixteen), align=1)
     low = builder.and_(raw, ir.Constant(sixteen, [15] * LANES))
     high = builder.lshr(raw, ir.Constant(sixteen, [4] * LANES))
     return builder.uitofp(low, _VEC), builder.uitofp(high, _VEC)
@@ -123,8 +129,7 @@ def _load_codes(builder, base, offset, elem, high=False):
     (elem `_NIBBLES`) the low nibbles of 16 bytes of packed 4-bit codes, or their high ones (`high`)."""
     if elem is _NIBBLES:
         return _load_nibbles(builder, base, offset)[1 if high else 0]
-    ptr = builder.bitcast(builder.gep(base, [offset]), ir.VectorType(elem, LANES).as_pointer())
-    raw = builder.load(ptr, align=1)
+    raw = builder.load(vector_at(builder, base, offset, ir.VectorType(elem, LANES)), align=1)
     if elem.width == 8:
         return builder.sitofp(raw, _VEC)
     return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VEC)
@@ -148,13 +153,11 @@ def _chunks(builder, dim, elem, body):
 
 
 def _load_f32(builder, base, offset):
-    ptr = builder.bitcast(builder.gep(base, [offset]), _VEC.as_pointer())
-    return builder.load(ptr, align=4)
+    return builder.load(vector_at(builder, base, offset, _VEC), align=4)
 
 
 def _store_f32(builder, value, base, offset):
-    ptr = builder.bitcast(builder.gep(base, [offset]), _VEC.as_pointer())
-    builder.store(value, ptr, align=4)
+    builder.store(value, vector_at(builder, base, offset, _VEC), align=4)
 
 
 def _reduce(builder, vecs: list, add, width: int | None = None) -> ir.Value:
@@ -186,9 +189,14 @@ def _score_args(context, builder, signature, args) -> tuple:
     """`qk16` / `qk16i`'s arguments with each array as its data pointer: q, qoff, k, koff, kstride, out, ooff,
     ostride, rows, dim, then `qk16`'s buf."""
     values = list(args)
-    for i in (0, 2, 5, 10)[: 3 + (len(values) > 10)]:  # q, k, out (and buf)
-        values[i] = _data(context, builder, signature.args[i], args[i])
+    for i in (0, 2, 5, 10):  # q, k, out, buf
+        if i < len(values):
+            values[i] = _data(context, builder, signature.args[i], args[i])
     return tuple(values)
+
+
+def _iadd(builder, a, b):
+    return builder.add(a, b)
 
 
 def _fadd(builder, a, b):
@@ -409,9 +417,6 @@ def _direct_rows(builder, step, qp, qo, kp, ko, ks, op, oo, os_, d, row0, group)
     bytes_ty = ir.VectorType(ir.IntType(8), LANES)
     acc_ty = ir.VectorType(_I32, LANES)
 
-    def vec(base, offset, ty):
-        return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
-
     slots = [[cgutils.alloca_once(builder, acc_ty) for _ in range(LANES // 2)] for _ in range(group)]
     for row in slots:
         for slot in row:
@@ -421,20 +426,19 @@ def _direct_rows(builder, step, qp, qo, kp, ko, ks, op, oo, os_, d, row0, group)
         qvs = []
         for r in range(group):
             qrow = builder.add(qo, builder.mul(builder.add(row0, ir.Constant(i64, r)), d))
-            q16 = builder.load(vec(qp, builder.add(qrow, col), half_ty), align=2)
+            q16 = builder.load(vector_at(builder, qp, builder.add(qrow, col), half_ty), align=2)
             qvs.append(builder.shuffle_vector(q16, q16, _mask(list(range(LANES)) * 2)))
         key = builder.add(ko, col)
         for pair in range(LANES // 2):
-            first = builder.load(vec(kp, key, bytes_ty), align=1)
+            first = builder.load(vector_at(builder, kp, key, bytes_ty), align=1)
             key = builder.add(key, ks)
-            second = builder.load(vec(kp, key, bytes_ty), align=1)
+            second = builder.load(vector_at(builder, kp, key, bytes_ty), align=1)
             key = builder.add(key, ks)
             kv = builder.sext(builder.shuffle_vector(first, second, _mask(list(range(2 * LANES)))), pair_ty)
             for r in range(group):
                 builder.store(step(builder, builder.load(slots[r][pair]), qvs[r], kv), slots[r][pair])
     for r in range(group):
-        total = _reduce(builder, [builder.load(slot) for slot in slots[r]], lambda b, x, y: b.add(x, y),
-                        width=LANES // 2)
+        total = _reduce(builder, [builder.load(slot) for slot in slots[r]], _iadd, width=LANES // 2)
         at = builder.add(oo, builder.mul(builder.add(row0, ir.Constant(i64, r)), os_))
         _store_f32(builder, builder.sitofp(total, _VEC), op, at)
 
@@ -449,9 +453,6 @@ def _direct_rows256(builder, step, qp, qo, kp, ko, ks, op, oo, os_, d, row0, gro
     codes_ty, wide_ty = ir.VectorType(ir.IntType(8), LANES), ir.VectorType(i16, LANES)
     acc_ty = ir.VectorType(_I32, LANES // 2)
 
-    def vec(base, offset, ty):
-        return builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
-
     slots = [[cgutils.alloca_once(builder, acc_ty) for _ in range(LANES)] for _ in range(group)]
     for row in slots:
         for slot in row:
@@ -462,17 +463,17 @@ def _direct_rows256(builder, step, qp, qo, kp, ko, ks, op, oo, os_, d, row0, gro
             qvs = []
             for r in range(group):
                 qrow = builder.add(qo, builder.mul(builder.add(row0, ir.Constant(i64, r)), d))
-                qvs.append(builder.load(vec(qp, builder.add(qrow, col), wide_ty), align=2))
+                qvs.append(builder.load(vector_at(builder, qp, builder.add(qrow, col), wide_ty), align=2))
             key = builder.add(builder.add(ko, col), builder.mul(ks, ir.Constant(i64, first)))
             for t in range(first, first + keys):
-                kv = builder.sext(builder.load(vec(kp, key, codes_ty), align=1), wide_ty)
+                kv = builder.sext(builder.load(vector_at(builder, kp, key, codes_ty), align=1), wide_ty)
                 key = builder.add(key, ks)
                 for r in range(group):
                     builder.store(step(builder, builder.load(slots[r][t]), qvs[r], kv), slots[r][t])
     for r in range(group):
         sums = [builder.load(slot) for slot in slots[r]]
         half = LANES // 2
-        parts = [_reduce(builder, sums[i : i + half], lambda b, x, y: b.add(x, y)) for i in (0, half)]
+        parts = [_reduce(builder, sums[i : i + half], _iadd) for i in (0, half)]
         total = builder.shuffle_vector(parts[0], parts[1], _mask(list(range(LANES))))
         at = builder.add(oo, builder.mul(builder.add(row0, ir.Constant(i64, r)), os_))
         _store_f32(builder, builder.sitofp(total, _VEC), op, at)
@@ -518,10 +519,11 @@ def qk16i_kernel(kind: str, keys: int | None = None):
     bits 0.98x / 0.91-0.95x / 0.86-0.91x the time at 512 / 2,048 / 7,000 keys (SmolLM2's shape) and 0.86x at
     batch 8 x 4,096 (32 / 8 x 128); the AVX2 code 0.96x / 0.95x / 0.93x and 0.96x."""
     step = _dot_step(kind)
+    default = keys_per_row_group()
     if kind == "vnni512":
         block = _direct_rows
     else:
-        keys = keys_per_row_group() if keys is None else keys
+        keys = default if keys is None else keys
 
         def block(builder, step, *args):
             _direct_rows256(builder, step, *args, keys)
@@ -539,7 +541,7 @@ def qk16i_kernel(kind: str, keys: int | None = None):
 
         return sig, codegen
 
-    passes = "" if kind == "vnni512" or keys == keys_per_row_group() else f"_keys{keys}"
+    passes = "" if kind == "vnni512" or keys == default else f"_keys{keys}"
     qk16i.__name__ = qk16i.__qualname__ = f"qk16_{kind}{passes}"
     qk16i.__doc__ = f"""`qk16i` with the {kind} instructions (see `qk16i`; runs only on CPUs that have them)."""
     return intrinsic(qk16i)
@@ -855,7 +857,7 @@ def gather16(typingctx, src, first, stride, heads, hstep, dst, doff, dstride):
             switch.add_case(ir.Constant(i64, n), block)
             builder.position_at_end(block)
             row_ty = ir.VectorType(_F32, LANES * n)
-            whole = builder.load(builder.bitcast(builder.gep(sp, [start]), row_ty.as_pointer()), align=4)
+            whole = builder.load(vector_at(builder, sp, start, row_ty), align=4)
             for h in range(n):
                 lanes = builder.shuffle_vector(whole, whole, _mask([h + n * j for j in range(LANES)]))
                 _store_f32(builder, lanes, dp, builder.add(do, builder.mul(ds, ir.Constant(i64, h))))
