@@ -20,7 +20,6 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from int8kv.ops import cpu_simd
-from int8kv.ops.cpu_simd import _data
 
 
 def make_kernel(kind: str, group: int, keys: int = 16):
@@ -36,11 +35,8 @@ def make_kernel(kind: str, group: int, keys: int = 16):
         sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim)
 
         def codegen(context, builder, signature, args):
-            q_arr, qo, k_arr, ko, ks, o_arr, oo, os_, nrows, d = args
-            qp = _data(context, builder, signature.args[0], q_arr)
-            kp = _data(context, builder, signature.args[2], k_arr)
-            op = _data(context, builder, signature.args[5], o_arr)
-            cpu_simd._direct_kernel(builder, step, (qp, qo, kp, ko, ks, op, oo, os_), nrows, d, group, block)
+            *pointers, nrows, d = cpu_simd._score_args(context, builder, signature, args)
+            cpu_simd._direct_kernel(builder, step, tuple(pointers), nrows, d, group, block)
             return context.get_dummy_value()
 
         return sig, codegen
