@@ -92,14 +92,20 @@ def test_threads_launching_kernels_at_once_take_turns_on_workqueue():
     assert done.stdout.strip().splitlines()[-1] == "layer workqueue mismatches 0"
 
 
-def test_a_kernel_refused_in_a_worker_is_refused_to_the_caller_on_workqueue():
-    # The tag check of ops/calls.py inside a parallel worker: on workqueue the worker's TypeError used to be
-    # dropped and the call returned the output buffer unwritten.
-    test = "tests/test_ops_cpu.py::test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_runs"
-    code = f"import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '{ROOT / test}']))"
+def test_a_refusal_in_a_worker_is_refused_to_the_caller_on_workqueue():
+    # Two refusals raised inside a parallel worker, run in one child on workqueue, which drops a worker's
+    # exception: the tag check of ops/calls.py (there the worker's TypeError used to be dropped and the call
+    # returned the output buffer unwritten), and the CPU backend's own query check (cpu.CHECKS_QUERY), whose
+    # NonFiniteError must reach the caller through fan_out's rerun of the failed range.
+    tests = [
+        "tests/test_ops_cpu.py::test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_runs",
+        "tests/test_ops_cpu.py::test_the_backend_refuses_a_non_finite_query_itself_and_is_unharmed",
+    ]
+    paths = ", ".join(repr(str(ROOT / t)) for t in tests)
+    code = f"import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {paths}]))"
     done = _child(code)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert "4 passed" in done.stdout
+    assert "16 passed" in done.stdout  # 4 + 12
 
 
 def test_the_layer_is_named_once_a_parallel_kernel_has_run():

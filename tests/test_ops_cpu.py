@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from int8kv.cache.paged import PagedKvCache
-from int8kv.errors import KvCacheError, LayerOutOfRange, PositionOutOfRange, ShapeMismatch
+from int8kv.errors import KvCacheError, LayerOutOfRange, NonFiniteError, PositionOutOfRange, ShapeMismatch
 from int8kv.formats import KvStorageFormat
 from int8kv.ops import append_paged_kv, cpu, paged_decode_attention, paged_prefill_attention, plan_attention, reference
 
@@ -142,6 +142,51 @@ def test_decode_split_keys_match_reference(fmt):
             assert not out.any() and not ref.any()  # empty windows give zeros
         else:
             assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=["int8", "f16"])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "flash"])
+def test_the_backend_refuses_a_non_finite_query_itself_and_is_unharmed(monkeypatch, fmt, parallel, kind):
+    """The CPU backend checks q's values itself (`cpu.CHECKS_QUERY`: `ops.check_query` leaves it that pass): NaN,
+    +inf or -inf at any one place of q raises NonFiniteError through the serial item loop, the parallel one (each
+    worker checks before it writes; a worker's failure is raised on the calling thread), and a prefill whose
+    rows all take the flash path (no item loop runs); the next call with the finite q returns what it did
+    before. test_numba_threads.py runs this under workqueue, which drops a worker's exception."""
+    if parallel and cpu.numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("a parallel call needs two numba threads")
+    lens = [1024] if kind == "flash" else [90, 200]
+    cache, tables, context = build(fmt, 16, 64, 2, lens, seed=21)
+    gen = torch.Generator().manual_seed(21)
+    if kind == "decode":
+        q = torch.randn(len(lens), 4, 64, generator=gen)
+
+        def call(q):
+            return paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
+    else:
+        counts = [64] if kind == "flash" else [5, 7]  # 64 queries over 1,024 keys: past both flash thresholds
+        assert kind != "flash" or (counts[0] >= cpu.FLASH_MIN_QUERIES and counts[0] * 960 >= cpu.FLASH_MIN_PAIRS)
+        cu = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int32)
+        q = torch.randn(int(cu[-1]), 4, 64, generator=gen)
+
+        def call(q):
+            return paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
+
+    previous = cpu.numba.get_num_threads()
+    cpu.numba.set_num_threads(2 if parallel else 1)
+    monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads: parallel)
+    try:
+        good = call(q)
+        rng = np.random.default_rng(21)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for _ in range(3):
+                broken = q.clone()
+                broken[tuple(int(rng.integers(0, n)) for n in q.shape)] = bad
+                with pytest.raises(NonFiniteError, match="q holds NaN or inf"):
+                    call(broken)
+        assert torch.equal(call(q), good)
+    finally:
+        cpu.numba.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("tags", [[1, 3], [5]], ids=["leaves", "row-kernel"])
@@ -357,3 +402,21 @@ def test_all_finite_is_numpys_isfinite_on_ragged_rows_with_nan_inf_and_huge_valu
         seen.add(bool(np.isfinite(rows).all()))
     assert seen == {True, False}
     assert cpu.all_finite(np.full((1, 9, 64), np.finfo(np.float32).max, np.float32))
+
+
+def test_a_pools_numpy_views_are_kept_while_it_lives_and_dropped_with_it():
+    """The kernels' numpy views of a pool's layers are built once per (pool, layer) and kept by the pool's
+    identity; a pool that is gone takes its entry with it, so neither its tensors stay alive nor a later pool
+    that reuses its id reads them."""
+    import gc
+
+    cache, tables, context = build(INT8, 16, 64, 2, [90], seed=31)
+    pool = cache.pool
+    first = cpu._layer_arrays(pool, 1)
+    assert cpu._layer_arrays(pool, 1) is first and first[0].base is not None
+    assert np.shares_memory(first[0], pool.layer_parts(1)[0][0].numpy())
+    key = id(pool)
+    assert key in cpu._VIEWS
+    del cache, pool, first
+    gc.collect()
+    assert key not in cpu._VIEWS

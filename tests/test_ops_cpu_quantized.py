@@ -18,6 +18,7 @@ test_ops_cpu.py):
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_ops_cpu import F16, FORMATS, INT8, TOL, build, one_torch_thread, rel_err, starts_for  # noqa: F401
@@ -314,6 +315,37 @@ def test_thread_choice_follows_a_sustained_rise():
     _drive(choice, work, {False: 1.5e-3, True: 1e-3}, 8)
     modes = _drive(choice, work, {False: 1.5e-3, True: 1e-2}, 200)  # two threads now wait on every call
     assert sum(modes[-100:]) <= 3  # one thread, bar a re-measuring call
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_thread_choice_decides_a_settled_group_as_its_full_rules_do(seed):
+    """A size group whose decision is settled is decided from `settled` (one dict read) until the other mode's
+    re-measuring is due or a call is recorded: over random costs, sizes, load changes and delayed calls, a
+    choice deciding that way makes the same decisions and asks for the same measurements, call for call, as
+    one that applies the full rules at every call (its `settled` emptied before each)."""
+    rng = np.random.default_rng(seed)
+    fast, full = cpu.ThreadChoice(), cpu.ThreadChoice()
+    for choice in (fast, full):
+        choice.EXPLORE, choice.MAX_EXPLORE = 8, 64  # re-measurings and doubling waits within the run
+    sizes = [10**3, 10**5, 10**6]
+    cost = {False: 1e-3, True: 2e-3}
+    shortcuts = 0
+    for call in range(3000):
+        if call % 500 == 0:
+            cost = {False: float(rng.uniform(1e-4, 3e-3)), True: float(rng.uniform(1e-4, 3e-3))}
+        work = sizes[int(rng.integers(0, len(sizes)))]
+        full.settled.clear()
+        group = fast.group(work)
+        before = fast.settled.get(group)
+        mode = fast.parallel(work, 2)
+        shortcuts += before is not None and fast.calls[group] <= before[1]
+        assert (mode, fast.timed, fast.exploring) == (full.parallel(work, 2), full.timed, full.exploring), call
+        if fast.timed:
+            seconds = cost[mode] * (1000.0 if rng.random() < 0.01 else float(rng.uniform(0.8, 1.2)))
+            for choice in (fast, full):
+                choice.record(mode, work, 2, seconds)
+    assert fast.rate == full.rate and fast.wait == full.wait
+    assert shortcuts > 1000  # the shortcut did decide most calls
 
 
 def test_thread_choice_takes_up_a_mode_whose_first_calls_were_slow():

@@ -27,8 +27,8 @@ SPENT: dict[str, list[int]] = {}
 IN_LAYER_0 = [False]
 TIMED = [
     (attention_module, "_shared_plan"), (attention_module, "plan_attention"), (attention_module, "_prepared"),
-    (cpu, "_work"), (cpu, "_decode_items"), (cpu, "_assign_items"), (cpu, "_run"), (cpu, "_leaves"),
-    (cpu, "_items_at"), (cpu, "_run_items"), (cpu, "_run_parallel"), (cpu, "_layer_arrays"), (ops, "check_query"),
+    (cpu, "_work"), (cpu, "_decode_items"), (cpu, "_assign_items"), (cpu, "_runner"), (cpu, "_entry"),
+    (cpu, "_leaves"), (cpu, "_run_items"), (cpu, "_layer_arrays"), (ops, "check_query"),
 ]  # fmt: skip
 
 

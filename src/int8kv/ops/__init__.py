@@ -131,30 +131,32 @@ def _all_finite() -> Any:
     return _FINITE[0]
 
 
-def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """``q [num_queries, num_q_heads, head_dim]`` as float32, contiguous; NaN/inf refused (NonFiniteError)."""
+def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan, *, finite: bool = True) -> torch.Tensor:
+    """``q [num_queries, num_q_heads, head_dim]`` as float32, contiguous; NaN/inf refused (NonFiniteError) unless
+    ``finite`` is False: for a backend whose runs refuse it themselves (its module's ``CHECKS_QUERY``)."""
     shape = q.shape if isinstance(q, torch.Tensor) else ()  # read once: 0.17 us a read
     if len(shape) != 3 or shape[2] != pool.head_dim or shape[0] != plan.num_queries:
         got = tuple(shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ShapeMismatch(f"q must be [{plan.num_queries}, num_q_heads, {pool.head_dim}], got {got}")
     if shape[1] == 0 or shape[1] % pool.num_kv_heads != 0:
         raise ShapeMismatch(f"num_q_heads ({shape[1]}) must be a positive multiple of {pool.num_kv_heads}")
-    if q.dtype not in FLOAT_DTYPES:
-        raise ShapeMismatch(f"q must be float32, float16 or bfloat16, got {q.dtype}")
-    if q.device != pool.device:
+    dtype = q.dtype
+    if dtype not in FLOAT_DTYPES:
+        raise ShapeMismatch(f"q must be float32, float16 or bfloat16, got {dtype}")
+    # q.device builds a torch.device at each read: the common case, both on the CPU, asks q.is_cpu instead.
+    on_cpu = q.is_cpu
+    if (not on_cpu or pool.device.type != "cpu") and q.device != pool.device:
         raise ShapeMismatch(f"q is on {q.device} but the cache is on {pool.device}")
     # Refused on every backend alike: a NaN query would give NaN rows on one backend and zeros on another.
-    if q.requires_grad or q.dtype != torch.float32 or not q.is_contiguous():  # 1.1 us saved on the common case
+    if q.requires_grad or dtype != torch.float32 or not q.is_contiguous():  # 1.1 us saved on the common case
         q = q.detach().to(torch.float32).contiguous()
     # On the CPU one compiled pass (`cpu.all_finite`): inside SmolLM2's decode step (the drop-in, 512 tokens),
     # where every layer checks its q with the caches cold, this check took 10.2-11.2 us a layer (median, two runs)
     # with a BLAS dot of q with itself (np.vdot, 0.8 us in a loop: a finite result meant finite values) and
     # 6.1-7.0 with the compiled pass.
-    if q.is_cpu:
-        finite = _all_finite()(q.numpy())
-    else:
-        finite = torch.isfinite(q).all()
-    if not bool(finite):
+    if finite and not bool(
+        (_FINITE[0] if _FINITE else _all_finite())(q.numpy()) if on_cpu else torch.isfinite(q).all()
+    ):
         raise NonFiniteError("q holds NaN or inf")
     return q
 
@@ -203,18 +205,19 @@ def attention(
     exactly. Bad values are refused (typed) before anything runs."""
     pool = as_pool(cache)
     pool.check_layer(layer)
-    q = check_query(pool, q, plan) if check_q else q
-    out = _resolve(pool, plan, q.shape[1], backend, window, chunk, softcap, sinks)(pool, layer, q)
+    module = backend_module(pool, backend)
+    if check_q:
+        q = check_query(pool, q, plan, finite=not getattr(module, "CHECKS_QUERY", False))
+    out = _resolve(pool, plan, q.shape[1], module, window, chunk, softcap, sinks)(pool, layer, q)
     return out if out.dtype == torch.float32 else out.to(torch.float32)
 
 
 def _resolve(
-    pool: KvPool, plan: AttentionPlan, num_q_heads: int, backend: str | None, window: int | None, chunk: int | None,
+    pool: KvPool, plan: AttentionPlan, num_q_heads: int, module: Any, window: int | None, chunk: int | None,
     softcap: float | None, sinks: torch.Tensor | None,
 ) -> Any:  # fmt: skip
-    """``attend(pool, layer, q)`` of the backend for ``plan``, ``num_q_heads`` and the variant, checked: what
-    :func:`attention` runs once and :class:`PreparedAttention` keeps for every layer."""
-    module = backend_module(pool, backend)
+    """``attend(pool, layer, q)`` of the backend ``module`` (`backend_module`) for ``plan``, ``num_q_heads`` and
+    the variant, checked: what :func:`attention` runs once and :class:`PreparedAttention` keeps for every layer."""
     variant = None
     if window is not None or chunk is not None or softcap is not None or sinks is not None:
         variant = check_variant(pool, num_q_heads, window=window, chunk=chunk, softcap=softcap, sinks=sinks)
@@ -263,7 +266,9 @@ class PreparedAttention:
             raise ShapeMismatch(f"num_q_heads must be an int, got {num_q_heads!r}")
         if num_q_heads <= 0 or num_q_heads % pool.num_kv_heads:
             raise ShapeMismatch(f"num_q_heads ({num_q_heads}) must be a positive multiple of {pool.num_kv_heads}")
-        self._attend = _resolve(pool, plan, num_q_heads, backend, window, chunk, softcap, sinks)
+        module = backend_module(pool, backend)
+        self._attend = _resolve(pool, plan, num_q_heads, module, window, chunk, softcap, sinks)
+        self._finite = not getattr(module, "CHECKS_QUERY", False)  # whether check_query checks q's values
         self.plan = plan
         self.num_q_heads = num_q_heads
         self._geometry = _geometry(pool)
@@ -277,7 +282,7 @@ class PreparedAttention:
             raise ShapeMismatch(f"this call was prepared for another pool than {pool!r}")
         pool.check_layer(layer)
         if check_q:
-            q = check_query(pool, q, self.plan)
+            q = check_query(pool, q, self.plan, finite=self._finite)
         if q.shape[1] != self.num_q_heads:
             raise ShapeMismatch(f"this call was prepared for {self.num_q_heads} query heads, q has {q.shape[1]}")
         out = self._attend(pool, layer, q)

@@ -27,11 +27,12 @@ from numba._dispatcher import compute_fingerprint
 from numba.extending import intrinsic, overload
 
 from ..cache.pool import KvPool
+from ..errors import NonFiniteError
 from ..numba_cache import share_compiles
 from ..numba_threads import launch
 from . import cpu_simd
 from .calls import INDEX, Compiled, call_at, compiled_count, fan_out, tag_of
-from .cpu_rope import finite
+from .cpu_rope import finite, finite_bits
 from .parts import KERNELS as PARTS_KERNELS
 from .parts import codes_and_scales, int8_codes
 from .plan import AttentionPlan, AttentionVariant
@@ -61,6 +62,12 @@ FLASH_QUERY_ROWS = 1024  # (query, group head) rows per block: fewer, larger cal
 _sdpa_tile = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # The formats this backend reads: the parts' pairs, and the 4-bit sink-and-window pool through ops.cpu_q4w.
 KERNELS = PARTS_KERNELS | {"int4_sink_window"}
+# Every run this backend prepares refuses a q holding NaN or inf itself (NonFiniteError, before any output is
+# written), so `ops.check_query` leaves that pass to it: the item loop checks q's bits where it starts (~0.05 us
+# at SmolLM2's decode shape), and the Python check it replaces cost a numba dispatch and a `Tensor.numpy()` on
+# every layer, 9 us a call inside SmolLM2's decode at 512 tokens (the drop-in; its caches cold after the
+# weights), against ~3 in a loop.
+CHECKS_QUERY = True
 NEG = np.float32(cpu_simd.NEG)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
 
 # exp's constants, defined once in cpu_simd (its vector exp must give this one's bits)
@@ -806,6 +813,8 @@ def _run_items(first, last, merge, splits, leaves, q, q_scale, sm, cap, sinks, k
     (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134
     us on two threads, as slow as one (133 us); this fixed split took 86. A serial call (`merge`) passes empty
     part_* and allocates the `splits` states here (three numpy allocations cost ~1 us in Python)."""
+    if not finite_bits(q):  # the backend's query check (CHECKS_QUERY): each worker's, before it writes anything
+        raise NonFiniteError("q holds NaN or inf")
     if merge and splits > 1:
         part_m, part_l, part_acc = _new_states(splits, out)
     args = (q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m, part_l, part_acc)
@@ -842,13 +851,13 @@ def _cap_array(softcap: float) -> np.ndarray:
     return cap
 
 
-def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool], bounded: bool) -> np.ndarray:
+def _leaves(args: tuple, uses: tuple[bool, bool], bounded: bool) -> np.ndarray:
     """`_run_items`' ``leaves`` for the arguments ``args`` (all of `_run_items`' from q on): the address and
     signature tag of `_row_item` and of `_general_item` where ``uses`` says the call's items need them (compiled
     or loaded on first use), else 0, then those of the kernel each calls for the argument types the leaf passes
     it: `_attend_row`, then `_attend_item` without lows (slots 6, 7) or, for a ``bounded`` call (a window or
-    chunk), with them (slots 8, 9). Kept in the plan's work (``found``) under ``key``, (the pool's format, whether
-    a softcap is set): with the query path, the tables and ``bounded`` (the work's own), those fix every
+    chunk), with them (slots 8, 9). `_entry` keeps them in the plan's work under its key (the pool's format,
+    whether a softcap is set): with the query path, the tables and ``bounded`` (the work's own), those fix every
     argument's type (q is float32 and contiguous, sinks float32, lows an int64 array, the rest made by `_work`
     and `_run`); should one differ, the tag checks in `_run_items` and the leaves raise instead. numba's argument
     fingerprints took ~1 us a call. Every plan's work asks once (a decode step plans anew), and the answer depends
@@ -862,9 +871,6 @@ def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool], bound
     key keeps its tile loops as fast as they were (`_tile_offset`): one specialisation of `_run_items`,
     `_row_item`, `_general_item` and `calls.fan_out` where there were two, each 0.8-1.2 s of CPU to compile
     (`_attend_item` 4.4, `_attend_row` 3.9; numba's compile events, the 2-core Zen 4 VM)."""
-    leaves = found.get(key)
-    if leaves is not None:
-        return leaves
     kinds = (compute_fingerprint(args), uses, bounded)
     leaves = _LEAVES.get(kinds)
     if leaves is None:
@@ -884,43 +890,30 @@ def _leaves(found: dict, key: tuple, args: tuple, uses: tuple[bool, bool], bound
             else:
                 plain = _ATTEND_ITEM.address(attend)
         leaves = _LEAVES[kinds] = np.array([*row, *general, *attend_row, *plain, *with_lows], np.int64)
-    found[key] = leaves
     return leaves
 
 
-def _items_at(found: dict, key: tuple, args: tuple) -> tuple[int, int]:
-    """`_run_items`' address and tag for `calls.fan_out` (args: its arguments from `merge` on), kept as above."""
-    at = found.get(("fan_out", *key))
-    if at is None:
-        at = found[("fan_out", *key)] = _ITEMS.address((INDEX, INDEX, *args))
-    return at
+def _entry(found: dict, key: tuple, uses: tuple, bounded: bool, splits: int, args: tuple, o: np.ndarray,
+           sinks: np.ndarray) -> tuple:
+    """What every call of one work and ``key`` passes unchanged, found once and kept in the work (``found``):
+    ``(leaves, fan_out's address and tag for _run_items, the merge's address and tag, ran)``; (0, 0) for no merge
+    (a single key range); ``ran`` [serial, parallel]: whether a call in that mode has run. Looked up piece by
+    piece each call (four tuples built, four dict reads, the leaves' argument tuple), this was ~1 us of a
+    2,048-key decode call in a loop and ~2 in situ."""
+    entry = found.get(key)
+    if entry is None:  # callers look first themselves: a call of this function cost ~0.3 us
+        parts = _new_parts(splits, o) if splits > 1 else _NO_PARTS
+        leaves = _leaves((*args, *parts), uses, bounded)
+        at = _ITEMS.address((INDEX, INDEX, False, splits, leaves, *args, *parts))
+        merge = _MERGE.address((*parts, o, sinks)) if splits > 1 else (0, 0)
+        entry = found[key] = (leaves, at, merge, [False, False])
+    return entry
 
 
-def _run_parallel(found: dict, key: tuple, uses: tuple, bounded: bool, lists: np.ndarray, splits: int, args: tuple,
-                  o: np.ndarray, sinks: np.ndarray) -> None:
-    """`_run_items` on the workers of ``lists`` through `calls.fan_out`, then the merge of the split states on the
-    calling thread within the same call. The split-state buffers are kept in the plan's work between calls (taken
-    out while a call uses them, so a concurrent call allocates its own): numpy's three allocations and the
-    merge's own dispatch were 3-4 us of a 33 us call (batch 1 x 512 keys, SmolLM2's shape)."""
-    if splits > 1:
-        parts = found.pop("parts", None)
-        if parts is None or parts[2].shape != (splits, *o.shape):
-            n, hq, d = o.shape
-            parts = (np.empty((splits, n, hq), np.float32), np.empty((splits, n, hq), np.float32),
-                     np.empty((splits, n, hq, d), np.float32))
-        merge_args = (*parts, o, sinks)
-        merge = found.get(("merge", *key))
-        if merge is None:
-            merge = found[("merge", *key)] = _MERGE.address(merge_args)
-    else:
-        # No merge to run (then = 0), but its arguments of the same types as a merge's: one specialisation of
-        # fan_out for calls with and without split keys (each ~0.9 s of CPU to compile).
-        parts, merge = _NO_PARTS, (0, 0)
-        merge_args = (*parts, o, sinks)
-    call = (False, splits, _leaves(found, key, (*args, *parts), uses, bounded), *args, *parts)
-    launch(fan_out, *_items_at(found, key, call), lists, call, *merge, merge_args)
-    if splits > 1:
-        found["parts"] = parts
+def _new_parts(splits: int, o: np.ndarray) -> tuple:
+    n, hq, d = o.shape
+    return (np.empty((splits, n, hq), np.float32), np.empty((splits, n, hq), np.float32),
+            np.empty((splits, n, hq, d), np.float32))
 
 
 @njit(fastmath=True, inline="always")
@@ -988,15 +981,18 @@ _KERNEL = (_run_items, _row_item, _general_item, _attend_row, _attend_item, _mer
 
 
 # -- host side ----------------------------------------------------------------------------------------------
-_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> {layer: numpy views}
+# id(pool) -> {layer: numpy views}, an entry dropped when its pool is (weakref.finalize): a plain dict read where
+# a WeakKeyDictionary's (a Python method building a weak reference) took ~2 us a call in situ.
+_VIEWS: dict[int, dict] = {}
 
 
 def _layer_arrays(pool: KvPool, layer: int) -> tuple:
     """Zero-copy numpy views of one layer; F16 codes are viewed as int16 bits. Kept per pool (a pool's tensors
     live as long as it does): building them cost 2.3 us per layer call, a tenth of a 512-token decode."""
-    views = _VIEWS.get(pool)
+    views = _VIEWS.get(id(pool))
     if views is None:
-        views = _VIEWS[pool] = {}
+        views = _VIEWS[id(pool)] = {}
+        weakref.finalize(pool, _VIEWS.pop, id(pool), None)
     arrays = views.get(layer)
     if arrays is None:
         k, v = pool.layer_parts(layer)
@@ -1192,6 +1188,10 @@ class ThreadChoice:
         self.burst: dict[int, tuple[bool, int]] = {}  # size group -> (re-measured mode, its calls still to run)
         self.taken: dict[tuple[bool, int], list[float]] = {}  # (mode, group) -> its burst's figures so far
         self.timed = False  # whether the caller should time this call and `record` it
+        # size group -> (its best mode, the last call before the other is re-measured): set when a call finds the
+        # group settled and dropped when any of its calls is recorded. Deciding by it is one dict read where the
+        # full rules read eight, ~2 -> ~1 us of a 2,048-key decode call in situ (the caches cold after the kernel).
+        self.settled: dict[int, tuple[bool, int]] = {}
 
     @staticmethod
     def group(work: int) -> int:
@@ -1204,6 +1204,10 @@ class ThreadChoice:
             return False
         g = self.group(work)
         n = self.calls[g] = self.calls.get(g, 0) + 1
+        settled = self.settled.get(g)
+        if settled is not None and n <= settled[1]:
+            self.timed = n % self.MEASURE_EVERY == 0
+            return settled[0]
         self.timed = True
         for mode in (False, True):
             if self.samples.get((mode, g), 0) < self.FIRST:
@@ -1216,7 +1220,9 @@ class ThreadChoice:
         if burst is None:
             best = self.rate[(True, g)] < self.rate[(False, g)]
             other = not best
-            if n - self.last.get((other, g), 0) <= self.wait.get((other, g), self.EXPLORE):
+            until = self.last.get((other, g), 0) + self.wait.get((other, g), self.EXPLORE)
+            if n <= until:
+                self.settled[g] = (best, until)
                 self.timed = n % self.MEASURE_EVERY == 0
                 return best
             burst = (other, self.BURST)
@@ -1235,6 +1241,7 @@ class ThreadChoice:
         if seconds is None or work <= 0 or (parallel and threads <= 1):
             return
         g = self.group(work)
+        self.settled.pop(g, None)
         key = (parallel, g)
         self.last[key] = self.calls.get(g, 0)
         unit = seconds / work
@@ -1276,9 +1283,10 @@ def thread_choice(key: tuple) -> ThreadChoice:
 @njit(cache=True)  # no fastmath: it lets LLVM assume every value finite
 def all_finite(a):
     """Whether every value of the C-contiguous float array ``a`` is finite (x - x is 0 for a finite x, NaN for
-    inf and NaN). The query check of `ops.check_query` on the CPU. Indexed from 0: iterating the array itself
-    compiled to gathers, 0.33 -> 0.03 us at 1 x 9 x 64 and 17.5 -> 1.6 us at 8 x 32 x 128 (called from a jitted
-    loop; from Python 0.51 -> 0.22 us at 1 x 9 x 64): the write path's check, `cpu_rope.finite`."""
+    inf and NaN). The CPU backend's query check where no item loop runs (CHECKS_QUERY). Indexed from 0: iterating
+    the array itself compiled to gathers, 0.33 -> 0.03 us at 1 x 9 x 64 and 17.5 -> 1.6 us at 8 x 32 x 128
+    (called from a jitted loop; from Python 0.51 -> 0.22 us at 1 x 9 x 64): the write path's check,
+    `cpu_rope.finite`."""
     return finite(a)
 
 
@@ -1313,46 +1321,72 @@ def _query_path(plan: AttentionPlan, pool: KvPool) -> str:
     return plan.precision
 
 
-def _run(
-    pool: KvPool, layer: int, q: torch.Tensor, plan: AttentionPlan, work: tuple, cap: np.ndarray | None,
-    sinks: np.ndarray, path: str,
-) -> torch.Tensor:  # fmt: skip
-    """Run the numba kernel over the plan's work ``(items, row_limits, lows, bounded, splits, pairs, lists, tables,
-    choice, uses, found)`` (lows: each row's lowest key, its kv_start without a window or chunk; bounded: whether
-    a window or chunk set them; uses: whether the items need the row and the general leaf; found: the addresses
-    and buffers kept for this work, `_leaves`); ``cap`` the softcap c as float32 ``[c, 1 / c]`` (None: none),
-    ``sinks`` float32 ``[Hq]`` (empty: none), ``path`` the query path (`_query_path`)."""
+def _runner(pool: KvPool, plan: AttentionPlan, work: tuple, cap: np.ndarray | None, sinks: np.ndarray, path: str):
+    """``run(pool, layer, q)``: the numba kernel over the plan's work ``(items, row_limits, lows, bounded, splits,
+    pairs, lists, tables, choice, uses, found)`` (lows: each row's lowest key, its kv_start without a window or
+    chunk; bounded: whether a window or chunk set them; uses: whether the items need the row and the general leaf;
+    found: the addresses and buffers kept for this work, `_entry`), for pools of ``pool``'s format and q of the
+    work's number of heads; ``cap`` the softcap c as float32 ``[c, 1 / c]`` (None: none), ``sinks`` float32
+    ``[Hq]`` (empty: none), ``path`` the query path (`_query_path`). What every call shares is bound here once,
+    so a call is one Python frame down to `calls.fan_out` (there were five, the work unpacked and its tuples
+    rebuilt at each call)."""
     items, row_limits, lows, bounded, splits, pairs, lists, tables, choice, uses, found = work
-    if q.numel() == 0 or items.shape[0] == 0:
-        return torch.zeros(q.shape, dtype=torch.float32)
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
     # to zeros (queries before a window's start). numpy's allocation: 0.5 us against torch.empty's 1.8.
-    o = np.empty(q.shape, np.float32) if plan.is_decode else np.zeros(q.shape, np.float32)
-    out = torch.from_numpy(o)
-    if path == "int16":
-        q_arg, q_scale = q.numpy(), _INT16_QUERY
-    else:
-        q_arg, q_scale = q.numpy(), _NO_SCALE
-    kc, ks, vc, vs = _layer_arrays(pool, layer)
-    workers = lists.shape[0] - 1
-    units = pairs * q.shape[1]
-    parallel = choice.parallel(units, workers)
-    compiled = compiled_count(*_KERNEL) if choice.timed else 0
-    start = time.perf_counter()
-    args = (q_arg, q_scale, plan.softmax_scale, cap, sinks, kc, ks, vc, vs, tables, items, row_limits, lows, o)
+    new = np.empty if plan.is_decode else np.zeros
+    q_scale = _INT16_QUERY if path == "int16" else _NO_SCALE
+    sm = plan.softmax_scale
     key = (pool.format, cap is None)
-    if parallel:
-        _run_parallel(found, key, uses, bounded, lists, splits, args, o, sinks)
-    else:
-        leaves = _leaves(found, key, (*args, *_NO_PARTS), uses, bounded)
-        _run_items(0, items.shape[0], True, splits, leaves, *args, *_NO_PARTS)
-    if choice.timed:
-        seconds = time.perf_counter() - start
-        # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
-        # kernel: one such 0.23 s sample once made the serial estimate 5,000x too high and every call parallel.
-        none_compiled = compiled_count(*_KERNEL) == compiled
-        choice.record(parallel, units, workers, seconds if none_compiled else None)
-    return out
+    workers = lists.shape[0] - 1
+    no_items = items.shape[0] == 0
+
+    def run(pool: KvPool, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if no_items or q.numel() == 0:  # no item loop to check q (CHECKS_QUERY): the flash path's rows, or none
+            if q.numel() and not all_finite(q.numpy()):
+                raise NonFiniteError("q holds NaN or inf")
+            return torch.zeros(q.shape, dtype=torch.float32)
+        o = new(q.shape, np.float32)
+        args = (q.numpy(), q_scale, sm, cap, sinks, *_layer_arrays(pool, layer), tables, items, row_limits, lows, o)
+        entry = found.get(key)
+        if entry is None:
+            entry = _entry(found, key, uses, bounded, splits, args, o, sinks)
+        units = pairs * q.shape[1]
+        parallel = choice.parallel(units, workers)
+        timed = choice.timed
+        if timed:
+            # Only an entry's first call in a mode can compile (or load) a specialisation: its addresses are
+            # found (`_entry`) and every later call passes arguments of the same types. Counting the compiled
+            # specialisations took 3.6 us in situ (SmolLM2's decode at 512 tokens), on one call in eight.
+            fresh = not entry[3][parallel]
+            compiled = compiled_count(*_KERNEL) if fresh else 0
+            start = time.perf_counter()
+        if not parallel:
+            _run_items(0, items.shape[0], True, splits, entry[0], *args, *_NO_PARTS)
+        elif splits > 1:
+            # The split-state buffers are kept in the work between calls (taken out while a call uses them, so a
+            # concurrent call allocates its own): numpy's three allocations and the merge's own dispatch were 3-4
+            # us of a 33 us call (batch 1 x 512 keys, SmolLM2's shape). The merge runs on the calling thread
+            # within fan_out's call.
+            parts = found.pop("parts", None)
+            if parts is None or parts[2].shape != (splits, *o.shape):
+                parts = _new_parts(splits, o)
+            launch(fan_out, *entry[1], lists, (False, splits, entry[0], *args, *parts), *entry[2], (*parts, o, sinks))
+            found["parts"] = parts
+        else:
+            # No merge to run (then = 0), but its arguments of the same types as a merge's: one specialisation of
+            # fan_out for calls with and without split keys (each ~0.9 s of CPU to compile).
+            launch(fan_out, *entry[1], lists, (False, splits, entry[0], *args, *_NO_PARTS), 0, 0,
+                   (*_NO_PARTS, o, sinks))
+        if timed:
+            seconds = time.perf_counter() - start
+            # A call that compiled (or loaded from numba's disk cache) a specialisation measured that, not the
+            # kernel: one such 0.23 s sample once made the serial estimate 5,000x too high and every call parallel.
+            none_compiled = not fresh or compiled_count(*_KERNEL) == compiled
+            choice.record(parallel, units, workers, seconds if none_compiled else None)
+        entry[3][parallel] = True
+        return torch.from_numpy(o)
+
+    return run
 
 
 # -- long prefill chunks: K/V tiles through torch's fused flash kernel, merged by log-sum-exp --------------
@@ -1538,7 +1572,12 @@ def prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: Attent
     if getattr(pool, "writes_by_step", False):  # int8kv.cache.pool_q4w: its own kernel
         from .cpu_q4w import attend as attend_q4w
 
-        return lambda pool, layer, q: attend_q4w(pool, layer, q, plan, variant)
+        def checked(pool: KvPool, layer: int, q: torch.Tensor) -> torch.Tensor:
+            if not all_finite(q.numpy()):  # CHECKS_QUERY
+                raise NonFiniteError("q holds NaN or inf")
+            return attend_q4w(pool, layer, q, plan, variant)
+
+        return checked
     threads = numba.get_num_threads()
     if variant is None:
         key = ("cpu-run", num_q_heads, threads, pool.format)
@@ -1557,12 +1596,13 @@ def _prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: Atten
         if variant.bounds_keys or cap is not None:  # sinks alone change no key range: the plain work serves them
             key = (*key, variant.window, variant.chunk, cap is not None)
     work, long, lows = plan.derived(key, lambda: _work(plan, pool, num_q_heads, threads, variant))
-    path = _query_path(plan, pool)
+    kernel = _runner(pool, plan, work, cap, sinks, _query_path(plan, pool))
+    if not long.size:
+        return kernel
 
     def run(pool: KvPool, layer: int, q: torch.Tensor) -> torch.Tensor:
-        out = _run(pool, layer, q, plan, work, cap, sinks, path)
-        if long.size:
-            _flash_prefill(pool, layer, q, plan, out, long, variant, lows)
+        out = kernel(pool, layer, q)
+        _flash_prefill(pool, layer, q, plan, out, long, variant, lows)
         return out
 
     return run

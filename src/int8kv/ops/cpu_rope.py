@@ -43,6 +43,17 @@ def finite(x) -> bool:
     return ok
 
 
+@njit(inline="always")
+def finite_bits(x) -> bool:
+    """`finite` for a C-contiguous float32 ``x``, on its bits (an exponent of all ones is inf or NaN): integer
+    operations, so it holds inside fastmath functions too, where LLVM may fold ``x - x == 0`` to true."""
+    flat = x.reshape(-1).view(np.int32)
+    ok = True
+    for i in range(flat.shape[0]):
+        ok &= (flat[i] & 0x7F800000) != 0x7F800000
+    return ok
+
+
 @njit(cache=True)
 def _neox(x, c, s, out):
     """out[t, h, i] = x[t, h, i] c[t, i] - x[t, h, i + half] s[t, i] and out[t, h, i + half] = x[t, h, i + half]
