@@ -185,3 +185,27 @@ def test_every_parallel_kernel_is_launched_through_numba_threads():
                 launched.add(first.attr if isinstance(first, ast.Attribute) else getattr(first, "id", None))
     assert not direct, "parallel kernels called without numba_threads.launch: " + ", ".join(direct)
     assert every <= launched  # and each one is launched somewhere
+
+
+def test_thread_count_is_each_threads_own_numba_count():
+    """`thread_count` answers what `numba.get_num_threads()` does, in the thread that asks, after each
+    `numba.set_num_threads` (thread-local in numba): in this thread and in another one that sets its own."""
+    import threading
+
+    previous = numba.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            numba.set_num_threads(n)
+            assert numba_threads.thread_count() == numba.get_num_threads() == n
+        seen = []
+
+        def other() -> None:
+            numba.set_num_threads(2)
+            seen.append((numba_threads.thread_count(), numba.get_num_threads()))
+
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+        assert seen == [(2, 2)] and numba_threads.thread_count() == 1  # the other thread's setting is its own
+    finally:
+        numba.set_num_threads(previous)

@@ -6,6 +6,7 @@ table, a slot past a sequence's context or a position outside its window returns
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -130,8 +131,8 @@ def test_decode_split_keys_match_reference(fmt):
     """Few (sequence, KV head) pairs and long contexts: the keys are split across work items and merged."""
     cache, tables, context = build(fmt, 32, 64, 1, [3000, 700], seed=7)
     lens = context.numpy().astype(np.int64)
-    items, splits = cpu._decode_items(lens, np.zeros(2, np.int64), cpu.numba.get_num_threads())
-    if cpu.numba.get_num_threads() > 1:
+    items, splits = cpu._decode_items(lens, np.zeros(2, np.int64), numba.get_num_threads())
+    if numba.get_num_threads() > 1:
         assert splits > 1
     q = torch.randn(2, 4, 64)
     for starts in (None, torch.tensor([2500, 10], dtype=torch.int32), torch.tensor([3000, 700], dtype=torch.int32)):
@@ -153,7 +154,7 @@ def test_the_backend_refuses_a_non_finite_query_itself_and_is_unharmed(monkeypat
     worker checks before it writes; a worker's failure is raised on the calling thread), and a prefill whose
     rows all take the flash path (no item loop runs); the next call with the finite q returns what it did
     before. test_numba_threads.py runs this under workqueue, which drops a worker's exception."""
-    if parallel and cpu.numba.config.NUMBA_NUM_THREADS < 2:
+    if parallel and numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("a parallel call needs two numba threads")
     lens = [1024] if kind == "flash" else [90, 200]
     cache, tables, context = build(fmt, 16, 64, 2, lens, seed=21)
@@ -172,8 +173,8 @@ def test_the_backend_refuses_a_non_finite_query_itself_and_is_unharmed(monkeypat
         def call(q):
             return paged_prefill_attention(cache, 1, q, cu, tables, context, backend="cpu")
 
-    previous = cpu.numba.get_num_threads()
-    cpu.numba.set_num_threads(2 if parallel else 1)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(2 if parallel else 1)
     monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads: parallel)
     try:
         good = call(q)
@@ -186,7 +187,7 @@ def test_the_backend_refuses_a_non_finite_query_itself_and_is_unharmed(monkeypat
                     call(broken)
         assert torch.equal(call(q), good)
     finally:
-        cpu.numba.set_num_threads(previous)
+        numba.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("tags", [[1, 3], [5]], ids=["leaves", "row-kernel"])
@@ -198,12 +199,12 @@ def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_run
     worker's failure is reported back and its range run again on the calling thread (`calls.fan_out`), so the
     TypeError is the caller's on every numba threading layer (test_numba_threads.py runs this under workqueue,
     which drops a worker's exception)."""
-    if parallel and cpu.numba.config.NUMBA_NUM_THREADS < 2:
+    if parallel and numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("a parallel call needs two numba threads")
     cache, tables, context = build(INT8, 16, 64, 2, [90, 200], seed=12)
     q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(12))
-    previous = cpu.numba.get_num_threads()
-    cpu.numba.set_num_threads(2 if parallel else 1)
+    previous = numba.get_num_threads()
+    numba.set_num_threads(2 if parallel else 1)
     monkeypatch.setattr(cpu.ThreadChoice, "parallel", lambda self, work, threads: parallel)
     try:
         good = paged_decode_attention(cache, 1, q, tables, context, backend="cpu")
@@ -221,7 +222,7 @@ def test_a_leaf_compiled_for_other_argument_types_is_refused_before_any_item_run
         monkeypatch.setattr(cpu, "_leaves", real)
         assert torch.equal(paged_decode_attention(cache, 1, q, tables, context, backend="cpu"), good)
     finally:
-        cpu.numba.set_num_threads(previous)
+        numba.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("window", [None, 40], ids=["plain", "window"])

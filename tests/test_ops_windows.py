@@ -8,6 +8,7 @@ blocks wholly outside the window point at a NaN block: a kernel that reads one r
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -293,8 +294,8 @@ def test_cpu_split_decode_counts_each_sink_once(fmt, window):
     sinks = torch.tensor([-2.0, 0.5, 3.0, 40.0])  # the last far above every score: the output almost vanishes
     args = {"sinks": sinks} if window is None else {"sinks": sinks, "window": window}
     lows = AttentionVariant(window).key_lows(context.numpy().astype(np.int64) - 1, np.zeros(2, np.int64))
-    _, splits = cpu._decode_items(context.numpy().astype(np.int64), lows, cpu.numba.get_num_threads())
-    if cpu.numba.get_num_threads() > 1:
+    _, splits = cpu._decode_items(context.numpy().astype(np.int64), lows, numba.get_num_threads())
+    if numba.get_num_threads() > 1:
         assert splits > 1
     out, ref = run_backend("cpu", cache, q, tables, context, None, None, args)
     assert rel_err(out, ref) < TOL

@@ -18,7 +18,6 @@ from __future__ import annotations
 import time
 import weakref
 
-import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -29,7 +28,7 @@ from numba.extending import intrinsic, overload
 from ..cache.pool import KvPool
 from ..errors import NonFiniteError
 from ..numba_cache import share_compiles
-from ..numba_threads import launch
+from ..numba_threads import launch, thread_count
 from . import cpu_simd
 from .calls import INDEX, Compiled, call_at, compiled_count, fan_out, tag_of
 from .cpu_rope import finite, finite_bits
@@ -1007,8 +1006,11 @@ def _layer_arrays(pool: KvPool, layer: int) -> tuple:
 @njit(cache=True)
 def _num_splits(sequences: int, longest: int, threads: int) -> int:
     """Key ranges per sequence so that about two work items exist per thread (the fixed assignment can then
-    even out a few long sequences), but none shorter than MIN_SPLIT_KEYS."""
-    want = (2 * threads + max(sequences, 1) - 1) // max(sequences, 1)
+    even out a few long sequences), but none shorter than MIN_SPLIT_KEYS. A single sequence gets one range per
+    thread: its ranges are equal by construction, and two per thread cost each worker a second state to store
+    and the merge two more to read (2,048 keys, SmolLM2's shape: 46.7 -> 44.3 us a call for INT8, 77.6 -> 76.2
+    for F16; docs/benchmarks.md, "The call's fixed cost")."""
+    want = threads if sequences == 1 else (2 * threads + max(sequences, 1) - 1) // max(sequences, 1)
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
 
@@ -1568,7 +1570,8 @@ def prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: Attent
     Without a variant the ``run`` itself is kept in the plan, per number of query heads, numba thread count and
     format, so `ops.attention` called layer after layer with one plan resolves it once: `ops._resolve` 3.55 ->
     2.57 us a call, most of what is left `numba.get_num_threads` (batch 1 x 512 keys, SmolLM2's shape, both
-    checkouts in one process, the 2-vCPU Intel Xeon VM; docs/benchmarks.md "Per-call cost of `ops.attention`")."""
+    checkouts in one process, the 2-vCPU Intel Xeon VM; docs/benchmarks.md "Per-call cost of `ops.attention`"),
+    which `numba_threads.thread_count` asks in a seventh of its time."""
     if getattr(pool, "writes_by_step", False):  # int8kv.cache.pool_q4w: its own kernel
         from .cpu_q4w import attend as attend_q4w
 
@@ -1578,7 +1581,7 @@ def prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: Attent
             return attend_q4w(pool, layer, q, plan, variant)
 
         return checked
-    threads = numba.get_num_threads()
+    threads = thread_count()
     if variant is None:
         key = ("cpu-run", num_q_heads, threads, pool.format)
         return plan.derived(key, lambda: _prepare(pool, plan, num_q_heads, None, threads))
