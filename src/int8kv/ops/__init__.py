@@ -140,23 +140,24 @@ def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan, *, finite: b
         raise ShapeMismatch(f"q must be [{plan.num_queries}, num_q_heads, {pool.head_dim}], got {got}")
     if shape[1] == 0 or shape[1] % pool.num_kv_heads != 0:
         raise ShapeMismatch(f"num_q_heads ({shape[1]}) must be a positive multiple of {pool.num_kv_heads}")
-    dtype = q.dtype
-    if dtype not in FLOAT_DTYPES:
-        raise ShapeMismatch(f"q must be float32, float16 or bfloat16, got {dtype}")
-    # q.device builds a torch.device at each read: the common case, both on the CPU, asks q.is_cpu instead.
-    on_cpu = q.is_cpu
-    if (not on_cpu or pool.device.type != "cpu") and q.device != pool.device:
+    if q.dtype not in FLOAT_DTYPES:
+        raise ShapeMismatch(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if q.device != pool.device:
         raise ShapeMismatch(f"q is on {q.device} but the cache is on {pool.device}")
     # Refused on every backend alike: a NaN query would give NaN rows on one backend and zeros on another.
-    if q.requires_grad or dtype != torch.float32 or not q.is_contiguous():  # 1.1 us saved on the common case
+    if q.requires_grad or q.dtype != torch.float32 or not q.is_contiguous():  # 1.1 us saved on the common case
         q = q.detach().to(torch.float32).contiguous()
+    if not finite:
+        return q
     # On the CPU one compiled pass (`cpu.all_finite`): inside SmolLM2's decode step (the drop-in, 512 tokens),
     # where every layer checks its q with the caches cold, this check took 10.2-11.2 us a layer (median, two runs)
     # with a BLAS dot of q with itself (np.vdot, 0.8 us in a loop: a finite result meant finite values) and
     # 6.1-7.0 with the compiled pass.
-    if finite and not bool(
-        (_FINITE[0] if _FINITE else _all_finite())(q.numpy()) if on_cpu else torch.isfinite(q).all()
-    ):
+    if q.is_cpu:
+        finite = _all_finite()(q.numpy())
+    else:
+        finite = torch.isfinite(q).all()
+    if not bool(finite):
         raise NonFiniteError("q holds NaN or inf")
     return q
 
