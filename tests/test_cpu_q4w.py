@@ -106,3 +106,28 @@ def test_refusals():
     batch.pool.release(batch.tables[0])  # the sequence ends: its window pages and sink slot go back
     with pytest.raises(UnsupportedFormat, match="given back"):  # the same plan's reads are checked again
         ops.attention(batch.pool, 0, q, plan, backend="cpu")
+
+
+def test_a_non_finite_query_is_refused_and_the_pool_is_unharmed():
+    """The CPU backend checks q's values itself (`cpu.CHECKS_QUERY`), and for this pool, whose kernel has an item
+    loop of its own, before it calls it: NaN, +inf or -inf in a decode or prefill query raises NonFiniteError, on
+    `ops.attention` and a prepared call alike, and the next call with the finite q returns what it did before."""
+    from int8kv.errors import NonFiniteError
+
+    batch = Batch(3, 3, 64, [70, 130], seeded("non-finite", 1))
+    for new in ([40, 90], [1, 1]):
+        plan = batch.plan(new)
+        for layer in range(LAYERS):
+            batch.write(plan, layer)
+        q = batch.query(plan)
+        prepared = ops.PreparedAttention(batch.pool, plan, q.shape[1], backend="cpu")
+        good = ops.attention(batch.pool, 1, q, plan, backend="cpu")
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = q.clone()
+            broken[q.shape[0] - 1, 2, 5] = bad
+            with pytest.raises(NonFiniteError):
+                ops.attention(batch.pool, 1, broken, plan, backend="cpu")
+            with pytest.raises(NonFiniteError):
+                prepared.run(batch.pool, 1, broken)
+        assert torch.equal(ops.attention(batch.pool, 1, q, plan, backend="cpu"), good)
+        assert torch.equal(prepared.run(batch.pool, 1, q), good)
