@@ -23,7 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from int8kv.ops import cpu_simd
-from int8kv.ops.cpu_simd import _I32, _data, _mask, _splat
+from int8kv.ops.cpu_simd import _I32, _mask, _splat, array_data
 
 I8, I16 = ir.IntType(8), ir.IntType(16)
 V32B = ir.VectorType(I8, 32)
@@ -47,9 +47,9 @@ def pv16i(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
 
     def codegen(context, builder, signature, args):
         w_arr, wo, ws, v_arr, vo, vs, a_arr, ao, nrows, d = args
-        wp = builder.bitcast(_data(context, builder, signature.args[0], w_arr), I16.as_pointer())
-        vp = _data(context, builder, signature.args[3], v_arr)
-        ap = _data(context, builder, signature.args[6], a_arr)
+        wp = builder.bitcast(array_data(context, builder, signature.args[0], w_arr), I16.as_pointer())
+        vp = array_data(context, builder, signature.args[3], v_arr)
+        ap = array_data(context, builder, signature.args[6], a_arr)
         i64 = wo.type
         fn = ir.InlineAsm(ir.FunctionType(V16D, [V16D, V16D, V16D]), "vpdpwssd $3, $2, $0", "=v,0,v,v")
         with cgutils.for_range(builder, builder.sdiv(d, ir.Constant(i64, 32))) as blk:

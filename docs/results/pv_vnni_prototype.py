@@ -21,7 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from int8kv.ops import cpu_simd
-from int8kv.ops.cpu_simd import _F32, _FAST, _I32, _VEC, _data, _load_f32, _mask, _splat, _store_f32
+from int8kv.ops.cpu_simd import _F32, _FAST, _I32, _VEC, _load_f32, _mask, _splat, _store_f32, array_data
 
 MODE = "notrans" if "--no-transpose" in sys.argv else ""
 I8 = ir.IntType(8)
@@ -75,9 +75,9 @@ def pv16b(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
 
     def codegen(context, builder, signature, args):
         w_arr, wo, ws, v_arr, vo, vs, acc_arr, ao, nrows, d = args
-        wp = _data(context, builder, signature.args[0], w_arr)
-        vp = _data(context, builder, signature.args[3], v_arr)
-        ap = _data(context, builder, signature.args[6], acc_arr)
+        wp = array_data(context, builder, signature.args[0], w_arr)
+        vp = array_data(context, builder, signature.args[3], v_arr)
+        ap = array_data(context, builder, signature.args[6], acc_arr)
         i64 = wo.type
         dot = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(V16I, [V16I, V16I, V16I]), "llvm.x86.avx512.vpdpbusd.512"

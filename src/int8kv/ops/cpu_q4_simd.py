@@ -33,7 +33,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-from .cpu_simd import LANES, strided_lanes, vector_at
+from .cpu_simd import LANES, array_data, strided_lanes, vector_at
 
 __all__ = ["expsum16", "fold", "max16", "unpack16", "weights16", "widen16"]
 
@@ -43,10 +43,6 @@ _HALVES = ir.VectorType(ir.HalfType(), LANES)
 _BITS = ir.VectorType(ir.IntType(16), LANES)
 _INTS = ir.VectorType(ir.IntType(32), LANES)
 _FAST = ("fast",)
-
-
-def _base(context, builder, aryty, value):
-    return context.make_array(aryty)(context, builder, value).data
 
 
 def _splat(value: float) -> ir.Constant:
@@ -105,7 +101,7 @@ def fold(typingctx, q, qoff, scale, minimum, soff, out, bias, boff, rows, dim):
 
     def codegen(context, builder, signature, args):
         q_arr, qo, s_arr, m_arr, so, out_arr, b_arr, bo, nrows, d = args
-        qp, sp, mp, op, bp = (_base(context, builder, signature.args[i], args[i]) for i in (0, 2, 3, 5, 6))
+        qp, sp, mp, op, bp = (array_data(context, builder, signature.args[i], args[i]) for i in (0, 2, 3, 5, 6))
         i64 = qo.type
         half = builder.sdiv(d, ir.Constant(i64, 2))
         total = cgutils.alloca_once(builder, _VEC)
@@ -171,7 +167,7 @@ def expsum16(typingctx, x, off, shift):
 
     def codegen(context, builder, signature, args):
         x_arr, xo, top = args
-        xp = _base(context, builder, signature.args[0], x_arr)
+        xp = array_data(context, builder, signature.args[0], x_arr)
         ptr = vector_at(builder, xp, xo, _VEC)
         undef = ir.Constant(_VEC, ir.Undefined)
         shift_v = builder.shuffle_vector(builder.insert_element(undef, top, ir.Constant(ir.IntType(32), 0)), undef,
@@ -204,7 +200,7 @@ def max16(typingctx, x, off):
     sig = types.float32(x, off)
 
     def codegen(context, builder, signature, args):
-        xp = _base(context, builder, signature.args[0], args[0])
+        xp = array_data(context, builder, signature.args[0], args[0])
         return _max(builder, builder.load(vector_at(builder, xp, args[1], _VEC), align=4))
 
     return sig, codegen
@@ -221,7 +217,7 @@ def weights16(typingctx, s, soff, sstride, scale, minimum, voff, total, toff, ro
 
     def codegen(context, builder, signature, args):
         s_arr, so, ss, sc_arr, mn_arr, vo, t_arr, to, nrows = args
-        sp, scp, mnp, tp = (_base(context, builder, signature.args[i], args[i]) for i in (0, 3, 4, 6))
+        sp, scp, mnp, tp = (array_data(context, builder, signature.args[i], args[i]) for i in (0, 3, 4, 6))
         sv = builder.load(vector_at(builder, scp, vo, _VEC), align=4)
         mv = builder.load(vector_at(builder, mnp, vo, _VEC), align=4)
         with cgutils.for_range(builder, nrows) as row:
@@ -246,8 +242,8 @@ def widen16(typingctx, bits, off, stride, out, ooff):
 
     def codegen(context, builder, signature, args):
         b_arr, bo, bs, o_arr, oo = args
-        bp = _base(context, builder, signature.args[0], b_arr)
-        op = _base(context, builder, signature.args[3], o_arr)
+        bp = array_data(context, builder, signature.args[0], b_arr)
+        op = array_data(context, builder, signature.args[3], o_arr)
         vec = strided_lanes(builder, bp, bo, bs, _BITS)
         builder.store(_widen(builder, vec), vector_at(builder, op, oo, _VEC), align=4)
         return context.get_dummy_value()
@@ -267,8 +263,8 @@ def unpack16(typingctx, codes, off, stride, half, dst):
 
     def codegen(context, builder, signature, args):
         c_arr, co, cs, h, d_arr = args
-        cp = _base(context, builder, signature.args[0], c_arr)
-        dp = _base(context, builder, signature.args[4], d_arr)
+        cp = array_data(context, builder, signature.args[0], c_arr)
+        dp = array_data(context, builder, signature.args[4], d_arr)
         i64 = co.type
         row_out = builder.mul(h, ir.Constant(i64, 2))
 

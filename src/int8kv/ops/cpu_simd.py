@@ -83,9 +83,9 @@ require_jit(__name__)
 binding.initialize_native_asmparser()
 
 __all__ = [
-    "DOT", "DOTS", "LANES", "QK16", "QK16I", "absmax16", "dot_for", "dots_for", "fits", "gather16", "int_fits",
-    "keys_per_pass", "keys_per_row_group", "logits16", "prefetch", "pv16", "qk16", "qk16i", "qk16i_kernel",
-    "strided_lanes", "vector_at", "weights16",
+    "DOT", "DOTS", "LANES", "QK16", "QK16I", "absmax16", "array_data", "dot_for", "dots_for", "fits", "gather16",
+    "int_fits", "keys_per_pass", "keys_per_row_group", "logits16", "prefetch", "pv16", "qk16", "qk16i",
+    "qk16i_kernel", "strided_lanes", "vector_at", "weights16",
 ]
 
 LANES = 16  # keys per call and float32 lanes per vector
@@ -105,7 +105,9 @@ def _mask(lanes: list[int]) -> ir.Constant:
     return ir.Constant(ir.VectorType(_I32, len(lanes)), lanes)
 
 
-def _data(context, builder, aryty, value):
+def array_data(context, builder, aryty, value):
+    """The element pointer of the numba array ``value`` (LLVM) of type ``aryty``: where an intrinsic's vectors
+    start (`vector_at`)."""
     return context.make_array(aryty)(context, builder, value).data
 
 
@@ -191,7 +193,7 @@ def _score_args(context, builder, signature, args) -> tuple:
     values = list(args)
     for i in (0, 2, 5, 10):  # q, k, out, buf
         if i < len(values):
-            values[i] = _data(context, builder, signature.args[i], args[i])
+            values[i] = array_data(context, builder, signature.args[i], args[i])
     return tuple(values)
 
 
@@ -599,9 +601,9 @@ def pv16(typingctx, w, woff, wstride, v, voff, vstride, acc, aoff, rows, dim):
 
     def codegen(context, builder, signature, args):
         w_arr, wo, ws, v_arr, vo, vs, acc_arr, ao, nrows, d = args
-        wp = _data(context, builder, signature.args[0], w_arr)
-        vp = _data(context, builder, signature.args[3], v_arr)
-        ap = _data(context, builder, signature.args[6], acc_arr)
+        wp = array_data(context, builder, signature.args[0], w_arr)
+        vp = array_data(context, builder, signature.args[3], v_arr)
+        ap = array_data(context, builder, signature.args[6], acc_arr)
         i64 = wo.type
 
         def chunk(col, column, high):
@@ -647,7 +649,7 @@ def prefetch(typingctx, array, offset, count):
 
     def codegen(context, builder, signature, args):
         arr, start, n = args
-        base = _data(context, builder, signature.args[0], arr)
+        base = array_data(context, builder, signature.args[0], arr)
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
@@ -759,8 +761,8 @@ def logits16(typingctx, s, soff, n, kscale, koff, qscale, floor):
 
     def codegen(context, builder, signature, args):
         s_arr, so, count, k_arr, ko, qs, lowest = args
-        sp = _data(context, builder, signature.args[0], s_arr)
-        kp = _data(context, builder, signature.args[3], k_arr)
+        sp = array_data(context, builder, signature.args[0], s_arr)
+        kp = array_data(context, builder, signature.args[3], k_arr)
         i64 = so.type
         vectors = builder.sdiv(builder.add(count, ir.Constant(i64, LANES - 1)), ir.Constant(i64, LANES))
         qv = _splat(builder, qs)
@@ -790,8 +792,8 @@ def weights16(typingctx, s, soff, n, mx, vscale, voff):
 
     def codegen(context, builder, signature, args):
         s_arr, so, count, top, v_arr, vo = args
-        sp = _data(context, builder, signature.args[0], s_arr)
-        vp = _data(context, builder, signature.args[4], v_arr)
+        sp = array_data(context, builder, signature.args[0], s_arr)
+        vp = array_data(context, builder, signature.args[4], v_arr)
         i64 = so.type
         vectors = builder.sdiv(builder.add(count, ir.Constant(i64, LANES - 1)), ir.Constant(i64, LANES))
         mv = _splat(builder, top)
@@ -841,8 +843,8 @@ def gather16(typingctx, src, first, stride, heads, hstep, dst, doff, dstride):
 
     def codegen(context, builder, signature, args):
         src_arr, start, step, nheads, hop, dst_arr, do, ds = args
-        sp = _data(context, builder, signature.args[0], src_arr)
-        dp = _data(context, builder, signature.args[5], dst_arr)
+        sp = array_data(context, builder, signature.args[0], src_arr)
+        dp = array_data(context, builder, signature.args[5], dst_arr)
         i64 = start.type
         done = builder.append_basic_block("gathered")
         apart = builder.append_basic_block("heads_apart")
@@ -883,7 +885,7 @@ def absmax16(typingctx, x, off, n):
 
     def codegen(context, builder, signature, args):
         x_arr, xo, count = args
-        xp = _data(context, builder, signature.args[0], x_arr)
+        xp = array_data(context, builder, signature.args[0], x_arr)
         i64 = xo.type
         fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC]), "llvm.fabs.v16f32")
         best = cgutils.alloca_once_value(builder, ir.Constant(_VEC, None))
