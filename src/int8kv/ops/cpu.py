@@ -910,6 +910,8 @@ def _entry(found: dict, key: tuple, uses: tuple, bounded: bool, splits: int, arg
 
 
 def _new_parts(splits: int, o: np.ndarray) -> tuple:
+    """The split states `_new_states` allocates inside a serial call, from Python: a parallel call's workers
+    write them, so the runner allocates them once and keeps them in the work between calls."""
     n, hq, d = o.shape
     return (np.empty((splits, n, hq), np.float32), np.empty((splits, n, hq), np.float32),
             np.empty((splits, n, hq, d), np.float32))

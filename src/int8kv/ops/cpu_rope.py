@@ -46,7 +46,8 @@ def finite(x) -> bool:
 @njit(inline="always")
 def finite_bits(x) -> bool:
     """`finite` for a C-contiguous float32 ``x``, on its bits (an exponent of all ones is inf or NaN): integer
-    operations, so it holds inside fastmath functions too, where LLVM may fold ``x - x == 0`` to true."""
+    operations, so it holds inside fastmath functions too, where LLVM may fold ``x - x == 0`` to true. float32
+    only (another dtype's bits would be read as int32): `finite` stays the check of any float array."""
     flat = x.reshape(-1).view(np.int32)
     ok = True
     for i in range(flat.shape[0]):
