@@ -65,6 +65,7 @@ SAME_UNIT_TESTS = {
 # ran beside the first SmolLM2 server, which waited ~20 s on that lock with its worker idle.
 LONG_UNITS = (
     "tests/test_engine_fork.py",  # 152-191 s: the INT8 and F16 decode / prefill kernels
+    "tests/test_cpu_variants.py",  # 75 s: a child pytest compiling the kernels for AVX2
     "tests/test_gpu_check.py::test_smoke_runs_end_to_end_under_the_interpreter",  # 34-102 s, Triton interpreter
     "tests/test_cli.py::test_eval_small_run",  # 8-34 s: the SmolLM2 conversion
     "tests/test_triton_compile.py",  # 23-52 s, Triton

@@ -165,21 +165,35 @@ def test_missing_default_package(monkeypatch):
 
 @pytest.mark.slow
 def test_packaged_smollm2_is_cached(monkeypatch):
-    """The real GGUF: converted on first use into the run's model cache (tests/conftest.py points
-    INT8KV_CACHE_DIR into pytest's cache dir, shared with every test that loads SmolLM2), then reused."""
-    model, tokenizer = load_model(quiet=True)
+    """The real GGUF, both ways it loads: its float32 conversion (weights="dense") and what its packed load (the
+    default) keeps besides the file (config, tokenizer, tensor table), each made on first use in the run's model
+    cache (tests/conftest.py points INT8KV_CACHE_DIR into pytest's cache dir, shared with every test that loads
+    SmolLM2), then reused."""
+    from int8kv.models import gguf_weights, packed_cache_dir
+
+    model, tokenizer = load_model(quiet=True, weights="dense")
     target = gguf_cache_dir(default_gguf_path())
     assert (target / loader._MARKER).is_file()
+    packed, packed_tokenizer = load_model(quiet=True)
+    assert (packed_cache_dir(default_gguf_path()) / loader._MARKER).is_file()
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("a cached model must not be converted again")
 
     monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
-    again, _ = load_model(quiet=True)
+    monkeypatch.setattr(gguf_weights, "read_table", no_conversion)
+    again, _ = load_model(quiet=True, weights="dense")
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert not hasattr(again.config, "quantization_config")
     assert torch.equal(model.model.embed_tokens.weight, again.model.embed_tokens.weight)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).count("<|im_start|>") >= 1
+    again_packed, _ = load_model(quiet=True)
+    assert isinstance(again_packed.model.embed_tokens, gguf_weights.GgufEmbedding)
+    assert not hasattr(again_packed.config, "quantization_config")
+    assert again_packed.config.to_dict() == packed.config.to_dict()
+    ids = torch.tensor([0, 5, 49151])
+    assert torch.equal(again_packed.model.embed_tokens(ids), model.model.embed_tokens.weight[ids])
+    assert packed_tokenizer("hi there").input_ids == tokenizer("hi there").input_ids
 
 
 def test_model_dir_and_config_without_loading_weights(tmp_path, fake_gguf, counting_converter, monkeypatch):

@@ -117,6 +117,35 @@ def test_decode_quantized_query_matches_reference_within_bound(block_size, head_
         assert not out[3].any()  # the empty sequence attends to nothing
 
 
+# What the int16 query costs in accuracy, per integer-dot variant: the largest distance from a float64 attention
+# over the stored values, as a fraction of that attention's largest |output|, on the shapes below (docs/formats.md
+# states these). The integer sums are exact on every variant, so the figure is the query's rounding and does not
+# depend on the CPU: measured 9.5e-5 (int16) and 1.5e-6 (exact) with vnni512 (Zen 4) and with avx2 (INT8KV_CPU=avx2
+# on the same CPU); the bounds leave room for other random inputs. `make test` runs this under both.
+INT16_ACCURACY = {"vnni512": 2.5e-4, "vnni256": 2.5e-4, "avx2": 2.5e-4}
+EXACT_ACCURACY = 1e-5
+
+
+def test_int16_query_accuracy_of_this_cpus_variant():
+    variant = cpu.cpu_simd.DOT
+    if variant is None:
+        pytest.skip("no integer dot variant on this CPU: int16 runs the exact path")
+    worst = {"int16": 0.0, "exact": 0.0}
+    for seed, (head_dim, group) in enumerate([(64, 3), (128, 4), (64, 1), (128, 8)]):
+        lens = [1, 37, 150, 700, 2048]
+        cache, tables, context = build(INT8, 16, head_dim, 2, lens, 7100 + seed)
+        q = torch.randn(len(lens), 2 * group, head_dim, generator=torch.Generator().manual_seed(seed)) * 2
+        exact = reference.paged_decode_attention(cache, 1, q, tables, context)
+        scale = float(exact.abs().max())
+        for precision in worst:
+            plan = plan_attention(cache.pool, tables, context, precision=precision)
+            out = attention(cache, 1, q, plan, backend="cpu")
+            worst[precision] = max(worst[precision], float((out.double() - exact).abs().max()) / scale)
+    assert worst["int16"] <= INT16_ACCURACY[variant], (variant, worst)
+    assert worst["exact"] <= EXACT_ACCURACY, (variant, worst)
+    assert worst["int16"] > worst["exact"]  # the int16 path did run (it rounds the query)
+
+
 def test_decode_split_keys_quantized_query():
     """One long sequence: its keys are split across work items and the partial states merged."""
     cache, tables, context = build(INT8, 16, 64, 3, [3000], seed=41)

@@ -229,13 +229,10 @@ def _qk16i_in_passes(kind: str, keys: int):
 _VARIANT_FLAGS = {"vnni512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"), "vnni256": ("avxvnni",),
                   "avx2": ("avx2",)}
 _CHILD_COMPILE = textwrap.dedent("""
-    import importlib.util, sys
-    from llvmlite import binding
+    import sys
     from numba import njit, types
-    spec = importlib.util.spec_from_file_location("cpu_simd", sys.argv[1])
-    cpu_simd = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cpu_simd)
-    kernel = cpu_simd.QK16I[sys.argv[2]]
+    from int8kv.ops import cpu_simd
+    kernel = cpu_simd.QK16I[sys.argv[1]]
 
     @njit
     def scores(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim):
@@ -263,8 +260,10 @@ def _variant_compiles_in_a_child(kind: str) -> None:
         features = features.replace(f"-{flag}", f"+{flag}")
         if f"+{flag}" not in features.split(","):
             features += f",+{flag}"
-    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
-    done = subprocess.run([sys.executable, "-c", _CHILD_COMPILE, cpu_simd.__file__, kind], env=env,
+    # The package itself (its kernels' relative imports), with the target this test asks for: INT8KV_CPU=avx2
+    # in the parent would turn the variant's features off again in the child.
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features, "INT8KV_CPU": "native"}
+    done = subprocess.run([sys.executable, "-c", _CHILD_COMPILE, kind], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert instruction in done.stdout

@@ -274,8 +274,12 @@ def test_engine_runs_block_weights_packed(implementation, kind):
 
 
 @pytest.mark.slow
-def test_smollm2_layers_are_its_gguf_blocks(smollm2):
-    model, tokenizer = smollm2
+def test_smollm2_layers_are_its_gguf_blocks():
+    # The float32 conversion of the packaged GGUF (`smollm2`, the default load, runs its blocks from the file:
+    # tests/test_gguf_weights.py): the weights pack_weights recovers the blocks from.
+    from int8kv.models import load_model
+
+    model, tokenizer = load_model(quiet=True, weights="dense")
     packed = pack_weights(model)
     kinds = {}
     originals = dict(model.named_modules())

@@ -46,6 +46,10 @@ WEIGHTS_HELP = (
     "packed), dense (as loaded, torch's matmuls: SmolLM2's are float32), bfloat16, or int8 (per-row int8 weights, "
     "bfloat16 inputs; CPU only); perplexity and speed of each in docs/benchmarks.md"
 )
+THREADS_HELP = (
+    "threads per engine step (default: one or every CPU the process may use, its affinity and cgroup quota, "
+    "whichever the engine measures faster under the machine's current load)"
+)
 KV_STORE_HELP = (
     "share prefix KV blocks through a block store: embedded, disk:PATH, redis://host:6379/0, "
     "redis+cluster://host:port,... (docs/block_store.md); the demo then reruns the prompts on a fresh engine "
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = command(sub, "demo", "F16 vs INT8 KV cache side by side on a real model")
     demo.add_argument("--model", help=MODEL_HELP)
     demo.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    demo.add_argument("--threads", type=int, help=THREADS_HELP)
     demo.add_argument("--prompt", action="append", help="your own prompt (repeatable; default: three built-in)")
     demo.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt")
     demo.add_argument("--memory", default="8GiB", help="budget for the capacity table, e.g. 512MiB, 8GiB")
@@ -106,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_path", nargs="?", metavar="MODEL", help=f"{MODEL_HELP}; or --model")
     serve.add_argument("--model", help=MODEL_HELP)
     serve.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    serve.add_argument("--threads", type=int, help=THREADS_HELP)
     serve.add_argument("--kv-format", default="int8", help=f"KV storage format: {FORMAT_CHOICES}")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
     serve.add_argument("--kv-store", help="shared KV block store (disk:PATH, redis://..., embedded)")
@@ -170,7 +176,7 @@ def _load(args: argparse.Namespace, engine: bool = True):
 
     progress.note(f"loading model {args.model or '(packaged SmolLM2-135M-Instruct)'} ...")
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note)
+    model, tokenizer = load_model(args.model, quiet=progress.is_quiet(), progress=progress.note, weights=args.weights)
     if engine or args.weights not in ("model", "dense"):
         from .models import convert_weights
 
@@ -210,6 +216,8 @@ def _check_memory_holds_a_block(args: argparse.Namespace, budget: int, fmt: KvSt
 
 def run_demo(args: argparse.Namespace) -> dict:
     check_minimums(args, {"max_tokens": 1})
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
     budget = memory_budget(args.memory)
     formats = _formats(args.formats)
     _check_memory_holds_a_block(args, budget, INT8, "the capacity table counts whole blocks")
@@ -239,7 +247,7 @@ def _demo(args: argparse.Namespace, store: Any, budget: int, formats: list[KvSto
         name = fmt.as_str().split("_")[0].upper()
         kv_store = store  # block values, or the 4-bit format's page values (engine/store_tier.py)
         engine = dict(kv_format=fmt, memory="512MiB", tokenizer=tokenizer, max_num_seqs=len(prompts), kv_store=kv_store,
-                      weights=_engine_weights(args))  # fmt: skip
+                      weights=_engine_weights(args), threads=args.threads)  # fmt: skip
         llm = LLM(model, **engine)
         progress.note(f"{name}: warming up (the first run compiles the kernels, cached afterwards) ...")
         llm.generate([prompt_ids[0][:8]], SamplingParams(max_tokens=2))  # compile kernels before timing
@@ -433,6 +441,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           "max_tokens": 1})
     if args.max_model_len is not None and args.max_model_len < 1:
         raise CliError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
     if args.model_path and args.model and args.model_path != args.model:
         raise CliError(f"two models given: {args.model_path!r} and --model {args.model!r}")
     args.model = args.model or args.model_path
@@ -466,7 +476,8 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # a port already taken fails now, not after the model has loaded
     model, tokenizer = _load(args)
     llm = LLM(model, kv_format=fmt[0], memory=args.memory, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, weights=_engine_weights(args), **extra)
+              max_num_batched_tokens=args.max_num_batched_tokens, weights=_engine_weights(args), threads=args.threads,
+              **extra)
     name = args.served_model_name or (
         os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
     limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,

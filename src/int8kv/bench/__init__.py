@@ -19,4 +19,6 @@ BENCHMARKS = {
     "plots": "int8kv.bench.plots",
     "window": "int8kv.bench.window",
     "hybrid": "int8kv.bench.hybrid",
+    "busy": "int8kv.bench.busy",
+    "gguf": "int8kv.bench.gguf",
 }

@@ -96,13 +96,13 @@ def _engine_peer(
     return run
 
 
-def _llama_peer(path: str, kv_type: int, longest: int, new_tokens: int, threads: int):
-    """ms per decode step of llama.cpp (flash attention on) after a prefill of ids.
+def open_llama(path: str, n_ctx: int, threads: int, kv_type: int = GGML_TYPE_F16):
+    """A llama_cpp.Llama over ``path``, flash attention on, K and V cache of ``kv_type``, ``threads`` threads.
 
     The weights load without ggml's "extra" buffer types (``use_extra_bufts=False``, which llama-cpp-python
-    0.3.36 does not expose, hence the patched default params): on this 2-core Xeon VM, which reports AMX,
+    0.3.36 does not expose, hence the patched default params): on the 2-core Xeon VM, which reports AMX,
     ggml's AMX matmul (`ggml_backend_amx_mul_mat`) crashes with SIGSEGV on the first decode. The KV cache and
-    flash attention, what this benchmark compares, are unaffected."""
+    flash attention, what the benchmarks compare, are unaffected."""
     import llama_cpp
     import llama_cpp.llama as llama_module
 
@@ -115,12 +115,17 @@ def _llama_peer(path: str, kv_type: int, longest: int, new_tokens: int, threads:
 
     llama_module.llama_cpp.llama_model_default_params = without_extra_buffers
     try:
-        llm = llama_cpp.Llama(
-            model_path=path, n_ctx=longest + new_tokens + 16, n_batch=512, n_threads=threads,
-            n_threads_batch=threads, flash_attn=True, type_k=kv_type, type_v=kv_type, verbose=False,
+        return llama_cpp.Llama(
+            model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+            flash_attn=True, type_k=kv_type, type_v=kv_type, verbose=False,
         )  # fmt: skip
     finally:
         llama_module.llama_cpp.llama_model_default_params = defaults
+
+
+def _llama_peer(path: str, kv_type: int, longest: int, new_tokens: int, threads: int):
+    """ms per decode step of llama.cpp (flash attention on) after a prefill of ids."""
+    llm = open_llama(path, longest + new_tokens + 16, threads, kv_type)
 
     def run(ids: list[int]) -> float:
         llm.reset()

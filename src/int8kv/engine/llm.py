@@ -60,6 +60,7 @@ from .runner import ModelRunner
 from .sampler import TokenLogprob, make_generator, sample, token_logprobs
 from .scheduler import Scheduled, Scheduler
 from .sequence import SamplingParams, Sequence, is_int, positive_int
+from .step_threads import StepThreads
 from .store_tier import PageStoreTier, StoreTier
 
 # "transformers" serves every model; None (the default) picks "fused" for a model the fused forward implements
@@ -217,6 +218,7 @@ class LLM:
         implementation: str | None = None,
         backend: str | None = None,
         weights: str = "model",
+        threads: int | None = None,
     ) -> None:
         """`prefix_caching`: None (the default) is on, except for a model with state layers (then off, logged);
         True asks for it (refused by name for such a model). `kv_store`: a block store URL (`True` is
@@ -232,7 +234,9 @@ class LLM:
         None: "cpu" or "triton" from the pool's device). `weights`: the precision of the model's matmuls,
         "model" (its own weights exactly, GGUF blocks run packed), "dense" (as loaded, torch's matmuls),
         "bfloat16" or "int8" (int8kv.models.weights; a passed model is copied, not changed; the prefix-cache key
-        root hashes the weights that run). `block_size`: None is 16 positions, 64
+        root hashes the weights that run). `threads` (CPU): None runs each step on one thread or on every CPU the
+        process may use, whichever is measured faster under the machine's current load (engine/step_threads.py);
+        a number fixes it. `block_size`: None is 16 positions, 64
         for ``int4_kchan64_vtok_asym_sink4_win64_v1`` (its pages; another size is refused by name), which runs
         with prefix caching, forks (cache/paged_q4w.py) and the block store (its pages: engine/store_tier.py)."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
@@ -261,6 +265,8 @@ class LLM:
             raise InvalidEngineConfig(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
             raise InvalidEngineConfig(f"model_id must be a non-empty string or None, got {model_id!r}")
+        if threads is not None:
+            positive_int(threads, "threads", InvalidEngineConfig)
         positive_int(max_num_seqs, "max_num_seqs", InvalidEngineConfig)
         positive_int(max_num_batched_tokens, "max_num_batched_tokens", InvalidEngineConfig)
         try:
@@ -278,7 +284,7 @@ class LLM:
         else:
             from ..models import load_model
 
-            hf_model, loaded_tokenizer = load_model(model)
+            hf_model, loaded_tokenizer = load_model(model, weights=weights)  # "dense": a GGUF's float32 conversion
             tokenizer = tokenizer or loaded_tokenizer
         implementation = choose_implementation(hf_model, implementation)
         # A model of the caller's is copied; one loaded here is converted in place. The generic path probes the
@@ -356,6 +362,7 @@ class LLM:
             from .hf_model import SequenceRunner
 
             self.runner = SequenceRunner(self.model, self.cache)
+        self.threads = StepThreads(threads) if self.cache.device.type == "cpu" else None
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).
         self._lock = threading.RLock()
@@ -448,7 +455,11 @@ class LLM:
             for item in batch:  # only an admission has hits; counted for the first one (before any preemption)
                 if item.seq.num_preemptions == 0:
                     item.seq.num_cached_prompt += item.hit_tokens + item.store_tokens
-            logits, errors = self.runner.run(batch)
+            if self.threads is None:
+                logits, errors = self.runner.run(batch)
+            else:
+                logits, errors = self.threads.run(sum(item.num_tokens for item in batch),
+                                                  lambda: self.runner.run(batch))
             generated = self._retire(batch, logits, errors)
             self._record(batch, errors, generated, decode_phase, preempted, used, time.perf_counter() - start)
             return len(batch)

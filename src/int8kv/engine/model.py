@@ -18,7 +18,7 @@ from ..cache.paged import PagedKvCache
 from ..cache.state import KvLayout
 from ..errors import UnsupportedModel
 from ..formats import KvStorageFormat
-from ..models.weights import fused_linear
+from ..models.weights import embedding_table, fused_linear
 from ..ops.plan import AttentionPlan, plan_attention
 from ..ops.write import rms_norm
 
@@ -142,7 +142,7 @@ class DecoderModel:
         self.backend = backend  # the ops dispatcher's backend (None: from the cache's device)
         base = hf_model.model
         with torch.no_grad():
-            self.embed = base.embed_tokens.weight.detach().float()
+            self.embed = embedding_table(base.embed_tokens)  # a GGUF embedding decodes only the rows looked up
             self.final_norm = base.norm.weight.detach().float()
             self.lm_head = fused_linear([hf_model.lm_head])
             self.layers = [self._layer(layer) for layer in base.layers]

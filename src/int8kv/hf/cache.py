@@ -57,6 +57,7 @@ from ..cache.pool import KvPool
 from ..cache.pool_q4w import Int4SinkWindowPool
 from ..cache.state import GroupedKvState, KvLayout, KvState, as_format, group_layers
 from ..cache.state_q4w import Q4WState
+from ..cpu_budget import limit_torch
 from ..errors import PositionOutOfRange, ShapeMismatch, UnsupportedAttention, UnsupportedFormat
 from ..formats import INT4_SINK_WINDOW_V1, KvFormat, KvStorageFormat
 from ..ops import plan_attention, resolve_backend, write
@@ -606,6 +607,7 @@ class Int8KvCache(Cache):
             raise TypeError(f"Int8KvCache takes a transformers config or model, got {type(config).__name__}")
         self.format = resolve_format(format)
         self.backend = backend
+        limit_torch()  # torch's threads within the CPUs the process may use (a cgroup quota it does not see)
         self.book = Book(strict=config is not None)
         make_layer = functools.partial(
             Int8KvLayer, self.format, chunk_size=chunk_size, max_cache_len=max_cache_len, backend=backend,

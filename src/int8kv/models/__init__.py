@@ -1,6 +1,8 @@
-"""Offline model loading (packaged SmolLM2 GGUF, local .gguf files, local transformers directories)."""
+"""Offline model loading (packaged SmolLM2 GGUF, local .gguf files, local transformers directories); a GGUF file's
+blocks run in place (gguf_weights.py)."""
 
 from .config import kv_dims
+from .gguf_weights import GgufEmbedding, GgufLinear
 from .loader import (
     DEFAULT_GGUF_NAME,
     InvalidModelError,
@@ -12,6 +14,7 @@ from .loader import (
     model_config,
     model_dir,
     packaged_model_dir,
+    packed_cache_dir,
 )
 from .packed import PackedLinear, pack_weights
 from .weights import WEIGHTS, convert_weights
@@ -19,6 +22,8 @@ from .weights import WEIGHTS, convert_weights
 __all__ = [
     "WEIGHTS",
     "DEFAULT_GGUF_NAME",
+    "GgufEmbedding",
+    "GgufLinear",
     "InvalidModelError",
     "ModelNotFoundError",
     "PackedLinear",
@@ -32,4 +37,5 @@ __all__ = [
     "model_dir",
     "pack_weights",
     "packaged_model_dir",
+    "packed_cache_dir",
 ]

@@ -1,11 +1,14 @@
 """The precision a model's matmuls run in: its own, bfloat16, or int8 (an explicit choice, never a default).
 
     model = convert_weights(model, "int8")        # a copy whose nn.Linear layers hold int8 weights
+    table = embedding_table(model.model.embed_tokens)  # float32 rows, or a GGUF embedding decoding its rows
 
-- ``"model"``: the model's own weights, exactly. Linear layers whose float32 weights are GGUF Q4_1 / Q8_0
-  blocks decoded (SmolLM2's: transformers decodes its GGUF file to float32) run as those blocks
+- ``"model"``: the model's own weights, exactly. A GGUF model loaded packed (int8kv.models.gguf_weights:
+  GgufLinear layers over the file's blocks) runs as it is. Linear layers whose float32 weights are GGUF Q4_1 /
+  Q8_0 blocks decoded (a GGUF file converted to float32 by transformers) run as those blocks
   (int8kv.models.packed: every weight checked to decode back bit for bit), the others as loaded.
-- ``"dense"``: the weights as loaded, in torch's matmuls (float32 for SmolLM2), nothing packed.
+- ``"dense"``: the weights as loaded, in torch's matmuls (float32 for SmolLM2), nothing packed; GGUF blocks read
+  in place (GgufLinear) are decoded to float32 ``torch.nn.Linear`` layers, one layer at a time.
 - ``"bfloat16"``: each Linear's weight rounded to bfloat16 (half the bytes read per token); its input is
   rounded to bfloat16 for the matmul and the output comes back in the input's dtype, so norms, residuals and
   attention keep the model's precision.
@@ -24,7 +27,8 @@ weight-only decodes 1.39x (generic path) / 1.49x (fused) as fast as float32 (84 
 bfloat16 0.83x / 0.96x, its one-row matmul being no faster than float32 in torch here (docs/benchmarks.md,
 "Weight precision").
 
-Embeddings stay as they are (a lookup reads one row). Converted layers keep their weights in the module's
+Embeddings stay as they are (a lookup reads one row). A GgufLinear converts from its decoded float32 weights,
+one layer at a time (no float32 copy of the whole model). Converted layers keep their weights in the module's
 ``state_dict`` (int8 codes and scales for "int8"), so a model fingerprint hashes what actually runs.
 Perplexity on `int8kv eval`'s 2,048-token run: bfloat16 -0.008 %, int8 +0.747 %; it and the decode speed are
 in docs/benchmarks.md ("Weight precision").
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedWeights
+from .gguf_weights import GgufLinear, SideBySideLinear
 from .packed import PackedLinear, pack_weights
 
 WEIGHTS = ("model", "dense", "bfloat16", "int8")
@@ -134,26 +139,40 @@ KINDS = {"bfloat16": BFloat16Linear, "int8": Int8Linear}
 
 
 def _kind(module: torch.nn.Module) -> str | None:
-    return getattr(module, "kind", None) if isinstance(module, BFloat16Linear | Int8Linear | PackedLinear) else None
+    kinds = BFloat16Linear | Int8Linear | PackedLinear | GgufLinear
+    return getattr(module, "kind", None) if isinstance(module, kinds) else None
 
 
 def convert_weights(model: torch.nn.Module, weights: str, inplace: bool = False) -> torch.nn.Module:
     """``model`` with every ``torch.nn.Linear`` holding ``weights`` (module docs): a deep copy, or ``model``
-    itself with ``inplace``; "dense" returns ``model`` as it is, and so does "model" where no layer is exact
-    GGUF blocks. UnsupportedWeights (nothing changed) for an unknown name, a model already converted to another
-    precision, or int8 weights off the CPU."""
+    itself with ``inplace``; "dense" returns ``model`` as it is unless it holds GgufLinear layers, and so does
+    "model" where no layer is exact GGUF blocks. UnsupportedWeights (nothing changed) for an unknown name, a model
+    already converted to another precision, or int8 weights off the CPU."""
     check_weights(weights)
     if weights == "dense":
+        blocks = [name for name, m in model.named_modules() if isinstance(m, GgufLinear)]
+        if not blocks:
+            return model
+        if not inplace:
+            model = copy.deepcopy(model)  # GgufLinear copies share their blocks (read-only views of the file)
+        for name in blocks:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, _float_linear(*getattr(parent, child).float_weights()))
         return model
     if weights == "model":
         return pack_weights(model, inplace=inplace)
-    others = sorted({k for m in model.modules() if (k := _kind(m)) not in (None, weights)})
+    # GGUF blocks read in place are the file's own weights: they convert (from one decoded layer at a time).
+    others = sorted({k for m in model.modules()
+                     if (k := _kind(m)) not in (None, weights) and not isinstance(m, GgufLinear)})  # fmt: skip
     if others:
         raise UnsupportedWeights(
             f"the model's Linear layers already hold {others[0]} weights; cannot make them {weights}"
         )
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear | GgufLinear)]
     for name, m in linears:
+        if isinstance(m, GgufLinear):
+            continue
         if not m.weight.is_floating_point():
             raise UnsupportedWeights(f"{name or 'model'}: a Linear with {m.weight.dtype} weights cannot be converted")
         if weights == "int8" and m.weight.device.type != "cpu":
@@ -165,8 +184,17 @@ def convert_weights(model: torch.nn.Module, weights: str, inplace: bool = False)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         old = getattr(parent, child)
-        setattr(parent, child, cls(old.weight, old.bias))
+        setattr(parent, child, cls(*old.float_weights()) if isinstance(old, GgufLinear) else cls(old.weight, old.bias))
     return model
+
+
+def _float_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Linear:
+    """A float32 ``torch.nn.Linear`` holding ``weight`` and ``bias`` themselves (no copy), without gradients."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+    return linear.requires_grad_(False)
 
 
 def fused_linear(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
@@ -175,6 +203,17 @@ def fused_linear(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
     kinds = {_kind(m) for m in modules}
     if len(kinds) == 1 and isinstance(modules[0], PackedLinear):  # blocks along the input: rows concatenate
         return modules[0] if len(modules) == 1 else PackedLinear.concatenated(list(modules))
+    if any(isinstance(m, GgufLinear) for m in modules):
+        # GGUF layers run side by side, each on its own blocks, whatever their kinds: decoding them to float32 is
+        # what packed loading avoids, and concatenating blocks of one kind would copy what the file maps (the
+        # 8B Llama shape's q / k / v and gate / up: 2.6 GB more resident, the mapped originals read for the copy).
+        if len(modules) == 1:
+            return modules[0]
+        if any(_kind(m) in KINDS for m in modules):
+            raise UnsupportedWeights(f"cannot fuse Linear layers of different precisions ({sorted(map(str, kinds))})")
+        if len({m.bias is None for m in modules}) != 1:
+            raise UnsupportedWeights("cannot fuse Linear layers of which only some have a bias")
+        return SideBySideLinear(list(modules))
     if kinds <= {None, *PackedLinear.KINDS}:  # packed and float32 layers side by side: exact float32 weights
         kinds = {None}
     if len(kinds) != 1:
@@ -203,3 +242,13 @@ def fused_linear(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
                 fused.bias = torch.nn.Parameter(bias, requires_grad=False)
         return fused.requires_grad_(False)
     return KINDS[kind](weight, bias)
+
+
+def embedding_table(embedding: torch.nn.Module):
+    """What ``table[ids]`` looks rows up in: a float32 embedding's weight (float32), or a GgufEmbedding itself
+    (it decodes only the rows asked for: no float32 copy of its table)."""
+    from .gguf_weights import GgufEmbedding
+
+    if isinstance(embedding, GgufEmbedding):
+        return embedding
+    return embedding.weight.detach().float()

@@ -1,0 +1,300 @@
+"""One thread or all of the process's CPUs for a whole engine step, whichever is measured faster right now.
+
+On an idle machine two threads decode faster than one. With another CPU-bound process on a core, every parallel
+region (torch's matmuls, the attention and weight kernels: hundreds a step) ends by waiting for a thread the OS
+has not scheduled, and a step can take 50 times as long as on one thread. The attention kernels choose per call
+(`ops.thread_choice`), but the model's matmuls are most of a step, so the engine chooses per step:
+
+* each step size (tokens, in powers of two) keeps a running estimate of its seconds in each mode, and the
+  cheaper mode runs;
+* the other mode is measured again on one step when it is due: after `EXPLORE` steps, the wait doubling each
+  time it still loses, and never sooner than keeps that measuring under `OVERHEAD` of the time (a mode 50x
+  slower is asked again after ~1,000 steps, not 16);
+* it is due at once when the chosen mode's own time moves by a factor `CHANGE` while the other is within reach
+  (the load changed), or, while running on one thread, when the CPUs the process may use sat idle during the
+  last steps (`IdleCpus`: the load that made one thread faster has gone; one thread's time does not show that);
+* a new step size starts with the mode the nearest measured size chose, and where that size found the other
+  mode `BORROW` times slower, takes that ratio instead of paying for the slow mode's first measurements;
+* a step that compiled a kernel or failed is not recorded.
+
+Outputs never depend on the choice: only how many threads share the same work.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..cpu_budget import available_cpus, limit_torch
+
+__all__ = ["IdleCpus", "StepChoice", "StepThreads"]
+
+T = TypeVar("T")
+
+
+class StepChoice:
+    """The rules above, over measured seconds; no clocks or threads of its own (tests drive it directly)."""
+
+    FIRST = 2  # measurements of each mode before the estimates decide (the faster of them kept)
+    EXPLORE = 16  # steps before the losing mode is measured again, doubled each time it still loses
+    MAX_WAIT = 2048
+    OVERHEAD = 0.05  # the share of time re-measuring a losing mode may cost
+    DECAY = 0.25  # weight of the newest measurement
+    CLIP = 2.0  # a measurement counts for at most this many times the estimate it updates
+    CHANGE = 1.3  # the chosen mode's estimate moving this much from its level when it won: the other is due
+    CHANGE_RATIO = 2.0  # ... while the other mode's estimate is within this factor of the chosen one's
+    BORROW = 3.0  # a new step size takes a nearer size's ratio where one mode is this many times slower
+
+    def __init__(self) -> None:
+        self.rate: dict[tuple[bool, int], float] = {}  # (parallel, group) -> seconds a step
+        self.samples: dict[tuple[bool, int], int] = {}
+        self.calls: dict[int, int] = {}  # group -> steps so far
+        self.due: dict[int, int] = {}  # group -> the step at which the losing mode is measured again
+        self.wait: dict[int, int] = {}  # group -> the last wait set
+        self.level: dict[int, float] = {}  # group -> the chosen mode's estimate when it last won
+        self.measuring = False  # whether the step being run was chosen to measure the losing mode
+
+    @staticmethod
+    def group(tokens: int) -> int:
+        return int(tokens).bit_length()
+
+    def best(self, g: int) -> bool | None:
+        """The mode with the lower estimate in group g; None before both are measured `FIRST` times."""
+        if any(self.samples.get((m, g), 0) < self.FIRST for m in (False, True)):
+            return None
+        return self.rate[(True, g)] < self.rate[(False, g)]
+
+    def parallel(self, tokens: int, threads: int) -> bool:
+        """The mode for the next step of ``tokens`` tokens."""
+        self.measuring = False
+        if threads <= 1 or tokens <= 0:
+            return False
+        g = self.group(tokens)
+        n = self.calls[g] = self.calls.get(g, 0) + 1
+        near = self._nearest(g)
+        order = (False, True) if near is None or not near[0] else (True, False)  # the nearest size's best first
+        for mode in order:
+            if self.samples.get((mode, g), 0) < self.FIRST:
+                return mode
+        best = self.rate[(True, g)] < self.rate[(False, g)]
+        if n >= self.due.get(g, 0):
+            self.measuring = True
+            return not best
+        return best
+
+    def _nearest(self, g: int) -> tuple[bool, float] | None:
+        """(best mode, how many times slower the other is) of the decided size group nearest to g, or None."""
+        decided = [h for h in self.calls if h != g and self.best(h) is not None]
+        if not decided:
+            return None
+        h = min(decided, key=lambda h: (abs(h - g), h))
+        best = self.rate[(True, h)] < self.rate[(False, h)]
+        return best, self.rate[(not best, h)] / max(self.rate[(best, h)], 1e-12)
+
+    def make_due(self, tokens: int) -> None:
+        """Measure the losing mode of steps of ``tokens`` tokens at their next step (the load changed)."""
+        g = self.group(tokens)
+        self.due[g] = min(self.due.get(g, 0), self.calls.get(g, 0) + 1)
+
+    def record(self, parallel: bool, tokens: int, seconds: float | None) -> None:
+        """What a step of ``tokens`` tokens took in mode ``parallel``; None: it says nothing (it compiled, failed)."""
+        measuring, self.measuring = self.measuring, False
+        if seconds is None or tokens <= 0:
+            return
+        g = self.group(tokens)
+        key = (parallel, g)
+        count = self.samples[key] = self.samples.get(key, 0) + 1
+        old = self.rate.get(key)
+        if old is None or count <= self.FIRST:
+            self.rate[key] = seconds if old is None else min(old, seconds)
+        elif measuring and seconds < old:  # a re-measured mode's faster figure stands whole: the load changed
+            self.rate[key] = seconds
+        else:
+            self.rate[key] = old + self.DECAY * (min(seconds, self.CLIP * old) - old)
+        other = (not parallel, g)
+        near = self._nearest(g)
+        if count == self.FIRST and other not in self.samples and near is not None and near[1] >= self.BORROW:
+            # A new step size where another size found one mode several times slower: the same ratio is taken
+            # for this size instead of two more steps at that cost (it is measured when due, like any loser).
+            if near[0] == parallel:
+                self.rate[other], self.samples[other] = self.rate[key] * near[1], self.FIRST
+        best = self.best(g)
+        if best is None:
+            return
+        n = self.calls.get(g, 0)
+        if measuring or g not in self.due:
+            won = best == parallel  # the re-measured mode (or, at the start, the last one measured) now wins
+            wait = self.EXPLORE if won or g not in self.wait else min(2 * self.wait[g], self.MAX_WAIT)
+            ratio = self.rate[(not best, g)] / max(self.rate[(best, g)], 1e-12)
+            wait = min(max(wait, math.ceil((ratio - 1) / self.OVERHEAD)), self.MAX_WAIT)
+            self.wait[g], self.due[g] = wait, n + wait
+            self.level[g] = self.rate[(best, g)]
+        elif parallel == best and self.rate[(not best, g)] < self.CHANGE_RATIO * self.rate[key]:
+            # Only while the other mode is within reach: 30 % either way cannot make a mode 10x slower the faster
+            # one, and when a load leaves, one thread's time barely moves (the idle CPUs show it: StepThreads).
+            level = self.level.setdefault(g, self.rate[key])
+            if not level / self.CHANGE <= self.rate[key] <= self.CHANGE * level:
+                self.due[g] = n + 1
+                self.level[g] = self.rate[key]
+
+
+class IdleCpus:
+    """Idle time of the CPUs in the process's affinity mask since the last call (Linux ``/proc/stat``), in CPUs
+    (2.0: two CPUs idle the whole time); None where it cannot be read. ``stat_path`` for tests."""
+
+    def __init__(self, stat_path: str = "/proc/stat") -> None:
+        self.path = stat_path
+        try:
+            self.cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        except (AttributeError, OSError):
+            self.cpus = None
+        self.last: tuple[float, float] | None = None
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def _idle_jiffies(self) -> float | None:
+        try:
+            with open(self.path, "rb") as f:
+                text = f.read(1 << 16).decode("ascii", "replace")
+        except OSError:
+            return None
+        idle = 0.0
+        seen = False
+        for line in text.splitlines():
+            fields = line.split()
+            if not fields or not fields[0].startswith("cpu") or fields[0] == "cpu":
+                continue
+            if self.cpus is not None and fields[0] not in self.cpus:
+                continue
+            try:
+                idle += float(fields[4]) + (float(fields[5]) if len(fields) > 5 else 0.0)  # idle + iowait
+            except (IndexError, ValueError):
+                return None
+            seen = True
+        return idle if seen else None
+
+    def __call__(self) -> float | None:
+        jiffies, now = self._idle_jiffies(), time.monotonic()
+        if jiffies is None:
+            return None
+        last, self.last = self.last, (jiffies, now)
+        if last is None or now <= last[1]:
+            return None
+        return (jiffies - last[0]) / self.tick / (now - last[1])
+
+
+class _Compiles:
+    """Counts numba compiles in this process (numba's "numba:compile" event), to skip timing steps that made one."""
+
+    def __init__(self) -> None:
+        from numba.core import event
+
+        counter = self
+
+        class Listener(event.Listener):
+            def on_start(self, ev):
+                counter.count += 1
+
+            def on_end(self, ev):
+                pass
+
+        self.count = 0
+        event.register("numba:compile", Listener())
+
+
+_COMPILES: list[_Compiles] = []
+_COMPILES_LOCK = threading.Lock()
+
+
+def _compiles() -> _Compiles:
+    with _COMPILES_LOCK:
+        if not _COMPILES:
+            _COMPILES.append(_Compiles())
+        return _COMPILES[0]
+
+
+class StepThreads:
+    """Runs engine steps on 1 or `threads` threads (torch's intra-op threads and numba's, in the calling thread),
+    as `StepChoice` decides; `threads` None: the CPUs the process may use (`cpu_budget.available_cpus`, within
+    numba's pool). A count of 1 runs every step on one thread and measures nothing. ``idle``: the idle-CPU
+    reader (`IdleCpus`; tests pass their own)."""
+
+    IDLE_EVERY = 8  # serial steps between two looks at the idle CPUs
+    IDLE_SHARE = 0.5  # of the other CPUs, idle on average: the load has gone
+
+    def __init__(self, threads: int | None = None, idle: Callable[[], float | None] | None = None) -> None:
+        import numba
+
+        most = min(available_cpus(), numba.config.NUMBA_NUM_THREADS)
+        self.threads = max(1, min(most if threads is None else int(threads), numba.config.NUMBA_NUM_THREADS))
+        limit_torch(self.threads)
+        self.choice = StepChoice()
+        self.idle = IdleCpus() if idle is None else idle
+        self._compiles = _compiles()
+        self._current: tuple[int, int] | None = None  # (thread, count) last set
+        self._serial_run = 0
+        self._hinted: set[int] = set()  # groups whose losing mode the idle CPUs made due
+        self._blocked: dict[int, int] = {}  # group -> the step before which idle CPUs make nothing due again
+        self.parallel_steps = 0
+        self.serial_steps = 0
+
+    def _use(self, n: int) -> None:
+        # numba's count is per thread: a server's engine loop steps from its own thread, not the constructor's.
+        want = (threading.get_ident(), n)
+        if want == self._current:
+            return
+        import numba
+        import torch
+
+        # numba first: its omp layer's first launch sets the OpenMP thread count that torch's own build reads too.
+        numba.set_num_threads(n)  # thread-local: the engine's own thread
+        torch.set_num_threads(n)
+        self._current = want
+
+    def _look_at_idle(self, tokens: int) -> None:
+        """While steps of this size run on one thread: every IDLE_EVERY of them, whether the other CPUs idled."""
+        self._serial_run += 1
+        if self._serial_run % self.IDLE_EVERY:
+            return
+        idle = self.idle()  # read every IDLE_EVERY steps, so each reading spans them
+        g = self.choice.group(tokens)
+        if self.choice.calls.get(g, 0) < self._blocked.get(g, 0):
+            return
+        # One thread busy here leaves threads - 1 CPUs that a loaded machine keeps busy.
+        if idle is not None and idle >= self.IDLE_SHARE * (self.threads - 1):
+            self.choice.make_due(tokens)
+            self._hinted.add(g)
+
+    def run(self, tokens: int, step: Callable[[], T]) -> T:
+        """``step()`` on the thread count chosen for steps of ``tokens`` tokens, timed and recorded."""
+        if self.threads <= 1:
+            self._use(1)
+            return step()
+        parallel = self.choice.parallel(tokens, self.threads)
+        self._use(self.threads if parallel else 1)
+        if parallel:
+            self.parallel_steps += 1
+            self._serial_run = 0
+        else:
+            self.serial_steps += 1
+            if self.choice.best(self.choice.group(tokens)) is False:
+                self._look_at_idle(tokens)
+        compiles = self._compiles.count
+        start = time.perf_counter()
+        try:
+            out = step()
+        except BaseException:
+            self.choice.record(parallel, tokens, None)
+            raise
+        seconds = time.perf_counter() - start
+        measuring = self.choice.measuring
+        self.choice.record(parallel, tokens, None if self._compiles.count != compiles else seconds)
+        g = self.choice.group(tokens)
+        if measuring and g in self._hinted:
+            self._hinted.discard(g)
+            if self.choice.best(g) is False:  # idle CPUs, and still slower in parallel (a quota, say): the idle
+                self._blocked[g] = self.choice.due.get(g, 0)  # CPUs ask nothing more until the regular wait ends
+        return out

@@ -1,0 +1,234 @@
+"""The engine's per-step thread choice (engine/step_threads.py): the rules on simulated step times, the idle-CPU
+reading on /proc/stat files written here, the real switch of torch's and numba's thread counts, compiles left
+out, and an engine whose outputs do not depend on it."""
+
+from __future__ import annotations
+
+import numba
+import pytest
+import torch
+
+from int8kv.engine.step_threads import IdleCpus, StepChoice, StepThreads
+
+
+def _drive(choice: StepChoice, costs, steps: int, tokens: int = 1, start: int = 0):
+    """Runs `steps` simulated steps; costs(step, parallel) -> seconds. Returns the modes chosen."""
+    modes = []
+    for i in range(start, start + steps):
+        parallel = choice.parallel(tokens, 2)
+        modes.append(parallel)
+        choice.record(parallel, tokens, costs(i, parallel))
+    return modes
+
+
+IDLE = {True: 0.010, False: 0.016}
+BUSY = {True: 0.800, False: 0.017}  # another CPU-bound process: a parallel step waits for its thread at every op
+
+
+def test_idle_machine_runs_parallel_and_a_loaded_one_serial_at_little_cost():
+    def costs(i, parallel):
+        return (IDLE if i < 300 else BUSY)[parallel]
+
+    modes = _drive(StepChoice(), costs, 3300)
+    assert sum(modes[50:300]) >= 0.9 * 250  # idle: parallel
+    loaded = modes[300:]
+    assert not any(loaded[5:40])  # the load noticed within a few steps
+    # The losing mode, 47x slower, is asked rarely: the time lost to asking stays near OVERHEAD.
+    spent = sum(costs(i + 300, m) for i, m in enumerate(loaded))
+    best = len(loaded) * BUSY[False]
+    assert spent <= (1 + 2.5 * StepChoice.OVERHEAD) * best + 2 * BUSY[True]
+
+
+def test_a_change_of_the_chosen_modes_time_makes_the_other_due():
+    """Waits long, then the load changes in a way the stale estimate of the other mode hides: the chosen mode's
+    own time moving by 30 % either way sends the other to be measured at the next step."""
+    choice = StepChoice()
+    _drive(choice, lambda i, p: IDLE[p], 600)
+    assert choice.due[choice.group(1)] - choice.calls[choice.group(1)] >= 8
+    # One core taken: parallel slows to 0.015 (still under serial's stale 0.016) while serial now takes 0.011.
+    modes = _drive(choice, lambda i, p: 0.015 if p else 0.011, 40)
+    assert False in modes[:6] and sum(modes[8:40]) <= 2  # then parallel only when due again (16 steps)
+    # A loaded phase on serial where serial's own time moves little never asks the slow mode more often.
+    choice = StepChoice()
+    modes = _drive(choice, lambda i, p: BUSY[p], 2000)
+    assert sum(modes[10:]) <= 4
+
+
+def test_make_due_asks_the_losing_mode_at_the_next_step_only():
+    choice = StepChoice()
+    _drive(choice, lambda i, p: BUSY[p], 500)
+    choice.make_due(1)
+    assert choice.parallel(1, 2) is True and choice.measuring
+    choice.record(True, 1, IDLE[True])  # the load has gone: the re-measured figure stands whole
+    assert choice.best(choice.group(1)) is True
+    assert all(_drive(choice, lambda i, p: IDLE[p], 10))
+
+
+def test_steps_of_different_sizes_decide_apart():
+    choice = StepChoice()
+    for _ in range(200):
+        for tokens, fast_parallel in ((1, False), (512, True)):
+            p = choice.parallel(tokens, 2)
+            choice.record(p, tokens, (0.01 if p == fast_parallel else 0.03) * tokens)
+    assert choice.best(choice.group(1)) is False and choice.best(choice.group(512)) is True
+
+
+def test_a_new_step_size_borrows_a_measured_sizes_ratio():
+    """Decode steps found parallel 47x slower under load: a prompt of another size starts on one thread and does
+    not pay two slow parallel steps to learn it; where the measured size found the modes close, it measures both."""
+    choice = StepChoice()
+    _drive(choice, lambda i, p: BUSY[p], 100)
+    modes = _drive(choice, lambda i, p: BUSY[p] * 30, 12, tokens=300)
+    assert not any(modes)
+    assert choice.best(choice.group(300)) is False
+    choice = StepChoice()
+    _drive(choice, lambda i, p: IDLE[p], 100)
+    modes = _drive(choice, lambda i, p: IDLE[p] * 30, 4, tokens=300)
+    assert modes[:2] == [True, True] and modes[2:] == [False, False]  # the near size's best first, then the other
+
+
+def test_idle_cpus_reads_the_affinity_cpus_of_proc_stat(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2})
+    stat = tmp_path / "stat"
+
+    def write(idle0, idle1, idle2):
+        stat.write_text("cpu  1 2 3 999 0 0 0\n"
+                        f"cpu0 10 0 5 {idle0} 0 0 0\ncpu1 10 0 5 {idle1} 0\ncpu2 10 0 5 {idle2} 1 0 0\nintr 5\n")
+
+    write(100, 100, 100)
+    reader = IdleCpus(str(stat))
+    clock = iter([10.0, 11.0, 12.0, 13.0])
+    monkeypatch.setattr("int8kv.engine.step_threads.time.monotonic", lambda: next(clock))
+    assert reader() is None  # the first reading only sets the start
+    write(100 + reader.tick, 100 + 50 * reader.tick, 100)  # cpu0 idle the whole second, cpu1 outside the mask
+    assert reader() == pytest.approx(1.0)
+    write(100 + reader.tick, 100, "x")
+    assert reader() is None  # nonsense: no figure
+    assert IdleCpus(str(tmp_path / "absent"))() is None
+
+
+class _FakeClock:
+    """time.perf_counter for StepThreads: each step advances it by that step's simulated cost."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.parametrize("quota", [False, True])
+def test_idle_cpus_make_parallel_due_and_stop_once_it_still_loses(monkeypatch, quota):
+    """StepThreads.run itself, its clock simulated: under load on one thread, then the load goes. Idle CPUs seen
+    make parallel due within IDLE_EVERY steps and it takes over; where the CPUs look idle but parallel stays slow
+    (a quota), idle readings make nothing due again before the regular wait, so the slow mode is not asked every
+    few steps."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs numba's pool of two threads")
+    clock = _FakeClock()
+    monkeypatch.setattr("int8kv.engine.step_threads.time.perf_counter", clock)
+    phase = {"loaded": True}
+    idle_readings = []
+
+    def idle():
+        idle_readings.append(phase["loaded"])
+        return 0.0 if phase["loaded"] and not quota else 1.0
+
+    before = torch.get_num_threads()
+    try:
+        runner = StepThreads(2, idle=idle)
+
+        def step():
+            busy = phase["loaded"] or quota
+            clock.now += (BUSY if busy else IDLE)[torch.get_num_threads() > 1]
+            return torch.get_num_threads()
+
+        used = [runner.run(1, step) for _ in range(300)]
+        assert idle_readings and sum(u > 1 for u in used[10:]) <= 2
+        phase["loaded"] = False
+        used = [runner.run(1, step) for _ in range(300)]
+        if quota:
+            assert sum(u > 1 for u in used) <= 2  # one idle-made measure at most, then the long regular wait
+        else:
+            first = next(i for i, u in enumerate(used) if u > 1)
+            # Parallel from there, one thread only when serial is asked again (waits of 16, 32, 64, ... steps).
+            assert first <= 2 * StepThreads.IDLE_EVERY and sum(u == 1 for u in used[first + 1:]) <= 6
+    finally:
+        torch.set_num_threads(before)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_step_threads_sets_both_thread_counts_and_skips_compiles():
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs numba's pool of two threads")
+    before = torch.get_num_threads()
+    try:
+        runner = StepThreads(2)
+        seen = []
+
+        def step():
+            seen.append((torch.get_num_threads(), numba.get_num_threads()))
+            return len(seen)
+
+        for _ in range(6):
+            runner.run(1, step)
+        assert {s for s in seen} <= {(1, 1), (2, 2)} and {(1, 1), (2, 2)} <= set(seen)
+        assert runner.parallel_steps + runner.serial_steps == 6
+        samples = dict(runner.choice.samples)
+
+        counter = {"n": 0}
+
+        def compiling_step():  # a new function each call: numba compiles it, so the step's time says nothing
+            counter["n"] += 1
+            f = numba.njit(lambda x, k=counter["n"]: x + k)
+            return f(1)
+
+        runner.run(1, compiling_step)
+        assert runner.choice.samples == samples
+
+        with pytest.raises(ZeroDivisionError):
+            runner.run(1, lambda: 1 / 0)  # a failing step is not recorded either, and the error goes through
+        assert runner.choice.samples == samples
+    finally:
+        torch.set_num_threads(before)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_one_thread_measures_nothing():
+    before = torch.get_num_threads()
+    try:
+        runner = StepThreads(1)
+        for _ in range(5):
+            assert runner.run(3, lambda: (torch.get_num_threads(), numba.get_num_threads())) == (1, 1)
+        assert runner.choice.samples == {}
+    finally:
+        torch.set_num_threads(before)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def test_engine_outputs_do_not_depend_on_its_threads():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from int8kv.engine import LLM, SamplingParams
+    from int8kv.errors import InvalidEngineConfig
+
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
+    with pytest.raises(InvalidEngineConfig, match="threads"):
+        LLM(model, memory="4MiB", threads=0)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [[1, 5, 9, 2, 7], [3, 3, 8]]
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, None):
+            llm = LLM(model, memory="4MiB", threads=threads)
+            outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert outs[0] == outs[1]
+    finally:
+        torch.set_num_threads(before)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
