@@ -11,8 +11,9 @@ has not scheduled, and a step can take 50 times as long as on one thread. The at
   time it still loses, and never sooner than keeps that measuring under `OVERHEAD` of the time (a mode 50x
   slower is asked again after ~1,000 steps, not 16);
 * it is due at once when the chosen mode's own time moves by a factor `CHANGE` while the other is within reach
-  (the load changed), or, while running on one thread, when the CPUs the process may use sat idle during the
-  last steps (`IdleCpus`: the load that made one thread faster has gone; one thread's time does not show that);
+  (the load changed);
+* while other processes keep the process's CPUs busy (`OtherLoad`, from /proc/stat), every step runs on one
+  thread without measuring the parallel mode, which is due again as soon as that load goes (`StepThreads`);
 * a new step size starts with the mode the nearest measured size chose, and where that size found the other
   mode `BORROW` times slower, takes that ratio instead of paying for the slow mode's first measurements;
 * a step that compiled a kernel or failed is not recorded.
@@ -31,7 +32,7 @@ from typing import TypeVar
 
 from ..cpu_budget import available_cpus, limit_torch
 
-__all__ = ["IdleCpus", "StepChoice", "StepThreads"]
+__all__ = ["OtherLoad", "StepChoice", "StepThreads"]
 
 T = TypeVar("T")
 
@@ -43,8 +44,9 @@ class StepChoice:
     EXPLORE = 16  # steps before the losing mode is measured again, doubled each time it still loses
     MAX_WAIT = 2048
     OVERHEAD = 0.05  # the share of time re-measuring a losing mode may cost
-    DECAY = 0.25  # weight of the newest measurement
-    CLIP = 2.0  # a measurement counts for at most this many times the estimate it updates
+    DECAY = 0.2  # weight of the newest measurement: a running mean, outliers included (no clipping, unlike
+    # ThreadChoice's calls): under load a parallel step is fast most of the time and 20-40x slower whenever the OS
+    # deschedules one of its threads, and it is the mean that sets the tokens per second
     CHANGE = 1.3  # the chosen mode's estimate moving this much from its level when it won: the other is due
     CHANGE_RATIO = 2.0  # ... while the other mode's estimate is within this factor of the chosen one's
     BORROW = 3.0  # a new step size takes a nearer size's ratio where one mode is this many times slower
@@ -110,11 +112,11 @@ class StepChoice:
         count = self.samples[key] = self.samples.get(key, 0) + 1
         old = self.rate.get(key)
         if old is None or count <= self.FIRST:
-            self.rate[key] = seconds if old is None else min(old, seconds)
-        elif measuring and seconds < old:  # a re-measured mode's faster figure stands whole: the load changed
-            self.rate[key] = seconds
+            self.rate[key] = seconds if old is None else old + (seconds - old) / count  # the first ones' mean
+        elif measuring and seconds * self.CHANGE < old:  # a re-measured mode much faster stands whole: the load
+            self.rate[key] = seconds  # changed (a figure only a little better is one more sample of the mean)
         else:
-            self.rate[key] = old + self.DECAY * (min(seconds, self.CLIP * old) - old)
+            self.rate[key] = old + self.DECAY * (seconds - old)
         other = (not parallel, g)
         near = self._nearest(g)
         if count == self.FIRST and other not in self.samples and near is not None and near[1] >= self.BORROW:
@@ -142,26 +144,28 @@ class StepChoice:
                 self.level[g] = self.rate[key]
 
 
-class IdleCpus:
-    """Idle time of the CPUs in the process's affinity mask since the last call (Linux ``/proc/stat``), in CPUs
-    (2.0: two CPUs idle the whole time); None where it cannot be read. ``stat_path`` for tests."""
+class OtherLoad:
+    """CPU time other processes took on the CPUs of this process's affinity mask since the last call, in CPUs (1.0:
+    one CPU busy with others' work the whole time), from Linux ``/proc/stat`` (the mask's CPUs not idle) less this
+    process's own CPU time; None where it cannot be read. ``stat_path`` and ``own_seconds`` for tests."""
 
-    def __init__(self, stat_path: str = "/proc/stat") -> None:
+    def __init__(self, stat_path: str = "/proc/stat", own_seconds: Callable[[], float] = time.process_time) -> None:
         self.path = stat_path
+        self.own = own_seconds
         try:
             self.cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
         except (AttributeError, OSError):
             self.cpus = None
-        self.last: tuple[float, float] | None = None
+        self.last: tuple[float, float, float] | None = None  # (busy seconds of the mask, own seconds, wall)
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-    def _idle_jiffies(self) -> float | None:
+    def _busy_seconds(self) -> float | None:
         try:
             with open(self.path, "rb") as f:
                 text = f.read(1 << 16).decode("ascii", "replace")
         except OSError:
             return None
-        idle = 0.0
+        busy = 0.0
         seen = False
         for line in text.splitlines():
             fields = line.split()
@@ -170,20 +174,23 @@ class IdleCpus:
             if self.cpus is not None and fields[0] not in self.cpus:
                 continue
             try:
-                idle += float(fields[4]) + (float(fields[5]) if len(fields) > 5 else 0.0)  # idle + iowait
-            except (IndexError, ValueError):
+                ticks = [float(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            except ValueError:
                 return None
+            if len(ticks) < 5:
+                return None
+            busy += sum(ticks) - ticks[3] - ticks[4]
             seen = True
-        return idle if seen else None
+        return busy / self.tick if seen else None
 
     def __call__(self) -> float | None:
-        jiffies, now = self._idle_jiffies(), time.monotonic()
-        if jiffies is None:
+        busy, own, now = self._busy_seconds(), self.own(), time.monotonic()
+        if busy is None:
             return None
-        last, self.last = self.last, (jiffies, now)
-        if last is None or now <= last[1]:
+        last, self.last = self.last, (busy, own, now)
+        if last is None or now <= last[2]:
             return None
-        return (jiffies - last[0]) / self.tick / (now - last[1])
+        return max(0.0, (busy - last[0]) - (own - last[1])) / (now - last[2])
 
 
 class _Compiles:
@@ -217,27 +224,32 @@ def _compiles() -> _Compiles:
 
 
 class StepThreads:
-    """Runs engine steps on 1 or `threads` threads (torch's intra-op threads and numba's, in the calling thread),
-    as `StepChoice` decides; `threads` None: the CPUs the process may use (`cpu_budget.available_cpus`, within
-    numba's pool). A count of 1 runs every step on one thread and measures nothing. ``idle``: the idle-CPU
-    reader (`IdleCpus`; tests pass their own)."""
+    """Runs engine steps on 1 or `threads` threads (torch's intra-op threads and numba's, in the calling thread);
+    `threads` None: the CPUs the process may use (`cpu_budget.available_cpus`, within numba's pool). A count of 1
+    runs every step on one thread and measures nothing.
 
-    IDLE_EVERY = 8  # serial steps between two looks at the idle CPUs
-    IDLE_SHARE = 0.5  # of the other CPUs, idle on average: the load has gone
+    Every `LOOK_EVERY` steps it reads how much CPU other processes took on its CPUs (`OtherLoad`). While that is
+    `BUSY` CPUs or more, every step runs on one thread: a parallel step would wait at each of its hundreds of
+    parallel regions for a thread the OS gives to the other process (measured on SmolLM2: 23 ms a step when
+    lucky, 120-800 ms often, 30 ms on one thread), and measuring that mode only pays for it. Otherwise
+    `StepChoice` decides by measured times; when the others' load goes, the parallel mode is due at once.
+    ``load``: the reader (tests pass their own)."""
 
-    def __init__(self, threads: int | None = None, idle: Callable[[], float | None] | None = None) -> None:
+    LOOK_EVERY = 8
+    BUSY = 0.5  # CPUs of others' work on this process's CPUs: a parallel step would share a core
+
+    def __init__(self, threads: int | None = None, load: Callable[[], float | None] | None = None) -> None:
         import numba
 
         most = min(available_cpus(), numba.config.NUMBA_NUM_THREADS)
         self.threads = max(1, min(most if threads is None else int(threads), numba.config.NUMBA_NUM_THREADS))
         limit_torch(self.threads)
         self.choice = StepChoice()
-        self.idle = IdleCpus() if idle is None else idle
+        self.load = OtherLoad() if load is None else load
+        self.contended = False
         self._compiles = _compiles()
         self._current: tuple[int, int] | None = None  # (thread, count) last set
-        self._serial_run = 0
-        self._hinted: set[int] = set()  # groups whose losing mode the idle CPUs made due
-        self._blocked: dict[int, int] = {}  # group -> the step before which idle CPUs make nothing due again
+        self._steps = 0
         self.parallel_steps = 0
         self.serial_steps = 0
 
@@ -254,34 +266,34 @@ class StepThreads:
         torch.set_num_threads(n)
         self._current = want
 
-    def _look_at_idle(self, tokens: int) -> None:
-        """While steps of this size run on one thread: every IDLE_EVERY of them, whether the other CPUs idled."""
-        self._serial_run += 1
-        if self._serial_run % self.IDLE_EVERY:
+    def _look_at_load(self, tokens: int) -> None:
+        self._steps += 1
+        if self._steps % self.LOOK_EVERY:
             return
-        idle = self.idle()  # read every IDLE_EVERY steps, so each reading spans them
-        g = self.choice.group(tokens)
-        if self.choice.calls.get(g, 0) < self._blocked.get(g, 0):
+        others = self.load()  # read every LOOK_EVERY steps, so each reading spans them
+        if others is None:
             return
-        # One thread busy here leaves threads - 1 CPUs that a loaded machine keeps busy.
-        if idle is not None and idle >= self.IDLE_SHARE * (self.threads - 1):
-            self.choice.make_due(tokens)
-            self._hinted.add(g)
+        contended = others >= self.BUSY
+        if self.contended and not contended:
+            self.choice.make_due(tokens)  # the load has gone: measure the parallel mode again now
+        self.contended = contended
 
     def run(self, tokens: int, step: Callable[[], T]) -> T:
         """``step()`` on the thread count chosen for steps of ``tokens`` tokens, timed and recorded."""
         if self.threads <= 1:
             self._use(1)
             return step()
-        parallel = self.choice.parallel(tokens, self.threads)
+        self._look_at_load(tokens)
+        if self.contended:
+            parallel = False
+            self.choice.measuring = False
+        else:
+            parallel = self.choice.parallel(tokens, self.threads)
         self._use(self.threads if parallel else 1)
         if parallel:
             self.parallel_steps += 1
-            self._serial_run = 0
         else:
             self.serial_steps += 1
-            if self.choice.best(self.choice.group(tokens)) is False:
-                self._look_at_idle(tokens)
         compiles = self._compiles.count
         start = time.perf_counter()
         try:
@@ -290,11 +302,5 @@ class StepThreads:
             self.choice.record(parallel, tokens, None)
             raise
         seconds = time.perf_counter() - start
-        measuring = self.choice.measuring
         self.choice.record(parallel, tokens, None if self._compiles.count != compiles else seconds)
-        g = self.choice.group(tokens)
-        if measuring and g in self._hinted:
-            self._hinted.discard(g)
-            if self.choice.best(g) is False:  # idle CPUs, and still slower in parallel (a quota, say): the idle
-                self._blocked[g] = self.choice.due.get(g, 0)  # CPUs ask nothing more until the regular wait ends
         return out
