@@ -15,6 +15,7 @@ import numba
 import numpy as np
 import pytest
 import torch
+from test_loader import _write_tiny_model
 
 from int8kv import KvStorageFormat
 from int8kv.engine import LLM, SamplingParams
@@ -428,17 +429,6 @@ def test_every_kind_loads_packed_as_transformers_converts_it(tmp_path, arch):
 # ------------------------------------------------------------------------------------------------------------
 # the loader's fallback: logged, never silent
 # ------------------------------------------------------------------------------------------------------------
-def _tiny_transformers_dir(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1, "hi": 2}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>").save_pretrained(out_dir)
-    config = LlamaConfig(vocab_size=3, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    LlamaForCausalLM(config).save_pretrained(out_dir)
-
-
 @pytest.fixture
 def converter(monkeypatch):
     """The float32 conversion replaced by a tiny model: which files fell back to it."""
@@ -446,7 +436,7 @@ def converter(monkeypatch):
 
     def convert(path: Path, out_dir: Path) -> None:
         calls.append(path.name)
-        _tiny_transformers_dir(out_dir)
+        _write_tiny_model(out_dir)
 
     monkeypatch.setattr(loader, "_convert_gguf", convert)
     return calls

@@ -72,7 +72,8 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
             b + "attn_norm.weight": (hidden,), b + "ffn_norm.weight": (hidden,),
             b + "attn_q.weight": (hidden, hidden), b + "attn_k.weight": (kv_heads * head_dim, hidden),
             b + "attn_v.weight": (kv_heads * head_dim, hidden), b + "attn_output.weight": (hidden, hidden),
-            b + "ffn_gate.weight": (ffn, hidden), b + "ffn_up.weight": (ffn, hidden), b + "ffn_down.weight": (hidden, ffn),
+            b + "ffn_gate.weight": (ffn, hidden), b + "ffn_up.weight": (ffn, hidden),
+            b + "ffn_down.weight": (hidden, ffn),
         })  # fmt: skip
 
     def tensor(name: str, dims: tuple[int, ...]) -> np.ndarray:

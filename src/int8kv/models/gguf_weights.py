@@ -41,6 +41,7 @@ import torch
 
 from ..errors import InvalidModelError, ShapeMismatch, UnsupportedWeights
 from ..ops import cpu_gguf
+from .packed import BlockLinear, BufferViews, float_rows
 
 __all__ = [
     "ARCHITECTURES",
@@ -131,39 +132,22 @@ def name_map(table: dict[str, Any], config: Any) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------------
 # modules
 # ---------------------------------------------------------------------------------------------------------
-def _share_blocks(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
-    """A deep copy of ``module`` whose `blocks` buffer is the original's (module docs)."""
-    memo[id(module.blocks)] = module.blocks
-    twin = module.__class__.__new__(module.__class__)
-    memo[id(module)] = twin
-    twin.__dict__.update(copy.deepcopy({**module.__dict__, "_view": None}, memo))
-    return twin
+class _FileBlocks(BufferViews):
+    """A module over GGUF blocks of one kind (the `blocks` buffer: a CPU uint8 tensor (rows, row bytes), the file's
+    bytes) and the numpy view the kernels read. A deep copy shares `blocks` (module docs); a pickle carries them."""
 
-
-class GgufLinear(torch.nn.Module):
-    """``y = x W^T + b`` with W the GGUF blocks of ``kind`` (int8kv.ops.cpu_gguf's layout: a uint8 tensor (out_features,
-    row bytes), the file's bytes); y in x's dtype. Up to cpu_gguf.DENSE_ROWS rows of x run the block kernel,
-    more decode tiles of W for torch's matmul. CPU only."""
-
-    KINDS = cpu_gguf.KINDS
-
-    def __init__(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
-        super().__init__()
+    def _set_blocks(self, kind: str, blocks: torch.Tensor, k: int) -> None:
+        """Check and keep ``blocks``: UnsupportedWeights for an unknown kind or blocks that are no CPU tensor,
+        ShapeMismatch unless its rows hold ``k`` weights."""
         self.kind = str(kind).lower()
         self._kid = cpu_gguf.kind_id(self.kind)  # UnsupportedWeights for an unknown kind
         if not isinstance(blocks, torch.Tensor) or blocks.device.type != "cpu":
             raise UnsupportedWeights(f"GGUF {self.kind} blocks must be a CPU uint8 tensor")
-        k = cpu_gguf.check_blocks(self.kind, blocks.numpy())  # ShapeMismatch
-        if k != in_features:
-            raise ShapeMismatch(f"{self.kind} blocks hold rows of {k} weights, expected {in_features}")
-        self.in_features = in_features
-        self.out_features = int(blocks.shape[0])
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ShapeMismatch(f"bias of shape {tuple(bias.shape)} for {self.out_features} outputs")
-        # Buffers: in the state_dict (what a model fingerprint hashes: the blocks that run).
+        held = cpu_gguf.check_blocks(self.kind, blocks.numpy())  # ShapeMismatch
+        if held != k:
+            raise ShapeMismatch(f"{self.kind} blocks hold rows of {held} weights, expected {k}")
+        # A buffer: in the state_dict (what a model fingerprint hashes: the blocks that run).
         self.register_buffer("blocks", blocks)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self._has_bias = bias is not None
         self._view: np.ndarray | None = None
 
     def _blocks(self) -> np.ndarray:
@@ -177,56 +161,47 @@ class GgufLinear(torch.nn.Module):
             self._view = view
         return self._view
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (torch's signature)
-        self._view = None
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_view": None}
-
-    def __deepcopy__(self, memo: dict) -> GgufLinear:
-        return _share_blocks(self, memo)
+    def __deepcopy__(self, memo: dict) -> _FileBlocks:
+        memo[id(self.blocks)] = self.blocks
+        twin = self.__class__.__new__(self.__class__)
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy({**self.__dict__, "_view": None}, memo))
+        return twin
 
     def decoded(self) -> torch.Tensor:
-        """The float32 weight (out_features, in_features): gguf-py's dequantized values bit for bit."""
+        """All the float32 weights (rows, k): gguf-py's dequantized values bit for bit."""
         return torch.from_numpy(cpu_gguf.dequantize(self.kind, self._blocks()))
 
-    def float_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.decoded(), self.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        if shape[-1] != self.in_features:
-            raise ShapeMismatch(f"expected inputs of {self.in_features} features, got shape {tuple(shape)}")
-        if x.device.type != "cpu":
-            raise UnsupportedWeights(f"GGUF {self.kind} weights run on the CPU only, got an input on {x.device}")
-        rows = x if len(shape) == 2 else x.reshape(-1, self.in_features)
+class GgufLinear(BlockLinear, _FileBlocks):
+    """``y = x W^T + b`` with W the GGUF blocks of ``kind`` (int8kv.ops.cpu_gguf's layout: a uint8 tensor (out_features,
+    row bytes), the file's bytes); y in x's dtype. Up to cpu_gguf.DENSE_ROWS rows of x run the block kernel,
+    more decode tiles of W for torch's matmul. CPU only."""
+
+    KINDS = cpu_gguf.KINDS
+    _LABEL = "GGUF"
+
+    def __init__(self, kind: str, blocks: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        self._set_blocks(kind, blocks, in_features)
+        self.in_features = in_features
+        self.out_features = int(blocks.shape[0])
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ShapeMismatch(f"bias of shape {tuple(bias.shape)} for {self.out_features} outputs")
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self._has_bias = bias is not None
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
         blocks = self._blocks() if self._view is None else self._view
-        y = torch.from_numpy(cpu_gguf.matmul_checked(_float_rows(rows), self._kid, blocks))
-        if self._has_bias:
-            y = y + self.bias
-        if len(shape) != 2:
-            y = y.view(*shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return torch.from_numpy(cpu_gguf.matmul_checked(float_rows(rows), self._kid, blocks))
 
     def block_product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [m, in_features] W^T`` (no bias) by the block kernel, whatever m: float32 ``[m, out_features]``."""
-        return torch.from_numpy(cpu_gguf.block_matmul(_float_rows(rows), self.kind, self._blocks()))
+        return torch.from_numpy(cpu_gguf.block_matmul(float_rows(rows), self.kind, self._blocks()))
 
     def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
         """The same by decoded tiles of W and torch's matmul."""
-        return torch.from_numpy(cpu_gguf.dense_matmul(_float_rows(rows), self.kind, self._blocks()))
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
-
-
-def _float_rows(rows: torch.Tensor) -> np.ndarray:
-    if rows.dtype != torch.float32 or not rows.is_contiguous():
-        rows = rows.float().contiguous()
-    if rows.requires_grad:
-        rows = rows.detach()
-    return rows.numpy()
+        return torch.from_numpy(cpu_gguf.dense_matmul(float_rows(rows), self.kind, self._blocks()))
 
 
 class SideBySideLinear(torch.nn.Module):
@@ -253,40 +228,17 @@ class SideBySideLinear(torch.nn.Module):
         return torch.cat([w for w, _ in parts]), bias
 
 
-class GgufEmbedding(torch.nn.Module):
+class GgufEmbedding(_FileBlocks):
     """An embedding table kept as GGUF blocks: a lookup decodes only the rows it is asked for (exactly gguf-py's
     float32 values). Its output dtype follows the model's (the zero-size `_dtype` buffer, converted by .to())."""
 
     def __init__(self, kind: str, blocks: torch.Tensor, embedding_dim: int, padding_idx: int | None = None) -> None:
         super().__init__()
-        self.kind = str(kind).lower()
-        self._kid = cpu_gguf.kind_id(self.kind)
-        k = cpu_gguf.check_blocks(self.kind, blocks.numpy())
-        if k != embedding_dim:
-            raise ShapeMismatch(f"{self.kind} blocks hold rows of {k} weights, expected {embedding_dim}")
+        self._set_blocks(kind, blocks, embedding_dim)
         self.num_embeddings = int(blocks.shape[0])
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
-        self.register_buffer("blocks", blocks)
         self.register_buffer("_dtype", torch.empty(0), persistent=False)
-        self._view: np.ndarray | None = None
-
-    def _blocks(self) -> np.ndarray:
-        if self._view is None:
-            if self.blocks.device.type != "cpu":
-                raise UnsupportedWeights(f"GGUF {self.kind} embeddings run on the CPU only")
-            self._view = self.blocks.numpy()
-        return self._view
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
-        self._view = None
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_view": None}
-
-    def __deepcopy__(self, memo: dict) -> GgufEmbedding:
-        return _share_blocks(self, memo)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids_np = np.ascontiguousarray(ids.detach().cpu().reshape(-1).numpy().astype(np.int64, copy=False))
@@ -297,10 +249,6 @@ class GgufEmbedding(torch.nn.Module):
         return out if self._dtype.dtype == torch.float32 else out.to(self._dtype.dtype)
 
     __getitem__ = forward  # the fused engine forward indexes its table: embed[input_ids]
-
-    def decoded(self) -> torch.Tensor:
-        """The whole float32 table (num_embeddings, embedding_dim): for tools that need it, never the engine."""
-        return torch.from_numpy(cpu_gguf.dequantize(self.kind, self._blocks()))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, kind={self.kind}"

@@ -348,17 +348,28 @@ def _convert_into(gguf: Path, final: Path, say: Progress) -> Path:
     if final.exists():
         # A directory without the marker was not written by a finished conversion of ours: replace it.
         shutil.rmtree(final)
+    with _staged(gguf, final) as tmp:
+        say(f"converting {gguf.name} to a transformers checkpoint (first use only, ~10 s)")
+        try:
+            _convert_gguf(gguf, tmp)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise InvalidModelError(f"cannot convert {gguf}: {exc}") from exc
+    say(f"cached the converted model at {final}")
+    return final
+
+
+@contextlib.contextmanager
+def _staged(gguf: Path, final: Path) -> Iterator[Path]:
+    """A temporary directory beside ``final`` that a cache entry of ``gguf`` is written into: when the block ends
+    without an error, the marker is written last and the directory renamed to ``final``; in any case the
+    temporary directory is gone afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     # mkdtemp creates the directory 0700; the renamed cache entry should have ordinary permissions.
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)
     try:
-        say(f"converting {gguf.name} to a transformers checkpoint (first use only, ~10 s)")
-        try:
-            _convert_gguf(gguf, tmp)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise InvalidModelError(f"cannot convert {gguf}: {exc}") from exc
+        yield tmp
         marker = {"source": str(gguf), "size": gguf.stat().st_size, "transformers": _transformers_version()}
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         try:
@@ -366,11 +377,9 @@ def _convert_into(gguf: Path, final: Path, say: Progress) -> Path:
         except OSError:
             if not _is_complete(final):
                 raise
-            # Another process finished the same conversion first; its copy is as good as ours.
-        say(f"cached the converted model at {final}")
+            # Another process finished the same entry first; its copy is as good as ours.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 @contextlib.contextmanager
@@ -493,11 +502,7 @@ def _write_packed_meta(gguf: Path, final: Path, say: Progress) -> None:
     with _one_gguf_parse():
         table = read_table(gguf)  # NotPacked: nothing written
         reason = unsupported_reason(table)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
-        try:
+        with _staged(gguf, final) as tmp:
             if reason is None:
                 say(f"reading the config and tokenizer of {gguf.name} (first use only, a few seconds)")
                 try:
@@ -514,12 +519,3 @@ def _write_packed_meta(gguf: Path, final: Path, say: Progress) -> None:
                 tokenizer.save_pretrained(tmp)
             table["unsupported"] = reason
             (tmp / _TABLE).write_text(json.dumps(table) + "\n")
-            marker = {"source": str(gguf), "size": gguf.stat().st_size, "transformers": _transformers_version()}
-            (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not _is_complete(final):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)

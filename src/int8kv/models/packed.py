@@ -39,7 +39,7 @@ import torch
 from ..errors import ShapeMismatch, UnsupportedWeights
 from ..ops import cpu_packed
 
-__all__ = ["DENSE_ROWS", "PackedLinear", "pack_blocks", "pack_weights"]
+__all__ = ["DENSE_ROWS", "BlockLinear", "BufferViews", "PackedLinear", "float_rows", "pack_blocks", "pack_weights"]
 
 BLOCK = cpu_packed.BLOCK
 DENSE_ROWS = 64  # rows of x above which a layer decodes its weights for one float32 matmul instead
@@ -95,11 +95,70 @@ def pack_blocks(weight: torch.Tensor) -> tuple[str, tuple[np.ndarray, ...]] | No
     return None
 
 
-class PackedLinear(torch.nn.Module):
+def float_rows(rows: torch.Tensor) -> np.ndarray:
+    """``rows`` as the block kernels take them: a C-contiguous float32 numpy array (detached, no copy if it is one)."""
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.float().contiguous()
+    if rows.requires_grad:
+        rows = rows.detach()
+    return rows.numpy()
+
+
+class BufferViews(torch.nn.Module):
+    """A module that keeps numpy views of its buffers in ``_view`` (what its kernels read, made once): dropped
+    when anything replaces the buffers (``_apply``: .to(), .float(), ...) and left out of a copy (deepcopy, pickle),
+    whose buffers are its own."""
+
+    _view = None
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (torch's signature)
+        self._view = None
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_view": None}
+
+
+class BlockLinear(BufferViews):
+    """What the Linear layers over weight blocks share (PackedLinear, gguf_weights.GgufLinear): ``y = x W^T + b``
+    on the CPU, y in x's dtype, the product of x's rows by the subclass's ``_product`` (float32 rows -> float32
+    ``[m, out_features]``). Subclasses set ``kind``, ``in_features``, ``out_features``, ``bias``, ``_has_bias``
+    and ``_LABEL`` (the messages' name of the weights) and define ``decoded()``."""
+
+    _LABEL = "block"
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step calls this ~200 times: attribute reads of plain fields, no reshape of a 2-d input.
+        shape = x.shape
+        if shape[-1] != self.in_features:
+            raise ShapeMismatch(f"expected inputs of {self.in_features} features, got shape {tuple(shape)}")
+        if x.device.type != "cpu":
+            raise UnsupportedWeights(f"{self._LABEL} {self.kind} weights run on the CPU only, got an input on "
+                                     f"{x.device}")  # fmt: skip
+        rows = x if len(shape) == 2 else x.reshape(-1, self.in_features)
+        y = self._product(rows)
+        if self._has_bias:
+            y = y + self.bias
+        if len(shape) != 2:
+            y = y.view(*shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def float_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.decoded(), self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+class PackedLinear(BlockLinear):
     """``y = x W^T + b`` with W kept as Q4_1 or Q8_0 blocks (int8kv.ops.cpu_packed's layouts); y in x's dtype.
     Up to DENSE_ROWS rows of x run the block kernel, more decode W to float32 for one torch matmul. CPU only."""
 
     KINDS = cpu_packed.KINDS
+    _LABEL = "packed"
 
     def __init__(self, kind: str, parts: tuple[np.ndarray, ...], bias: torch.Tensor | None, in_features: int) -> None:
         super().__init__()
@@ -114,7 +173,7 @@ class PackedLinear(torch.nn.Module):
         low = parts[2] if kind == "q4_1" else None
         self.register_buffer("low", None if low is None else torch.from_numpy(np.ascontiguousarray(low)))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self._views: tuple[np.ndarray, ...] | None = None
+        self._view: tuple[np.ndarray, ...] | None = None
         self._has_bias = bias is not None
         self._parts()  # checks the arrays (cpu_packed.check_parts)
 
@@ -129,7 +188,7 @@ class PackedLinear(torch.nn.Module):
     def _parts(self) -> tuple[np.ndarray, ...]:
         """The kernels' arrays: numpy views of the buffers, made once (a decode step calls 211 layers) and again
         after anything replaces the buffers (``_apply``: .to(), .float(), ...)."""
-        if self._views is None:
+        if self._view is None:
             buffers = [t for t in (self.codes, self.scale, self.low) if t is not None]
             if any(t.device.type != "cpu" for t in buffers):
                 raise UnsupportedWeights(f"packed {self.kind} weights run on the CPU only, got them on "
@@ -138,16 +197,8 @@ class PackedLinear(torch.nn.Module):
                 raise UnsupportedWeights(f"packed {self.kind} scales must stay float32, got bfloat16")
             views = tuple(t.numpy() for t in buffers)
             cpu_packed.check_parts(self.kind, views, self.in_features)  # e.g. after .half(): refused, not run
-            self._views = views
-        return self._views
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (torch's signature)
-        self._views = None
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self) -> dict:
-        # A copy (deepcopy, pickle) gets its own buffers: views of the original's would go stale.
-        return {**self.__dict__, "_views": None}
+            self._view = views
+        return self._view
 
     def decoded(self) -> torch.Tensor:
         """The float32 weight (out_features, in_features): exactly the model's."""
@@ -155,38 +206,16 @@ class PackedLinear(torch.nn.Module):
         w = cpu_packed.decode_q4_1(*parts) if self.kind == "q4_1" else cpu_packed.decode_q8_0(*parts)
         return torch.from_numpy(w)
 
-    def float_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.decoded(), self.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A decode step calls this ~200 times: attribute reads of plain fields, no reshape of a 2-d input.
-        shape = x.shape
-        if shape[-1] != self.in_features:
-            raise ShapeMismatch(f"expected inputs of {self.in_features} features, got shape {tuple(shape)}")
-        if x.device.type != "cpu":
-            raise UnsupportedWeights(f"packed {self.kind} weights run on the CPU only, got an input on {x.device}")
-        rows = x if len(shape) == 2 else x.reshape(-1, self.in_features)
-        y = self.dense_product(rows) if rows.shape[0] > DENSE_ROWS else self.block_product(rows)
-        if self._has_bias:
-            y = y + self.bias
-        if len(shape) != 2:
-            y = y.view(*shape[:-1], self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.dense_product(rows) if rows.shape[0] > DENSE_ROWS else self.block_product(rows)
 
     def block_product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [m, in_features] W^T`` (no bias) by the block kernel, whatever m: float32 ``[m, out_features]``."""
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
-        if rows.requires_grad:
-            rows = rows.detach()
-        return torch.from_numpy(cpu_packed.matmul_rows(rows.numpy(), self._views or self._parts()))
+        return torch.from_numpy(cpu_packed.matmul_rows(float_rows(rows), self._view or self._parts()))
 
     def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
         """The same by decoding W to float32 for one torch matmul: torch's float32 product of the model's weights."""
         return torch.nn.functional.linear(rows.float(), self.decoded())
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
 
     @staticmethod
     def concatenated(modules: list[PackedLinear]) -> PackedLinear:

@@ -36,6 +36,8 @@ from numba.extending import intrinsic
 
 from ..numba_cache import require_jit, share_compiles
 from ..numba_threads import launch
+from .block_ir import BYTES, HALF, VEC, chunk, fma, splat, sum_lanes
+from .cpu_simd import array_data, vector_at
 
 require_jit(__name__)
 
@@ -45,43 +47,10 @@ __all__ = [
 ]
 
 BLOCK = 32  # weights per block along the input dimension (GGUF's QK4_1 and QK8_0)
-_HALF = 16
-_F32 = ir.FloatType()
-_I32 = ir.IntType(32)
-_VEC = ir.VectorType(_F32, _HALF)
-_BYTES = ir.VectorType(ir.IntType(8), _HALF)
-_CONTRACT = ("contract",)  # fuse a multiply and its add into one rounding; nothing reassociated
-
-
-def _data(context, builder, aryty, value):
-    return context.make_array(aryty)(context, builder, value).data
 
 
 def _vec_at(builder, base, offset, vtype, align):
-    return builder.load(builder.bitcast(builder.gep(base, [offset]), vtype.as_pointer()), align=align)
-
-
-def _splat(builder, value):
-    undef = ir.Constant(_VEC, ir.Undefined)
-    one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, _HALF), [0] * _HALF))
-
-
-def _fma(builder, a, b, c):
-    return builder.fadd(builder.fmul(a, b, flags=_CONTRACT), c, flags=_CONTRACT)
-
-
-def _sum_lanes(builder, lo, hi):
-    """The 32 lanes of (lo, hi) added as a fixed tree: lo + hi, then halves 16 -> 8 -> 4 -> 2 -> 1."""
-    v = builder.fadd(lo, hi)
-    width = _HALF
-    while width > 1:
-        half = width // 2
-        a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
-        b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, width))))
-        v = builder.fadd(a, b)
-        width = half
-    return builder.extract_element(v, ir.Constant(_I32, 0))
+    return builder.load(vector_at(builder, base, offset, vtype), align=align)
 
 
 def _rows_dot(codes_dtype, group: int):
@@ -91,13 +60,13 @@ def _rows_dot(codes_dtype, group: int):
 
     def codegen(context, builder, signature, args):
         x, xo, xs, c, co, s, so, lo_arr, blocks, o, oo, ostride = args
-        xp, cp, sp, mp, op = (_data(context, builder, signature.args[a], v)
+        xp, cp, sp, mp, op = (array_data(context, builder, signature.args[a], v)
                               for a, v in ((0, x), (3, c), (5, s), (7, lo_arr), (9, o)))  # fmt: skip
         i64 = xo.type
-        zero = ir.Constant(_VEC, [0.0] * _HALF)
+        zero = ir.Constant(VEC, [0.0] * HALF)
         # Accumulators live in allocas that LLVM promotes to registers: per x row, one chain per half block.
         with builder.goto_entry_block():
-            accs = [(builder.alloca(_VEC), builder.alloca(_VEC)) for _ in range(group)]
+            accs = [(builder.alloca(VEC), builder.alloca(VEC)) for _ in range(group)]
         for pair in accs:
             for a in pair:
                 builder.store(zero, a)
@@ -105,30 +74,30 @@ def _rows_dot(codes_dtype, group: int):
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
             sb = builder.add(so, b)
-            d = _splat(builder, builder.load(builder.gep(sp, [sb])))
+            d = splat(builder, builder.load(builder.gep(sp, [sb])))
             if nibbles:
-                raw = _vec_at(builder, cp, builder.add(co, builder.mul(b, ir.Constant(i64, _HALF))), _BYTES, 1)
-                q_lo = builder.uitofp(builder.and_(raw, ir.Constant(_BYTES, [15] * _HALF)), _VEC)
-                q_hi = builder.uitofp(builder.lshr(raw, ir.Constant(_BYTES, [4] * _HALF)), _VEC)
-                m = _splat(builder, builder.load(builder.gep(mp, [sb])))
-                w_lo = _fma(builder, d, q_lo, m)  # d q exact: one rounding, as the decoder's d * q + m
-                w_hi = _fma(builder, d, q_hi, m)
+                raw = _vec_at(builder, cp, builder.add(co, builder.mul(b, ir.Constant(i64, HALF))), BYTES, 1)
+                q_lo = builder.uitofp(builder.and_(raw, ir.Constant(BYTES, [15] * HALF)), VEC)
+                q_hi = builder.uitofp(builder.lshr(raw, ir.Constant(BYTES, [4] * HALF)), VEC)
+                m = splat(builder, builder.load(builder.gep(mp, [sb])))
+                w_lo = fma(builder, d, q_lo, m)  # d q exact: one rounding, as the decoder's d * q + m
+                w_hi = fma(builder, d, q_hi, m)
             else:
                 cb = builder.add(co, builder.mul(b, ir.Constant(i64, BLOCK)))
-                q_lo = builder.sitofp(_vec_at(builder, cp, cb, _BYTES, 1), _VEC)
-                q_hi = builder.sitofp(_vec_at(builder, cp, builder.add(cb, ir.Constant(i64, _HALF)), _BYTES, 1), _VEC)
+                q_lo = builder.sitofp(_vec_at(builder, cp, cb, BYTES, 1), VEC)
+                q_hi = builder.sitofp(_vec_at(builder, cp, builder.add(cb, ir.Constant(i64, HALF)), BYTES, 1), VEC)
                 w_lo = builder.fmul(d, q_lo)  # exact
                 w_hi = builder.fmul(d, q_hi)
             step = builder.mul(b, ir.Constant(i64, BLOCK))
             for start, (acc_lo, acc_hi) in zip(rows, accs, strict=True):
                 xb = builder.add(start, step)
-                x_lo = _vec_at(builder, xp, xb, _VEC, 4)
-                x_hi = _vec_at(builder, xp, builder.add(xb, ir.Constant(i64, _HALF)), _VEC, 4)
-                builder.store(_fma(builder, x_lo, w_lo, builder.load(acc_lo)), acc_lo)
-                builder.store(_fma(builder, x_hi, w_hi, builder.load(acc_hi)), acc_hi)
+                x_lo = _vec_at(builder, xp, xb, VEC, 4)
+                x_hi = _vec_at(builder, xp, builder.add(xb, ir.Constant(i64, HALF)), VEC, 4)
+                builder.store(fma(builder, x_lo, w_lo, builder.load(acc_lo)), acc_lo)
+                builder.store(fma(builder, x_hi, w_hi, builder.load(acc_hi)), acc_hi)
         for i, (acc_lo, acc_hi) in enumerate(accs):
             where = builder.add(oo, builder.mul(ostride, ir.Constant(i64, i)))
-            builder.store(_sum_lanes(builder, builder.load(acc_lo), builder.load(acc_hi)), builder.gep(op, [where]))
+            builder.store(sum_lanes(builder, builder.load(acc_lo), builder.load(acc_hi)), builder.gep(op, [where]))
         return context.get_dummy_value()
 
     return codegen
@@ -157,11 +126,6 @@ _dots_group = _make_dots(_GROUP)
 _dots_one = _make_dots(1)
 
 
-@njit(inline="always")
-def _chunk(index: int, chunks: int, n: int) -> tuple[int, int]:
-    return index * n // chunks, (index + 1) * n // chunks
-
-
 @njit(parallel=True, cache=True)
 def _matmul(x, codes, scale, low, out):
     """out (m, n) = x (m, k) times the decoded weights (n, k) transposed; codes (n, k/2) uint8 or (n, k) int8."""
@@ -176,7 +140,7 @@ def _matmul(x, codes, scale, low, out):
     of = out.ravel()
     chunks = min(n, 256)
     for c in prange(chunks):
-        first, last = _chunk(c, chunks, n)
+        first, last = chunk(c, chunks, n)
         for r in range(first, last):
             i = 0
             while i + _GROUP <= rows:
@@ -197,14 +161,14 @@ def _decode(codes, scale, low, out):
         for b in range(blocks):
             d = scale[r, b]
             m = low[r, b] if nibbles else np.float32(0)
-            for j in range(_HALF):
+            for j in range(HALF):
                 if nibbles:
-                    byte = np.int32(codes[r, b * _HALF + j])
+                    byte = np.int32(codes[r, b * HALF + j])
                     out[r, b * BLOCK + j] = d * np.float32(byte & 15) + m
-                    out[r, b * BLOCK + _HALF + j] = d * np.float32(byte >> 4) + m
+                    out[r, b * BLOCK + HALF + j] = d * np.float32(byte >> 4) + m
                 else:
                     out[r, b * BLOCK + j] = d * np.float32(codes[r, b * BLOCK + j])
-                    out[r, b * BLOCK + _HALF + j] = d * np.float32(codes[r, b * BLOCK + _HALF + j])
+                    out[r, b * BLOCK + HALF + j] = d * np.float32(codes[r, b * BLOCK + HALF + j])
 
 
 @njit(parallel=True, cache=True)
@@ -236,16 +200,16 @@ def _encode(w, scale, low, codes) -> int:
             d = scale[r, b]
             m = low[r, b] if nibbles else np.float32(0)
             inv = np.float32(1) / d if d > 0 else np.float32(0)
-            for j in range(_HALF if nibbles else BLOCK):
+            for j in range(HALF if nibbles else BLOCK):
                 v = w[r, b * BLOCK + j]
                 q = np.float32(np.rint((v - m) * inv)) if nibbles else np.float32(np.rint(v * inv))
                 if nibbles:
                     q = min(max(q, np.float32(0)), np.float32(15))
-                    u = w[r, b * BLOCK + _HALF + j]
+                    u = w[r, b * BLOCK + HALF + j]
                     p = min(max(np.float32(np.rint((u - m) * inv)), np.float32(0)), np.float32(15))
                     if d * q + m != v or d * p + m != u:
                         bad[r] += 1
-                    codes[r, b * _HALF + j] = np.uint8(q) | (np.uint8(p) << 4)
+                    codes[r, b * HALF + j] = np.uint8(q) | (np.uint8(p) << 4)
                 else:
                     q = min(max(q, np.float32(-127)), np.float32(127))
                     if d * q != v:
