@@ -170,14 +170,19 @@ def test_bad_shapes_and_kinds_raise_typed_errors():
         GgufLinear("iq2_xxs", torch.from_numpy(blocks), None, 512)
 
 
-def test_gguf_linear_fusing_and_conversions():
+def test_gguf_linear_fusing_and_conversions(monkeypatch):
     rng = np.random.default_rng()
     parts = [GgufLinear("q4_k", torch.from_numpy(random_blocks(rng, "q4_k", n, 256)), None, 256) for n in (24, 8)]
     v = GgufLinear("q6_k", torch.from_numpy(random_blocks(rng, "q6_k", 8, 256)), None, 256)
     x = torch.randn(3, 256)
-    fused = fused_linear(parts)  # one kind too: side by side, each on its own blocks (no copy of the mapping)
-    assert isinstance(fused, SideBySideLinear) and fused.out_features == 32
-    assert all(a.blocks is b.blocks for a, b in zip(fused.parts, parts, strict=True))
+    fused = fused_linear(parts)  # one kind, small: the block rows concatenate (one kernel call)
+    assert isinstance(fused, GgufLinear) and fused.out_features == 32
+    with monkeypatch.context() as m:
+        m.setattr("int8kv.models.weights.CONCAT_BYTES", 1024)  # large: side by side, no copy of the mapping
+        apart = fused_linear(parts)
+    assert isinstance(apart, SideBySideLinear) and apart.out_features == 32
+    assert all(a.blocks is b.blocks for a, b in zip(apart.parts, parts, strict=True))
+    assert torch.equal(apart(x), fused(x))
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))  # a row is the same in any company
     mixed = fused_linear([*parts, v])  # Q4_K q / k with a Q6_K v: side by side, each on its own blocks
     assert isinstance(mixed, SideBySideLinear) and mixed.out_features == 40
@@ -286,7 +291,7 @@ def test_engine_runs_a_packed_fixture(reference_logits):
         want = model(torch.tensor([ids])).logits[0].double()
     llm = LLM(model, kv_format=KvStorageFormat.F16, memory="4MiB", implementation="fused", backend="reference")
     assert isinstance(llm.model.embed, GgufEmbedding) and isinstance(llm.model.layers[1].qkv, SideBySideLinear)
-    assert isinstance(llm.model.layers[0].qkv, SideBySideLinear) and isinstance(llm.model.lm_head, GgufLinear)
+    assert isinstance(llm.model.layers[0].qkv, GgufLinear) and isinstance(llm.model.lm_head, GgufLinear)
     got = llm.score(ids, chunk_size=5).double()
     assert ((got - want).abs().max() / want.abs().max()).item() < 5e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))

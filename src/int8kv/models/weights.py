@@ -47,6 +47,7 @@ from .gguf_weights import GgufLinear, SideBySideLinear
 from .packed import PackedLinear, pack_weights
 
 WEIGHTS = ("model", "dense", "bfloat16", "int8")
+CONCAT_BYTES = 16 << 20  # GGUF layers of one kind fused by copying their blocks up to this size (fused_linear)
 
 
 def check_weights(weights: object) -> str:
@@ -204,11 +205,18 @@ def fused_linear(modules: Sequence[torch.nn.Module]) -> torch.nn.Module:
     if len(kinds) == 1 and isinstance(modules[0], PackedLinear):  # blocks along the input: rows concatenate
         return modules[0] if len(modules) == 1 else PackedLinear.concatenated(list(modules))
     if any(isinstance(m, GgufLinear) for m in modules):
-        # GGUF layers run side by side, each on its own blocks, whatever their kinds: decoding them to float32 is
-        # what packed loading avoids, and concatenating blocks of one kind would copy what the file maps (the
-        # 8B Llama shape's q / k / v and gate / up: 2.6 GB more resident, the mapped originals read for the copy).
+        # GGUF layers of one kind concatenate their block rows into one layer (one kernel call) while the copy is
+        # small (SmolLM2's q / k / v: 0.6 MiB a layer); larger ones run side by side, each on its own blocks in the
+        # mapping: the 8B Llama shape's q / k / v and gate / up concatenated held 2.6 GB more (the copy beside the
+        # mapped originals it read). Mixed kinds (a Q6_K v beside Q4_K q / k) always run side by side.
         if len(modules) == 1:
             return modules[0]
+        if (len(kinds) == 1 and all(isinstance(m, GgufLinear) for m in modules)
+                and len({m.bias is None for m in modules}) == 1
+                and sum(m.blocks.numel() for m in modules) <= CONCAT_BYTES):
+            bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+            blocks = torch.cat([m.blocks for m in modules])
+            return GgufLinear(modules[0].kind, blocks, bias, modules[0].in_features)
         if any(_kind(m) in KINDS for m in modules):
             raise UnsupportedWeights(f"cannot fuse Linear layers of different precisions ({sorted(map(str, kinds))})")
         if len({m.bias is None for m in modules}) != 1:
