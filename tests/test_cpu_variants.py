@@ -4,7 +4,8 @@
 run its AVX2 kernels. It must be set before the process starts, so the kernel tests that depend on the variant run
 again in a child pytest under it: every micro-kernel against float64 (test_ops_cpu_simd.py), the int16 query's
 decode against float64 within its derived bound and its stated accuracy, and the exact path
-(test_ops_cpu_quantized.py), and the GGUF weight kernels against float64 (test_gguf_weights.py). On a CPU with nothing beyond AVX2 the suite itself is that run."""
+(test_ops_cpu_quantized.py), and the GGUF weight kernels against float64 (test_gguf_weights.py). On a CPU with
+nothing beyond AVX2 the suite itself is that run."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def test_kernel_tests_pass_as_on_an_avx2_only_cpu():
     code = ("import sys, int8kv, pytest\nfrom int8kv.ops import cpu_simd\n"
             "assert cpu_simd.DOT in ('avx2', None), cpu_simd.DOT\n"
             "sys.exit(pytest.main(['-q', '-p', 'no:xdist', '-p', 'no:cacheprovider', *sys.argv[1:]]))\n")
-    done = subprocess.run([sys.executable, "-c", code, "-k", "not variants_compile", *tests], cwd=HERE, env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([sys.executable, "-c", code, "-k", "not variants_compile", *tests], cwd=HERE, env=env,
+                          capture_output=True, text=True, timeout=900)
     tail = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, tail
     assert " passed" in done.stdout and " failed" not in done.stdout, tail
