@@ -32,9 +32,6 @@ def test_kernel_tests_pass_as_on_an_avx2_only_cpu():
     tests = [
         "test_ops_cpu_simd.py",  # but test_qk16i_variants_compile (-k below): it compiles every variant anyway
         "test_ops_cpu_quantized.py::test_int16_query_accuracy_of_this_cpus_variant",
-        "test_ops_cpu_quantized.py::test_decode_split_keys_quantized_query",
-        "test_ops_cpu_quantized.py::test_int16_query_falls_back_to_exact_where_the_integer_kernel_does_not_fit",
-        "test_ops_cpu_quantized.py::test_decode_quantized_query_matches_reference_within_bound[3-64-16]",
         "test_ops_cpu_quantized.py::test_decode_quantized_query_matches_reference_within_bound[8-128-16]",
         "test_gguf_weights.py::test_matmul_within_float32_rounding_of_float64",
     ]
