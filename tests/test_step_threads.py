@@ -147,8 +147,8 @@ def test_other_processes_on_the_cpus_keep_steps_on_one_thread_until_they_go(monk
         runner = StepThreads(2, load=lambda: 2.0 if phase["loaded"] else 0.1)
 
         def step():
-            clock.now += cost(torch.get_num_threads() > 1)
-            return torch.get_num_threads()
+            clock.now += cost(numba.get_num_threads() > 1)
+            return numba.get_num_threads()
 
         used = [runner.run(1, step) for _ in range(100)]
         assert sum(u == 1 for u in used[10:]) <= 4  # serial only when asked again (after 16, 32, 64 steps)
@@ -164,7 +164,7 @@ def test_other_processes_on_the_cpus_keep_steps_on_one_thread_until_they_go(monk
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
 
-def test_step_threads_sets_both_thread_counts_and_skips_compiles():
+def test_step_threads_sets_numbas_thread_count_and_skips_compiles():
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs numba's pool of two threads")
     before = torch.get_num_threads()
@@ -178,7 +178,8 @@ def test_step_threads_sets_both_thread_counts_and_skips_compiles():
 
         for _ in range(6):
             runner.run(1, step)
-        assert {s for s in seen} <= {(1, 1), (2, 2)} and {(1, 1), (2, 2)} <= set(seen)
+        # numba's count switches; torch's stays (its matmul's last bits depend on its thread count)
+        assert {s[1] for s in seen} == {1, 2} and {s[0] for s in seen} == {torch.get_num_threads()}
         assert runner.parallel_steps + runner.serial_steps == 6
         samples = dict(runner.choice.samples)
 
@@ -205,7 +206,7 @@ def test_one_thread_measures_nothing():
     try:
         runner = StepThreads(1)
         for _ in range(5):
-            assert runner.run(3, lambda: (torch.get_num_threads(), numba.get_num_threads())) == (1, 1)
+            assert runner.run(3, lambda: numba.get_num_threads()) == 1
         assert runner.choice.samples == {}
     finally:
         torch.set_num_threads(before)

@@ -224,7 +224,8 @@ def _compiles() -> _Compiles:
 
 
 class StepThreads:
-    """Runs engine steps on 1 or `threads` threads (torch's intra-op threads and numba's, in the calling thread);
+    """Runs engine steps with numba's kernels on 1 or `threads` threads (in the calling thread; torch's own thread
+    count stays as it is, so a step's outputs never depend on the choice);
     `threads` None: the CPUs the process may use (`cpu_budget.available_cpus`, within numba's pool). A count of 1
     runs every step on one thread and measures nothing.
 
@@ -243,7 +244,7 @@ class StepThreads:
 
         most = min(available_cpus(), numba.config.NUMBA_NUM_THREADS)
         self.threads = max(1, min(most if threads is None else int(threads), numba.config.NUMBA_NUM_THREADS))
-        limit_torch(self.threads)
+        limit_torch()  # torch within the process's CPUs; its count is the process's, not this engine's
         self.choice = StepChoice()
         self.load = OtherLoad() if load is None else load
         self.contended = False
@@ -261,9 +262,15 @@ class StepThreads:
         import numba
         import torch
 
-        # numba first: its omp layer's first launch sets the OpenMP thread count that torch's own build reads too.
+        # numba's count only: int8kv's kernels (attention, GGUF / packed weights) sum in a fixed order whatever the
+        # threads, but torch's matmul does not (a 5 x 128 by 128 x 384 product differs in its last bits on 1 and
+        # 2 threads), so switching torch per step would make outputs depend on the machine's load. torch keeps the
+        # count it had (`limit_torch`); numba's omp layer shares the OpenMP runtime and its first launch resets
+        # that count, so it is put back.
+        torch_threads = torch.get_num_threads()
         numba.set_num_threads(n)  # thread-local: the engine's own thread
-        torch.set_num_threads(n)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
         self._current = want
 
     def _look_at_load(self, tokens: int) -> None:
