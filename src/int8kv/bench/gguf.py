@@ -64,12 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _token_ids(path: str, count: int) -> list[int]:
+def _token_ids(reader, path: str, count: int) -> list[int]:
     """``count`` token ids drawn from the file's vocabulary (a fixed seed), skipping its first 16 (control ids)."""
-    import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(path)
     field = reader.fields.get("tokenizer.ggml.tokens")
     if field is None:
         raise CliError(f"{path} has no tokenizer.ggml.tokens: cannot draw token ids")
@@ -78,12 +76,12 @@ def _token_ids(path: str, count: int) -> list[int]:
     return [int(t) for t in rng.integers(16, vocab, size=count)]
 
 
-def _run_int8kv(args: argparse.Namespace, ids: list[int]) -> dict:
+def _run_int8kv(args: argparse.Namespace, ids: list[int], reader) -> dict:
     from ..engine import LLM, EngineStats, SamplingParams
 
     longest = max(max(args.contexts), args.prefill) + args.new_tokens + 64
     start = time.perf_counter()
-    llm = LLM(args.model, memory=_kv_budget(args.model, longest), max_num_seqs=1, max_num_batched_tokens=512,
+    llm = LLM(args.model, memory=_kv_budget(reader, longest), max_num_seqs=1, max_num_batched_tokens=512,
               prefix_caching=False, threads=args.threads)  # fmt: skip
     load_s = time.perf_counter() - start
     one = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -100,11 +98,8 @@ def _run_int8kv(args: argparse.Namespace, ids: list[int]) -> dict:
             "weights": type(llm.model).__name__}
 
 
-def _kv_budget(path: str, tokens: int) -> int:
+def _kv_budget(reader, tokens: int) -> int:
     """An INT8 pool for ``tokens`` tokens of the file's model (its layers, KV heads and head size)."""
-    import gguf
-
-    reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
 
     def value(key: str) -> int:
@@ -142,8 +137,11 @@ def _run_llama(args: argparse.Namespace, ids: list[int]) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
-    ids = _token_ids(args.model, max(max(args.contexts), args.prefill) + 1)
-    out = (_run_int8kv if args.child == "int8kv" else _run_llama)(args, ids)
+    import gguf
+
+    reader = gguf.GGUFReader(args.model)  # parsed once: the token ids and the pool's size both read it
+    ids = _token_ids(reader, args.model, max(max(args.contexts), args.prefill) + 1)
+    out = _run_int8kv(args, ids, reader) if args.child == "int8kv" else _run_llama(args, ids)
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -77,11 +77,11 @@ class StepChoice:
             return False
         g = self.group(tokens)
         n = self.calls[g] = self.calls.get(g, 0) + 1
-        near = self._nearest(g)
-        order = (False, True) if near is None or not near[0] else (True, False)  # the nearest size's best first
-        for mode in order:
-            if self.samples.get((mode, g), 0) < self.FIRST:
-                return mode
+        if any(self.samples.get((m, g), 0) < self.FIRST for m in (False, True)):
+            near = self._nearest(g)  # a size still being learned: the nearest measured size's best first
+            for mode in (False, True) if near is None or not near[0] else (True, False):
+                if self.samples.get((mode, g), 0) < self.FIRST:
+                    return mode
         best = self.rate[(True, g)] < self.rate[(False, g)]
         if n >= self.due.get(g, 0):
             self.measuring = True
@@ -118,8 +118,8 @@ class StepChoice:
         else:
             self.rate[key] = old + self.DECAY * (seconds - old)
         other = (not parallel, g)
-        near = self._nearest(g)
-        if count == self.FIRST and other not in self.samples and near is not None and near[1] >= self.BORROW:
+        near = self._nearest(g) if count == self.FIRST and other not in self.samples else None
+        if near is not None and near[1] >= self.BORROW:
             # A new step size where another size found one mode several times slower: the same ratio is taken
             # for this size instead of two more steps at that cost (it is measured when due, like any loser).
             if near[0] == parallel:

@@ -251,6 +251,18 @@ def _prefetch(builder, base, offset, nbytes: int) -> None:
         builder.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
+def _stage_scales(builder, rows, arrays, in_memory: bool, ahead, offset, nbytes: int, fill) -> None:
+    """Every row's scales for the next stretch of blocks into its arrays (``fill(row, a_arr, b_arr)``), kept in
+    memory if asked, and the rows ahead prefetched from byte ``offset`` for ``nbytes``: what both the K-quant
+    superblock loop and the 16-block group loop do before their blocks."""
+    for row, (a_arr, b_arr) in zip(rows, arrays, strict=True):
+        fill(row, a_arr, b_arr)
+    if in_memory:
+        _in_memory(builder, arrays)
+    for base in ahead:
+        _prefetch(builder, base, offset, nbytes)
+
+
 def _in_memory(builder, arrays) -> None:
     """Keep the scale arrays in memory: an empty asm statement that may read them, so that LLVM keeps their stores
     and reads each scale with a broadcasting load (vbroadcastss m32), not a lane extract and a broadcast."""
@@ -277,12 +289,8 @@ def _each_sub_block(builder, kind: str, rows, nsub, body, ahead=(), in_memory=Fa
         with cgutils.for_range(builder, builder.udiv(nsub, c(per))) as loop:
             bb = builder.mul(loop.index, c(nbytes))
             first = builder.mul(loop.index, c(per))
-            for row, (a_arr, b_arr) in zip(rows, arrays, strict=True):
-                _k_scales(builder, kind, row, bb, a_arr, b_arr)
-            if in_memory:
-                _in_memory(builder, arrays)
-            for base in ahead:
-                _prefetch(builder, base, bb, nbytes)
+            _stage_scales(builder, rows, arrays, in_memory, ahead, bb, nbytes,
+                          lambda row, a_arr, b_arr: _k_scales(builder, kind, row, bb, a_arr, b_arr))
             for s in range(per):
                 scales = []
                 for a_arr, b_arr in arrays:
@@ -298,12 +306,8 @@ def _each_sub_block(builder, kind: str, rows, nsub, body, ahead=(), in_memory=Fa
     groups = builder.udiv(nsub, c(_SCALE_GROUP))
     with cgutils.for_range(builder, groups) as loop:
         first = builder.mul(loop.index, c(_SCALE_GROUP))
-        for row, (a_arr, b_arr) in zip(rows, arrays, strict=True):
-            _group_scales(builder, kind, row, first, a_arr, b_arr)
-        if in_memory:
-            _in_memory(builder, arrays)
-        for base in ahead:
-            _prefetch(builder, base, builder.mul(first, c(nbytes)), _SCALE_GROUP * nbytes)
+        _stage_scales(builder, rows, arrays, in_memory, ahead, builder.mul(first, c(nbytes)), _SCALE_GROUP * nbytes,
+                      lambda row, a_arr, b_arr: _group_scales(builder, kind, row, first, a_arr, b_arr))
         with cgutils.for_range(builder, c(_SCALE_GROUP)) as inner:  # a constant trip count: LLVM unrolls it
             t = builder.add(first, inner.index)
             scales = [(at(a_arr, inner.index), at(b_arr, inner.index) if affine else None) for a_arr, b_arr in arrays]
