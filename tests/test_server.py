@@ -152,6 +152,29 @@ def test_n_seeded_samples_are_the_offline_engine_with_seed_plus_index(client, of
     assert [texts[i] for i in range(3)] == [o.text for o in want]
 
 
+def test_penalties_cuts_and_logit_bias_are_the_offline_engine(client, offline):
+    """Every sampling field reaches the engine: the server's output equals the offline engine's with the same
+    SamplingParams, greedy and seeded; a +100 bias on one word makes it the whole output."""
+    prompt = "the people of the water"
+    water = offline.tokenizer.convert_tokens_to_ids("water")
+    cases = [
+        ({"frequency_penalty": 1.5, "presence_penalty": 0.5}, {}),
+        ({"logit_bias": {str(water): 100}}, {}),
+        ({"temperature": 1.0, "seed": 3}, {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.8}),
+    ]
+    for fields, extra in cases:
+        args = {"temperature": 0, **fields}
+        bias = {int(k): v for k, v in args.pop("logit_bias", {}).items()} or None
+        (want,) = offline.generate([prompt], SamplingParams(max_tokens=10, logit_bias=bias, **args, **extra))
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body=extra,
+                                      **fields, **({"temperature": 0} if "temperature" not in fields else {}))
+        assert r.choices[0].text == want.text, fields
+    assert want.token_ids != offline.generate([prompt], SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+                                              )[0].token_ids  # the cuts changed the draw
+    (biased,) = offline.generate([prompt], SamplingParams(max_tokens=10, logit_bias={water: 100}))
+    assert biased.token_ids == [water] * 10
+
+
 def test_n_choices_are_forks_of_one_prefill_streamed_or_not(served, client, offline):
     """n=3 is one forked group (LLM.add_forked_request): the prompt runs through the model once (the server's
     prompt-token counter moves by its length, not 3x), and choice j equals the offline engine's independent
@@ -250,7 +273,13 @@ LONG_FOR_CONTEXT = " ".join(["the"] * 5000)
 @pytest.mark.parametrize(
     ("kwargs", "status", "message"),
     [
-        ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate: Extra inputs are not permitted"),
+        ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate is not supported by this server"),
+        ({"frequency_penalty": 2.5}, 400, "frequency_penalty must lie in [-2, 2]"),
+        ({"extra_body": {"repetition_penalty": 0}}, 400, "repetition_penalty must lie in (0, 2]"),
+        ({"extra_body": {"top_k": -2}}, 400, "top_k must be an int >= 1"),
+        ({"logit_bias": {"100000": 5}}, 400, "logit_bias: token id 100000 is not in [0, "),
+        ({"logit_bias": {"the": 5}}, 400, "is not a token id"),
+        ({"logit_bias": {"3": 101}}, 400, "logit_bias[3] must lie in [-100, 100]"),
         ({"temperature": -1}, 400, "temperature"),
         ({"top_p": 0}, 400, "top_p"),
         ({"max_tokens": 1001}, 400, "max_tokens 1001 is more than this server allows (1000)"),
@@ -343,3 +372,72 @@ def test_more_completions_than_the_server_ever_holds_is_a_400_not_a_429(served, 
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text == r.choices[1].text != r.choices[2].text == r.choices[3].text  # greedy: n copies
     assert r.usage.prompt_tokens == 2 + 2 and r.usage.completion_tokens == 12
+
+
+# The series vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) queries, each
+# with {model_name="$model_name"}, and the ones vLLM's metrics docs name beside them.
+DASHBOARD = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)
+VLLM_DOCS = (
+    "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:request_time_per_output_token_seconds_count",
+    "vllm:num_preemptions_total", "vllm:request_inference_time_seconds_count", "vllm:request_params_max_tokens_sum",
+)
+
+
+def _scrape(base: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value of every sample /metrics shows."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = get(base + "/metrics")[1]
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _vllm(samples: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples labelled model_name="tiny" and `labels` (a histogram's buckets: each `le`)."""
+    want = {"model_name": "tiny", **labels}
+    return sum(v for (n, ls), v in samples.items() if n == name and want.items() <= dict(ls).items())
+
+
+def test_vllm_metric_names_and_labels_for_its_dashboard(served, client):
+    base = served[0].base
+    before = _scrape(base)
+    names = {n for n, _ in before}
+    assert set(DASHBOARD + VLLM_DOCS) <= names, sorted(set(DASHBOARD + VLLM_DOCS) - names)
+    for name in DASHBOARD + VLLM_DOCS:  # every series carries the served model's name
+        assert all(dict(ls).get("model_name") == "tiny" for n, ls in before if n == name), name
+    prompt = "the people of the water"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    after = _scrape(base)
+
+    def delta(name: str, **labels: str) -> float:
+        return _vllm(after, name, **labels) - _vllm(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:request_success_total", finished_reason="stop") == 0
+    assert delta("vllm:generation_tokens_total") == 5
+    assert delta("vllm:request_generation_tokens_sum") == 5 and delta("vllm:request_prompt_tokens_sum") == 5
+    assert delta("vllm:request_max_num_generation_tokens_sum") == 5
+    assert delta("vllm:time_to_first_token_seconds_count") == 1 and delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 4 == delta("vllm:time_per_output_token_seconds_count")
+    for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
+        assert delta(name + "_count") == 1 and delta(name + "_sum") >= 0, name
+    # the parts add up: queue + prefill + decode within the whole request
+    parts = sum(delta(f"vllm:request_{p}_time_seconds_sum") for p in ("queue", "prefill", "decode"))
+    assert parts <= delta("vllm:e2e_request_latency_seconds_sum") + 1e-6
+    assert delta("vllm:prefix_cache_queries_total") >= delta("vllm:prefix_cache_hits_total") >= 0
+    assert _vllm(after, "vllm:kv_cache_usage_perc") == _vllm(after, "vllm:gpu_cache_usage_perc") == 0  # all freed
+    assert _vllm(after, "vllm:num_requests_running") == 0

@@ -1,10 +1,11 @@
-"""`int8kv serve` refuses bad arguments in one line, exit status 1, before any model is loaded."""
+"""`int8kv serve` refuses bad arguments in one line, exit status 1, before any model is loaded; vLLM's names for
+its flags set what int8kv's own do."""
 
 import socket
 
 import pytest
 
-from int8kv import cli
+from int8kv import KvStorageFormat, cli
 from int8kv.server.launch import free_port
 
 
@@ -26,6 +27,21 @@ from int8kv.server.launch import free_port
         (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:"),  # not an address of this machine
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
         (["/nonexistent/positional"], "/nonexistent/positional"),
+        # other servers' flags: what int8kv calls it, or why it has none
+        (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: the KV pool is sized in bytes here: use "
+                                              "--memory"),
+        (["--tensor-parallel-size=2"], "--tensor-parallel-size: not supported: one process serves the whole model"),
+        (["-c", "4096"], "-c: llama.cpp's context size is --max-model-len here"),
+        (["--parallel", "4"], "--parallel: parallel slots are --max-num-seqs here"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate (see int8kv serve --help)"),
+        (["--kv-cache-dtype", "fp8_e4m3"], "fp8 KV caches are not supported; int8 (the default)"),
+        (["--kv-cache-dtype", "int3"], "unsupported KV cache dtype 'int3'"),
+        (["--kv-cache-dtype", "auto", "--kv-format", "int8"], "--kv-cache-dtype auto and --kv-format int8 disagree"),
+        (["--dtype", "bfloat16", "--weights", "int8"], "--dtype bfloat16 is --weights bfloat16, and --weights int8"),
+        (["--kv-store", "embedded", "--no-enable-prefix-caching"], "needs prefix caching"),
+        (["--chat-template", "no-such-template.jinja"], "no such file, and not a Jinja template"),
+        (["--chat-template", "{% for m in messages %}{{ m.content }}"], "--chat-template: Jinja syntax error on "
+                                                                        "line 1"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_1(capsys, monkeypatch, argv, message):
@@ -68,3 +84,44 @@ def test_a_max_model_len_beyond_the_model_is_one_line(capsys, tmp_path):
     assert cli.main(["serve", "--quiet", str(model), "--port", str(free_port()), "--max-model-len", "300"]) == 1
     err = capsys.readouterr().err
     assert "max_model_len 300 must lie in [1, 256]" in err and err.count("\n") == 1, err
+
+
+def test_vllm_flag_names_reach_the_engine_and_the_server(capsys, monkeypatch, tmp_path):
+    """--kv-cache-dtype, --dtype, --no-enable-prefix-caching, --chat-template and --disable-log-requests set what
+    int8kv's own flags set (the engine and the server are stand-ins that record their arguments)."""
+    from server_helpers import make_tiny_model
+
+    import int8kv.engine
+    import int8kv.server
+    from int8kv.models.weights import BFloat16Linear
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    seen: dict = {}
+
+    def engine(model, **kwargs):
+        seen.update(kwargs, model=model)
+        return "engine"
+
+    def serve(llm, name, host, port, limits, **kwargs):
+        kwargs["sock"].close()
+        seen["serve"] = kwargs
+        return 0
+
+    monkeypatch.setattr(int8kv.engine, "LLM", engine)
+    monkeypatch.setattr(int8kv.server, "serve", serve)
+    argv = ["serve", "--quiet", str(model_dir), "--port", str(free_port()), "--kv-cache-dtype", "auto", "--dtype",
+            "bfloat16", "--no-enable-prefix-caching", "--chat-template", str(template), "--disable-log-requests"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert seen["kv_format"] == KvStorageFormat.F16 and seen["prefix_caching"] is False
+    assert any(isinstance(m, BFloat16Linear) for m in seen["model"].modules())
+    assert seen["tokenizer"].chat_template == template.read_text()
+    assert seen["serve"]["log_requests"] is False
+    seen.clear()
+    argv = ["serve", "--quiet", str(model_dir), "--port", str(free_port()), "--kv-cache-dtype", "int8",
+            "--chat-template", "{{ messages[0]['content'] }}!"]
+    assert cli.main(argv) == 0
+    assert seen["kv_format"] == KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1 and "prefix_caching" not in seen
+    assert seen["tokenizer"].chat_template == "{{ messages[0]['content'] }}!" and seen["serve"]["log_requests"]
+    assert not any(isinstance(m, BFloat16Linear) for m in seen["model"].modules())

@@ -57,6 +57,48 @@ KV_STORE_HELP = (
 )
 
 
+# vLLM's --dtype -> --weights
+VLLM_DTYPES = {"auto": "model", "bfloat16": "bfloat16", "float32": "dense", "float": "dense"}
+# Flags of vLLM and llama.cpp's server that int8kv has no flag for, each with what to use instead.
+_NO_GPU = "int8kv runs on the CPU"
+_ONE_PROCESS = ("not supported: one process serves the whole model; for more throughput run replicas that share a "
+                "--kv-store (docs/serving.md)")
+FOREIGN_FLAGS = {
+    "--gpu-memory-utilization": "the KV pool is sized in bytes here: use --memory (e.g. --memory 8GiB)",
+    "--kv-cache-memory-bytes": "the KV pool is sized with --memory (e.g. --memory 8GiB)",
+    "--tensor-parallel-size": _ONE_PROCESS, "-tp": _ONE_PROCESS, "--pipeline-parallel-size": _ONE_PROCESS,
+    "-pp": _ONE_PROCESS, "--data-parallel-size": _ONE_PROCESS, "-dp": _ONE_PROCESS,
+    "--quantization": "the weights' precision is --weights (model, dense, bfloat16, int8); a GGUF file's own "
+                      "quantization is read as the file holds it",
+    "--swap-space": f"not supported: {_NO_GPU}; a preempted request is recomputed",
+    "--cpu-offload-gb": f"not supported: {_NO_GPU}",
+    "--enforce-eager": f"not supported: {_NO_GPU} and captures no CUDA graphs",
+    "--n-gpu-layers": f"not supported: {_NO_GPU}", "-ngl": f"not supported: {_NO_GPU}",
+    "--block-size": "not supported: KV blocks hold 16 tokens",
+    "--seed": "not supported: seed each request with its 'seed' field",
+    "--trust-remote-code": "not supported: int8kv runs transformers' own model classes, never code from a model "
+                           "directory",
+    "--tokenizer": "not supported: the tokenizer comes with --model",
+    "--download-dir": "not supported: --model is a local directory or a .gguf file",
+    "--revision": "not supported: --model is a local directory or a .gguf file",
+    "-c": "llama.cpp's context size is --max-model-len here", "--ctx-size": "the context size is --max-model-len here",
+    "-np": "llama.cpp's parallel slots are --max-num-seqs here", "--parallel": "parallel slots are --max-num-seqs here",
+    "-t": "threads are --threads here", "-m": "the model is --model (or the first argument) here",
+    "-n": "a request's token limit is its max_tokens field; the server's cap is --max-tokens",
+    "--n-predict": "a request's token limit is its max_tokens field; the server's cap is --max-tokens",
+    "--uvicorn-log-level": "the server logs warnings; --debug logs everything",
+}
+
+
+def _foreign(extra: list[str], command: str) -> None:
+    """CliError for arguments the parser did not take: another server's flag names int8kv's equivalent."""
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in FOREIGN_FLAGS:
+            raise CliError(f"{name}: {FOREIGN_FLAGS[name]}")
+    raise CliError(f"unrecognized arguments: {' '.join(extra)} (see int8kv {command} --help)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     for flag, text in COMMON_FLAGS.items():
         p.add_argument(flag, action="store_true", help=text)
@@ -110,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = command(sub, "serve", "an OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     serve.add_argument("model_path", nargs="?", metavar="MODEL", help=f"{MODEL_HELP}; or --model")
     serve.add_argument("--model", help=MODEL_HELP)
-    serve.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    serve.add_argument("--weights", choices=WEIGHTS, help=WEIGHTS_HELP + " (default: model)")
     serve.add_argument("--threads", type=int, help=THREADS_HELP)
-    serve.add_argument("--kv-format", default="int8", help=f"KV storage format: {FORMAT_CHOICES}")
+    serve.add_argument("--kv-format", help=f"KV storage format: {FORMAT_CHOICES} (default: int8)")
     serve.add_argument("--memory", default="512MiB", help="KV cache pool size, e.g. 512MiB, 8GiB")
     serve.add_argument("--kv-store", help="shared KV block store (disk:PATH, redis://..., embedded)")
     serve.add_argument("--kv-store-secret", metavar="SECRET",
@@ -131,8 +173,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the most tokens (prompt + new) one request may use (default: the model's context)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                                           "(default: $INT8KV_API_KEY, which keeps the key out of the process list)")
-    serve.add_argument("--no-log-requests", action="store_true",
+    serve.add_argument("--no-log-requests", "--disable-log-requests", dest="no_log_requests", action="store_true",
                        help="no log line per request (id, tokens, finish reason, seconds)")
+    # vLLM's names for the same settings, so its launch lines run as they are
+    serve.add_argument("--kv-cache-dtype", metavar="DTYPE",
+                       help="vLLM's name for --kv-format: auto (the model's own precision: f16), int8, f16, int4")
+    serve.add_argument("--dtype", choices=tuple(VLLM_DTYPES), help="vLLM's name for the weights' precision: auto "
+                       "(--weights model), bfloat16 (--weights bfloat16), float32 (--weights dense)")
+    serve.add_argument("--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction,
+                       help="reuse the KV blocks of prompts seen before (default: on, off for models with state "
+                            "layers)")
+    serve.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                       help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's")
     _common(serve)
 
     where = command(sub, "model-dir", "the transformers directory a model loads from (the packaged SmolLM2's: "
@@ -450,9 +502,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CliError(f"--port must be <= 65535, got {args.port}")
     if not args.shutdown_timeout >= 0:
         raise CliError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    _vllm_names(args)
     fmt = _formats(args.kv_format)
     if len(fmt) != 1:
         raise CliError(f"--kv-format takes one format, got {args.kv_format!r}")
+    template = _chat_template(args.chat_template) if args.chat_template is not None else None
     _check_memory_holds_a_block(args, memory_budget(args.memory), fmt[0], "the KV pool would hold no block")
     extra = {}
     if args.kv_store:
@@ -460,6 +514,11 @@ def run_serve(args: argparse.Namespace) -> int:
             raise CliError("--kv-store needs an engine with a shared KV block store (LLM(kv_store=...)), "
                            "which this build does not have")
         extra["kv_store"] = args.kv_store
+        if args.prefix_caching is False:
+            raise CliError("--kv-store shares prefix blocks, which needs prefix caching: drop "
+                           "--no-enable-prefix-caching")
+    if args.prefix_caching is not None:
+        extra["prefix_caching"] = args.prefix_caching
     if args.kv_store_secret is not None:
         if not args.kv_store:
             raise CliError("--kv-store-secret needs --kv-store")
@@ -475,6 +534,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     sock = bind(args.host, args.port)  # a port already taken fails now, not after the model has loaded
     model, tokenizer = _load(args)
+    if template is not None:
+        tokenizer.chat_template = template
     llm = LLM(model, kv_format=fmt[0], memory=args.memory, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, weights=_engine_weights(args), threads=args.threads,
               **extra)
@@ -487,10 +548,53 @@ def run_serve(args: argparse.Namespace) -> int:
                  api_key=key, sock=sock, kv_store=args.kv_store, log_requests=not args.no_log_requests)
 
 
+def _vllm_names(args: argparse.Namespace) -> None:
+    """Fold vLLM's --kv-cache-dtype and --dtype into --kv-format and --weights (CliError when both name a value
+    and they differ)."""
+    if args.kv_cache_dtype is not None:
+        value = args.kv_cache_dtype.strip().lower()
+        if value.startswith("fp8"):
+            raise CliError(f"--kv-cache-dtype {args.kv_cache_dtype}: fp8 KV caches are not supported; int8 (the "
+                           "default) is int8kv's 8-bit format")
+        value = "f16" if value == "auto" else value
+        if args.kv_format is not None and _formats(args.kv_format) != _formats(value):
+            raise CliError(f"--kv-cache-dtype {args.kv_cache_dtype} and --kv-format {args.kv_format} disagree; "
+                           "give one")
+        args.kv_format = value
+    args.kv_format = args.kv_format or "int8"
+    if args.dtype is not None:
+        weights = VLLM_DTYPES[args.dtype]
+        if args.weights is not None and args.weights != weights:
+            raise CliError(f"--dtype {args.dtype} is --weights {weights}, and --weights {args.weights} was given; "
+                           "give one")
+        args.weights = weights
+    args.weights = args.weights or "model"
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template's text: the file it names, else the value itself when it reads as a Jinja template;
+    checked for Jinja syntax before the model loads."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise CliError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise CliError(f"--chat-template: Jinja syntax error on line {e.lineno}: {e.message}") from None
+    return text
+
+
 # -- entry point -----------------------------------------------------------------------------------------
 def _dispatch(args: argparse.Namespace, extra: list[str]) -> int | None:
     if extra:
-        raise CliError(f"unrecognized arguments: {' '.join(extra)}")
+        _foreign(extra, args.command)
     check_outputs(args)
     if args.command == "serve":
         return run_serve(args)

@@ -144,6 +144,7 @@ class RequestUpdate:
     num_output_tokens: int  # all generated so far, new_token_ids included
     new_logprobs: list[TokenLogprob] | None = None  # one per new token, with SamplingParams.logprobs
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (Sequence.num_cached_prompt)
+    admitted_at: float | None = None  # time.perf_counter() of its first step (None: it has not run yet)
 
 
 @dataclass
@@ -613,7 +614,8 @@ class LLM:
                 live.sent = len(seq.output)
                 new_logprobs = seq.logprobs[sent:] if seq.params.logprobs is not None else None
                 out.append(RequestUpdate(request_id, seq.output[sent:], done, seq.finish_reason, seq.error,
-                                         len(seq.prompt), len(seq.output), new_logprobs, seq.num_cached_prompt))
+                                         len(seq.prompt), len(seq.output), new_logprobs, seq.num_cached_prompt,
+                                         seq.admitted_at))
                 if done:
                     del self._live[request_id]
             return out
@@ -657,6 +659,9 @@ class LLM:
                     f"prompt {i}: {len(ids)} prompt + {p.max_tokens} new tokens exceed the model's "
                     f"{self.max_positions} positions (max_position_embeddings)"
                 )
+            if p.logit_bias and p.logit_bias[-1][0] >= self.vocab_size:
+                raise InvalidRequest(f"prompt {i}: logit_bias names token id {p.logit_bias[-1][0]}, not in "
+                                     f"[0, {self.vocab_size}) (the vocabulary)")
             seq = Sequence(ids, p)
             seq.generator = make_generator(p, seq.seq_id)
             seqs.append(seq)
@@ -715,7 +720,8 @@ class LLM:
             seqs.extend(group)
             picked.extend([row] * len(group))
         rows = logits if picked == list(range(len(batch))) else logits[picked]
-        tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs],
+                        [(s.prompt, s.output) for s in seqs])
         self._logprobs(rows, seqs, tokens)
         generated = 0
         for seq, token in zip(seqs, tokens, strict=True):

@@ -33,6 +33,7 @@ runs without a prefix cache (a hit would skip tokens its state layers never saw)
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -148,6 +149,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.admitted_at is None:
+                seq.admitted_at = time.perf_counter()
             self.running.append(seq)
             batch.append(item)
             budget -= item.num_tokens
@@ -326,6 +329,7 @@ class Scheduler:
         """`seq` (a fork of `parent`) takes over parent's cache state; its runner table is read afresh."""
         seq.fork_of = None
         seq.status = parent.status
+        seq.admitted_at = parent.admitted_at
         seq.num_cached = parent.num_cached
         seq.num_registered = parent.num_registered
         seq.block_keys = list(parent.block_keys)  # keys of the shared prompt blocks; it extends its own copy

@@ -6,6 +6,7 @@ import enum
 import itertools
 import math
 import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -35,9 +36,25 @@ def positive_int(value: object, name: str, error: type[Exception] = InvalidReque
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 
 
+MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias (OpenAI's limit)
+
+
+def _real(value: object, name: str) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_p < 1 samples from the nucleus; generation stops at max_tokens or EOS.
+
+    The logits are adjusted first, as vLLM does and in its order: `logit_bias` added, then the repetition
+    penalty (a token seen in the prompt or the output: a positive logit divided by it, a negative one
+    multiplied), then `frequency_penalty` x its count in the output and `presence_penalty` if it is there at
+    all, subtracted. Greedy takes the argmax of the adjusted logits. Sampling then divides by temperature and
+    keeps the tokens that pass all of `min_p` (at least min_p x the most likely token's probability),
+    `top_k` (the k most likely; 0 or -1: all) and `top_p` (the nucleus).
 
     Every field is checked here, so a request with bad parameters is refused before it is queued.
     """
@@ -50,12 +67,28 @@ class SamplingParams:
     # Opt-in: each generated token's log-probability and this many most likely alternatives (0-20), from the
     # step's logits (log-softmax before temperature and top-p); None computes nothing.
     logprobs: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's range (0, 2]
+    frequency_penalty: float = 0.0  # OpenAI's range [-2, 2]
+    presence_penalty: float = 0.0
+    # token id -> a value in [-100, 100] added to its logit (OpenAI's range); kept as sorted (id, value) pairs
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         positive_int(self.max_tokens, "max_tokens")
-        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-                raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            _real(getattr(self, name), name)
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise InvalidRequest(f"top_k must be an int >= 1, or 0 or -1 for every token, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must lie in [0, 1], got {self.min_p!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise InvalidRequest(f"repetition_penalty must lie in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(f"{name} must lie in [-2, 2], got {getattr(self, name)!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
@@ -71,6 +104,35 @@ class SamplingParams:
                 raise InvalidRequest(f"seed {self.seed!r} cannot seed a torch.Generator: {e}") from None
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Any of logit_bias and the three penalties is set: the logits change before the choice."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1 or bool(self.frequency_penalty) or bool(
+            self.presence_penalty)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
+    """A logit_bias mapping (or its pairs) as sorted (token id, value) pairs; InvalidRequest naming a bad entry.
+    Token ids are checked against the vocabulary when the request is queued (the model knows its size)."""
+    if bias is None:
+        return None
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    if not isinstance(pairs, Iterable) or isinstance(pairs, str | bytes):
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise InvalidRequest(f"logit_bias must map token ids to numbers, got an entry {pair!r}")
+        token, value = pair
+        if not is_int(token) or token < 0:
+            raise InvalidRequest(f"logit_bias: {token!r} is not a token id (an int >= 0)")
+        if not -100 <= _real(value, f"logit_bias[{token}]") <= 100:
+            raise InvalidRequest(f"logit_bias[{token}] must lie in [-100, 100], got {value!r}")
+        out[int(token)] = float(value)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias holds {len(out)} tokens; at most {MAX_LOGIT_BIAS} are allowed")
+    return tuple(sorted(out.items())) or None
 
 
 _ids = itertools.count()
@@ -110,6 +172,8 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     # Prompt tokens found in the prefix cache (pool or block store) when first admitted (before any preemption).
     num_cached_prompt: int = 0
+    # time.perf_counter() when the scheduler first ran it (a fork: its parent's); None while it has not run
+    admitted_at: float | None = None
 
     @property
     def group_size(self) -> int:

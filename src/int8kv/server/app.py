@@ -141,7 +141,10 @@ def parse_body(data: bytes, model: type[T]) -> T:
         problems, params = [], []
         for err in e.errors():
             where = ".".join(str(p) for p in err.get("loc", ()))
-            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+            if err.get("type") == "extra_forbidden":
+                problems.append(f"{where} is not supported by this server")
+            else:
+                problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
             params.append(where or None)
         raise ApiError(400, "; ".join(problems) or "invalid request", param=params[0] if params else None) from None
 
@@ -233,7 +236,7 @@ class Service:
         self.model_name = model_name
         self.limits = limits
         self.max_model_len = max_len
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)
         self.engine = EngineLoop(llm, self.metrics, limits.max_queue)
         self.stopping = False
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="int8kv-tokenizer")
@@ -285,9 +288,13 @@ class Service:
         if longest + max_tokens > context:
             raise ApiError(400, f"{longest} prompt + {max_tokens} new tokens exceed the model's {context} positions"
                                 + (" (--max-model-len)" if context < self.llm.max_positions else ""), param="prompt")
+        fields = body.sampling_fields()
+        if fields["logit_bias"] and max(fields["logit_bias"]) >= self.llm.vocab_size:
+            raise ApiError(400, f"logit_bias: token id {max(fields['logit_bias'])} is not in [0, "
+                                f"{self.llm.vocab_size}) (the vocabulary)", param="logit_bias")
         try:
             return [SamplingParams(max_tokens=max(max_tokens, 1), temperature=body.temperature, top_p=body.top_p,
-                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
+                                   ignore_eos=body.ignore_eos, logprobs=logprobs, **fields,
                                    seed=None if body.seed is None else body.seed + j) for j in range(body.n)]
         except InvalidRequest as e:
             raise ApiError(400, str(e)) from None

@@ -49,6 +49,28 @@ class Sink:
             pass
 
 
+_REASONS = {"requests_finished": "stop", "requests_failed": "error"}  # counter -> vLLM's finished_reason
+
+
+@dataclass
+class _Timing:
+    """One request's moments (time.perf_counter()) and sizes, for Metrics.request_done."""
+
+    arrived: float
+    added: float
+    max_tokens: int
+    prompt_tokens: int
+    output_tokens: int = 0
+    admitted: float | None = None
+    first: float | None = None
+    last: float | None = None
+
+    def done(self, metrics: Metrics, reason: str) -> None:
+        times = {"arrived": self.arrived, "added": self.added, "admitted": self.admitted, "first": self.first,
+                 "last": self.last, "end": time.perf_counter()}
+        metrics.request_done(reason, times, self.prompt_tokens, self.output_tokens, self.max_tokens)
+
+
 @dataclass
 class _Add:
     groups: list[tuple[list[int], list[SamplingParams], Sink]]  # (prompt, its choices' params, sink) per group
@@ -63,6 +85,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[int, Sink] = {}
+        self._timings: dict[int, _Timing] = {}  # per live request, for the per-request metrics
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="int8kv-engine", daemon=True)
 
@@ -168,14 +191,17 @@ class EngineLoop:
                                 f"{self.max_queue}. Retry later.")
             ids: list[int] = []
             try:
+                now = time.perf_counter()
                 for prompt, params, sink in message.groups:
-                    for request_id in self.llm.add_forked_request(prompt, params):
+                    for request_id, p in zip(self.llm.add_forked_request(prompt, params), params, strict=True):
                         ids.append(request_id)
                         self._sinks[request_id] = sink
+                        self._timings[request_id] = _Timing(sink.arrived, now, p.max_tokens, len(prompt))
             except BaseException:
                 for request_id in ids:  # all or none: the group's earlier members leave again
                     self.llm.abort_request(request_id)
                     del self._sinks[request_id]
+                    del self._timings[request_id]
                 raise
         except Exception as e:  # noqa: BLE001 - handed to the waiting handler
             message.done.set_exception(e)
@@ -187,8 +213,11 @@ class EngineLoop:
         reason, tell their handlers they ended so."""
         for request_id in request_ids:
             sink = self._sinks.pop(request_id, None)
+            timing = self._timings.pop(request_id, None)
             if self.llm.abort_request(request_id):
                 self.metrics.count(counter)
+                if timing is not None:
+                    timing.done(self.metrics, _REASONS.get(counter, "abort"))
             if sink is not None and reason is not None:
                 sink.put(RequestUpdate(request_id, [], True, reason, f"request ended: {reason}", 0, 0))
 
@@ -198,12 +227,24 @@ class EngineLoop:
             sink = self._sinks.get(update.request_id)
             if sink is None:
                 continue
-            if update.new_token_ids and not sink.first_token:
+            timing = self._timings[update.request_id]
+            timing.admitted = update.admitted_at
+            timing.output_tokens = update.num_output_tokens
+            if update.new_token_ids:
+                if timing.first is None:
+                    timing.first = now
+                    self.metrics.vllm["time_to_first_token_seconds"].observe(now - timing.arrived)
+                else:
+                    self.metrics.next_tokens(now - timing.last, len(update.new_token_ids))
+                timing.last = now
+            if update.new_token_ids and not sink.first_token:  # int8kv's own: per HTTP request
                 sink.first_token = True
                 self.metrics.ttft.observe(now - sink.arrived)
             if update.finished:
                 del self._sinks[update.request_id]
+                del self._timings[update.request_id]
                 self.metrics.count("requests_failed" if update.finish_reason == "error" else "requests_finished")
+                timing.done(self.metrics, update.finish_reason or "stop")
             sink.put(update)
 
     def _publish(self) -> None:

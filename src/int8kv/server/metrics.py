@@ -1,8 +1,12 @@
 """`GET /metrics`: the engine's state in Prometheus text format, from its own registry (not the global one,
 so two servers in one process, as in tests, never clash).
 
-The engine thread publishes a snapshot after every step (`Metrics.publish`); a scrape reads the latest one and
-never touches the engine, so it never waits for a step.
+Two sets of names: int8kv's own (`int8kv_*`, FIELDS) and vLLM's (`vllm:*`, each labelled `model_name`), so a
+dashboard or alert written for vLLM finds its series unchanged. docs/serving.md lists every metric.
+
+The engine thread publishes a snapshot after every step (`Metrics.publish`) and records each request's timings
+as its updates go out (`Metrics.request_*`); a scrape reads the latest values and never touches the engine, so
+it never waits for a step.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -39,20 +43,64 @@ FIELDS = (
     ("requests_rejected", "requests refused because the queue was full", "counter"),
 )
 
+# vLLM's names for values of the snapshot: (vLLM name, help, kind, how it is computed from the snapshot)
+VLLM_FIELDS = (
+    ("num_requests_running", "requests in the running batch", "gauge", lambda v: v.get("requests_running", 0)),
+    ("num_requests_waiting", "requests waiting for a slot", "gauge", lambda v: v.get("requests_waiting", 0)),
+    ("kv_cache_usage_perc", "share of the KV cache pool's blocks in use (1 = full)", "gauge",
+     lambda v: v.get("kv_blocks_used", 0) / max(v.get("kv_blocks_total", 0), 1)),
+    ("gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under the name older vLLM dashboards query", "gauge",
+     lambda v: v.get("kv_blocks_used", 0) / max(v.get("kv_blocks_total", 0), 1)),
+    ("prefix_cache_queries", "prompt tokens looked up in the prefix cache", "counter",
+     lambda v: v.get("prefix_cache_queried_tokens", 0)),
+    ("prefix_cache_hits", "prompt tokens found in the pool's prefix cache", "counter",
+     lambda v: v.get("prefix_cache_hit_tokens", 0)),
+    ("prompt_tokens", "prompt tokens run through the model", "counter", lambda v: v.get("prompt_tokens", 0)),
+    ("generation_tokens", "tokens generated", "counter", lambda v: v.get("generated_tokens", 0)),
+    ("num_preemptions", "requests preempted", "counter", lambda v: v.get("preemptions", 0)),
+)
+# Bucket edges (seconds, tokens) spread from a fast CPU step to a long queue.
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80, 160, 600)
+TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# vLLM's per-request histograms: (name without the prefix, help, buckets)
+VLLM_HISTOGRAMS = (
+    ("time_to_first_token_seconds", "seconds from a request's arrival to its first token", LATENCY),
+    ("inter_token_latency_seconds", "seconds between two tokens of one request", LATENCY),
+    ("time_per_output_token_seconds", "vllm:inter_token_latency_seconds under its older name", LATENCY),
+    ("request_time_per_output_token_seconds", "a finished request's decode time per token after its first",
+     LATENCY),
+    ("e2e_request_latency_seconds", "seconds from a request's arrival to its end", LATENCY),
+    ("request_queue_time_seconds", "seconds a request waited before it first ran", LATENCY),
+    ("request_prefill_time_seconds", "seconds from a request's first step to its first token", LATENCY),
+    ("request_decode_time_seconds", "seconds from a request's first token to its end", LATENCY),
+    ("request_inference_time_seconds", "seconds from a request's first step to its end", LATENCY),
+    ("request_prompt_tokens", "a finished request's prompt tokens", TOKENS),
+    ("request_generation_tokens", "a finished request's generated tokens", TOKENS),
+    ("request_max_num_generation_tokens", "a finished request's max_tokens", TOKENS),
+    ("request_params_max_tokens", "a finished request's max_tokens", TOKENS),
+)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 
 class _Snapshot(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
-        values = self.metrics.values
+        values, label = self.metrics.values, [self.metrics.model_name]
         for name, text, kind in FIELDS:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"int8kv_{name}", text, value=values.get(name, 0))
+        for name, text, kind, value in VLLM_FIELDS:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                f"vllm:{name}", text, labels=["model_name"])
+            family.add_metric(label, value(values))
+            yield family
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         self.values: dict[str, float] = {}
         self.counts = {"requests_finished": 0, "requests_aborted": 0, "requests_failed": 0, "requests_rejected": 0}
@@ -62,6 +110,11 @@ class Metrics:
             "int8kv_time_to_first_token_seconds", "time from a request's arrival to its first token",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=self.registry,
         )
+        self.vllm = {name: Histogram(f"vllm:{name}", text, ["model_name"], buckets=buckets, registry=self.registry)
+                     .labels(model_name) for name, text, buckets in VLLM_HISTOGRAMS}
+        success = Counter("vllm:request_success", "finished requests by their finish reason",
+                          ["model_name", "finished_reason"], registry=self.registry)
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to a request counter (engine thread only; published with the next snapshot)."""
@@ -71,6 +124,36 @@ class Metrics:
         """Replace the snapshot, request counters included (one assignment: a scrape sees the old or the new
         one, never a mix, so an abort's count and its freed blocks appear together)."""
         self.values = {**values, **self.counts}
+
+    def next_tokens(self, seconds: float, tokens: int) -> None:
+        """`tokens` more tokens of a request came `seconds` after its previous ones: one interval each."""
+        for _ in range(tokens):
+            for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
+                self.vllm[name].observe(seconds / tokens)
+
+    def request_done(self, reason: str, timing: dict[str, float | None], prompt_tokens: int, output_tokens: int,
+                     max_tokens: int) -> None:
+        """A request ended with `reason` (FINISH_REASONS). `timing`: perf_counter times "arrived" (at the server),
+        "added" (to the engine), "admitted" (its first step; None if it never ran), "first" and "last" (its first
+        and last tokens; None without tokens), and "end"."""
+        h = self.vllm
+        arrived, added, admitted, first, last, end = (timing.get(k) for k in
+                                                      ("arrived", "added", "admitted", "first", "last", "end"))
+        self.success[reason].inc()
+        h["e2e_request_latency_seconds"].observe(end - arrived)
+        if admitted is not None:
+            h["request_queue_time_seconds"].observe(max(admitted - added, 0.0))
+            h["request_inference_time_seconds"].observe(end - admitted)
+            if first is not None:
+                h["request_prefill_time_seconds"].observe(max(first - admitted, 0.0))
+        if first is not None:
+            h["request_decode_time_seconds"].observe(end - first)
+            if output_tokens > 1:
+                h["request_time_per_output_token_seconds"].observe((last - first) / (output_tokens - 1))
+        h["request_prompt_tokens"].observe(prompt_tokens)
+        h["request_generation_tokens"].observe(output_tokens)
+        h["request_max_num_generation_tokens"].observe(max_tokens)
+        h["request_params_max_tokens"].observe(max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

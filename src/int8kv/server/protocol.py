@@ -1,11 +1,11 @@
 """OpenAI's request and response shapes for /v1/completions and /v1/chat/completions (the fields int8kv serves),
 and vLLM's for /tokenize and /detokenize.
 
-Requests are strict: an unknown field is refused (400) rather than silently ignored, so a client never believes
-a setting took effect when it did not, and no value is coerced (`stream: "yes"`, `prompt: [true]`, `n: 2.0` are
-400, as the engine would refuse them). Fields OpenAI defines that change nothing here (`user`, penalties at 0)
-are accepted at their neutral values only. Text must be valid Unicode: a lone surrogate (JSON's `"\\ud800"`)
-is refused by name, not handed to a tokenizer.
+Requests are strict: an unknown field is refused (400, "X is not supported by this server") rather than silently
+ignored, so a client never believes a setting took effect when it did not, and no value is coerced (`stream:
+"yes"`, `prompt: [true]`, `n: 2.0` are 400, as the engine would refuse them). Fields OpenAI defines that change
+nothing here (`user`) are accepted. Text must be valid Unicode: a lone surrogate (JSON's `"\\ud800"`) is refused by
+name, not handed to a tokenizer.
 """
 
 from __future__ import annotations
@@ -51,9 +51,29 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    frequency_penalty: Literal[0, 0.0] = 0
-    presence_penalty: Literal[0, 0.0] = 0
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    frequency_penalty: float = 0.0  # ranges and meanings: engine.SamplingParams (checked there)
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> [-100, 100]
+    # vLLM's extensions (`extra_body` in the openai client)
+    top_k: int | None = None  # None, 0 or -1: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"key {key!r} is not a token id (a decimal integer)")
+        return value
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets beyond temperature and top_p."""
+        return {"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                "top_k": 0 if self.top_k is None else self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty}
 
     @model_validator(mode="after")
     def _options_need_a_stream(self) -> _Sampling:
