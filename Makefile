@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # Bytecode is written on first import even where the environment sets PYTHONDONTWRITEBYTECODE (this VM does):
 # every Python process the suite starts (xdist workers, CLI, server and child-process tests) otherwise compiles
 # torch's, transformers' and int8kv's sources again: 18.6 s against 7.0 s to import int8kv.engine, int8kv.cli
-# and int8kv.server.app on the 2-core dev VM (tools/import_bytecode.py, docs/benchmarks.md). The .pyc files go
+# and int8kv.server.app on the 2-core dev VM (tools/import_bytecode.py, docs/archive/benchmarks-2026.md). The .pyc files go
 # to .venv and the tree's __pycache__ (ignored).
 export PYTHONDONTWRITEBYTECODE :=
 

@@ -1,5 +1,6 @@
-"""The README's code must run as written: every ```python block is executed by a test here (servers it needs
-started on loopback by the test), and every command line it shows parses with the real CLI's parsers."""
+"""The README's and the user docs' code must run as written: every ```python block is executed by a test here
+(servers it needs started on loopback by the test), and every command line they show parses with the real CLI's
+parsers."""
 
 import argparse
 import importlib
@@ -11,6 +12,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+# The pages whose ```python blocks are run and whose command lines are parsed (the README first).
+PAGES = {name: (ROOT / name).read_text() for name in ("README.md", "docs/quickstart.md", "docs/serving.md")}
 
 # One phrase that only its block holds -> the test that runs it.
 BLOCKS = {
@@ -22,10 +25,12 @@ BLOCKS = {
 }
 
 
-def fenced() -> list[tuple[str, str]]:
-    """(language, text) of every fenced block of the README."""
+def fenced(text: str | None = None) -> list[tuple[str, str]]:
+    """(language, text) of every fenced block of one page, or of every page in PAGES."""
+    if text is None:
+        return [b for page in PAGES.values() for b in fenced(page)]
     blocks, lang, lines = [], None, []
-    for line in README.splitlines():
+    for line in text.splitlines():
         if line.startswith("```"):
             if lang is None:
                 lang, lines = line[3:].strip(), []
@@ -56,7 +61,7 @@ def run_block(code: str) -> tuple[dict, list[tuple]]:
         print(*args, **kwargs)
 
     namespace: dict = {"print": recording_print}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs", "exec"), namespace)
     return namespace, printed
 
 
@@ -66,6 +71,12 @@ def test_every_python_block_is_run_by_a_test():
     assert all(len(o) == 1 for o in owners), owners  # each block is claimed by exactly one test
     assert sorted(o[0] for o in owners) == sorted(BLOCKS.values())
     assert all(name in globals() for name in BLOCKS.values())
+
+
+def test_the_readme_keeps_the_transformers_engine_and_openai_examples():
+    readme = [text for lang, text in fenced(README) if lang == "python"]
+    for phrase in ("Int8KvCache(model.config)", "llm.chat(conversations, params)", "from openai import OpenAI"):
+        assert sum(phrase in b for b in readme) == 1, phrase
 
 
 def test_lower_level_example_runs(tmp_path, monkeypatch):
@@ -123,10 +134,11 @@ def test_openai_example_runs_against_int8kv_serve(smollm2_server):
 
 # -- command lines ---------------------------------------------------------------------------------------
 def command_lines() -> list[str]:
-    """Every `int8kv ...` / `python -m int8kv.bench ...` command the README shows: the lines of its plain
-    code blocks and its inline code spans (comments after `#` dropped)."""
+    """Every `int8kv ...` / `python -m int8kv.bench ...` command the pages show: the lines of their plain
+    code blocks and their inline code spans (comments after `#` dropped)."""
     lines = [line.split(" #")[0].strip() for lang, text in fenced() if not lang for line in text.splitlines()]
-    lines += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", README, flags=re.S))
+    for page in PAGES.values():
+        lines += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", page, flags=re.S))
     commands = [c for c in lines if re.match(r"(\w+=\S+ )*(int8kv |python -m int8kv\.bench)", c)]
     return [c for c in commands if "<" not in c]  # `int8kv bench <name>`: a placeholder, not a command
 
@@ -169,7 +181,7 @@ def parse(argv: list[str], monkeypatch) -> None:
         module.main(options)
 
 
-def test_every_command_line_in_the_readme_parses(tmp_path, monkeypatch):
+def test_every_command_line_in_the_docs_parses(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # output paths such as demo.json are checked against this folder
     commands = command_lines()
     assert len(commands) >= 25 and "python -m int8kv.bench plots" in commands

@@ -1,9 +1,9 @@
 """Small compiled loops of the decode path vectorise with plain loads and stores: numba indexing that LLVM cannot
 prove non-negative (x[h * d + i] over a range(a, b)), a loop over an array's own iterator or over strided slices
-compiled to gathers and scattered stores, 3.6-11x slower than the same loops indexed from 0 (docs/benchmarks.md,
-"Loops that numba indexed with gathers"). Read from the machine code of a fresh wrapper around each (numba links
-the callee's code into it); numbers are the float64-checked tests' business (test_ops_cpu_quantized.py,
-test_ops_cpu.py, test_write.py)."""
+compiled to gathers and scattered stores, 3.6-11x slower than the same loops indexed from 0
+(docs/archive/benchmarks-2026.md, "Loops that numba indexed with gathers"). Read from the machine code of a fresh
+wrapper around each (numba links the callee's code into it); numbers are the float64-checked tests' business
+(test_ops_cpu_quantized.py, test_ops_cpu.py, test_write.py)."""
 
 from __future__ import annotations
 

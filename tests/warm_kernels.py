@@ -7,8 +7,8 @@ leaves a core idle while it downloads and unpacks), so every kernel specialisati
 once, instead of in whichever test first calls it, on both pytest workers at once and again in every server or
 child process the tests start. One specialisation (format x query precision x window / softcap) cost 28-30 s of
 CPU, the item loop `_run_items` with `_attend_item` and `_attend_row` inside it and the small parallel entry
-`ops.calls.fan_out` (INT8 exact, cold cache, load ~1: docs/benchmarks.md "Kernel compile time"); an engine test
-on Gemma 2 once spent 234 of its 237 s compiling. The 9 jobs below compile 9 specialisations, serial and
+`ops.calls.fan_out` (INT8 exact, cold cache, load ~1: docs/archive/benchmarks-2026.md "Kernel compile time"); an
+engine test on Gemma 2 once spent 234 of its 237 s compiling. The 9 jobs below compile 9 specialisations, serial and
 parallel calls each; after them tests/test_engine_models.py, test_ops_cpu_quantized.py and test_plan.py compiled
 nothing.
 
