@@ -57,6 +57,7 @@ KV_STORE_HELP = (
 )
 
 
+TOOL_PARSERS = ("hermes", "llama3_json")  # server/tools.py PARSERS (not imported: the server's modules load late)
 # vLLM's --dtype -> --weights
 VLLM_DTYPES = {"auto": "model", "bfloat16": "bfloat16", "float32": "dense", "float": "dense"}
 # Flags of vLLM and llama.cpp's server that int8kv has no flag for, each with what to use instead.
@@ -185,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "layers)")
     serve.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                        help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's")
+    serve.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
+                       help="how tool calls are read from a model's output for tool_choice auto: hermes (Qwen 2.5/3, "
+                            "Hermes, SmolLM3) or llama3_json (Llama 3.1+); needs --enable-auto-tool-choice")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let requests use tool_choice auto (the model decides; calls read by --tool-call-parser)")
     _common(serve)
 
     where = command(sub, "model-dir", "the transformers directory a model loads from (the packaged SmolLM2's: "
@@ -507,6 +513,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if len(fmt) != 1:
         raise CliError(f"--kv-format takes one format, got {args.kv_format!r}")
     template = _chat_template(args.chat_template) if args.chat_template is not None else None
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise CliError("--enable-auto-tool-choice and --tool-call-parser go together: auto tool choice reads calls "
+                       "with the parser")
     _check_memory_holds_a_block(args, memory_budget(args.memory), fmt[0], "the KV pool would hold no block")
     extra = {}
     if args.kv_store:
@@ -545,7 +554,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_model_len=args.max_model_len)
     key = args.api_key or os.environ.get("INT8KV_API_KEY") or None  # not a parser default: --help would show it
     return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning",
-                 api_key=key, sock=sock, kv_store=args.kv_store, log_requests=not args.no_log_requests)
+                 api_key=key, sock=sock, kv_store=args.kv_store, log_requests=not args.no_log_requests,
+                 tool_parser=args.tool_call_parser)
 
 
 def _vllm_names(args: argparse.Namespace) -> None:

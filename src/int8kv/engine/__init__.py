@@ -1,11 +1,13 @@
 """A small continuous-batching engine over the paged INT8 KV cache (in the spirit of nano-vllm).
 
 llm.py (the front door and its error contract), scheduler.py (who runs, how many tokens), runner.py (one
-packed Batch per step, failures isolated), sampler.py (greedy / temperature / top-p), hf_model.py (any
-transformers decoder's own forward over the paged cache), model.py (the fused Llama/Qwen3 forward).
+packed Batch per step, failures isolated), sampler.py (penalties; greedy, temperature, min-p, top-k, top-p),
+grammar.py (structured outputs), hf_model.py (any transformers decoder's own forward over the paged cache),
+model.py (the fused Llama/Qwen3 forward).
 """
 
 from ..errors import InvalidEngineConfig, InvalidRequest
+from .grammar import Guide
 from .hf_model import TransformersModel
 from .llm import LLM, EngineStats, RequestOutput, RequestUpdate, parse_bytes
 from .model import Batch, DecoderModel
@@ -19,6 +21,7 @@ __all__ = [
     "Batch",
     "DecoderModel",
     "EngineStats",
+    "Guide",
     "InvalidEngineConfig",
     "InvalidRequest",
     "ModelRunner",

@@ -54,7 +54,9 @@ from ..errors import (
 from ..formats import KvStorageFormat
 from ..models.weights import check_weights, convert_weights
 from ..ops import BACKENDS
+from . import grammar
 from .chat import chat_prompt_ids
+from .grammar import Grammars
 from .model import DecoderModel, check_fused
 from .runner import ModelRunner
 from .sampler import TokenLogprob, make_generator, sample, token_logprobs
@@ -404,6 +406,14 @@ class LLM:
             raise InvalidEngineConfig(f"eos_token_id must be None, an int or a list of ints, got {value!r}")
         self._eos_token_id = value
         self.eos_ids = tuple(int(t) for t in ids)
+        self._grammars: Grammars | None = None  # compiled for these stop tokens
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured outputs' compiler and compiled grammars (engine/grammar.py), made at first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars
 
     def generate(
         self,
@@ -664,6 +674,8 @@ class LLM:
                                      f"[0, {self.vocab_size}) (the vocabulary)")
             seq = Sequence(ids, p)
             seq.generator = make_generator(p, seq.seq_id)
+            if p.guide is not None:
+                seq.matcher = self.grammars.matcher(p.guide)
             seqs.append(seq)
         return seqs
 
@@ -720,16 +732,22 @@ class LLM:
             seqs.extend(group)
             picked.extend([row] * len(group))
         rows = logits if picked == list(range(len(batch))) else logits[picked]
-        tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs],
+        masked, dead = self.grammars.mask(rows, [s.matcher for s in seqs])
+        tokens = sample(masked, [s.params for s in seqs], [s.generator for s in seqs],
                         [(s.prompt, s.output) for s in seqs])
-        self._logprobs(rows, seqs, tokens)
+        for j in dead:
+            tokens[j] = InvalidRequest("the request's structured output allows no token of this model's vocabulary "
+                                       "here")
+        self._logprobs(rows, seqs, tokens)  # of the model's own distribution, before penalties and masks
         generated = 0
         for seq, token in zip(seqs, tokens, strict=True):
+            if not isinstance(token, Exception) and seq.matcher is not None and not grammar.accept(seq.matcher, token):
+                token = RuntimeError(f"the grammar refused token {token} that its mask allowed")
             if isinstance(token, Exception):
                 self.scheduler.fail(seq, token)
             else:
                 generated += 1
-                if seq.append(token, self.eos_ids):
+                if seq.append(token, self.eos_ids, seq.matcher is not None and grammar.finished(seq.matcher)):
                     self.scheduler.finish(seq)
         return generated
 

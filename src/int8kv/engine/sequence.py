@@ -8,10 +8,12 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..errors import InvalidRequest
+from .grammar import Guide
 
 
 class Status(enum.Enum):
@@ -74,6 +76,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # token id -> a value in [-100, 100] added to its logit (OpenAI's range); kept as sorted (id, value) pairs
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    # The output held to a JSON schema, regex, choices or grammar (engine/grammar.py); None: free text
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         positive_int(self.max_tokens, "max_tokens")
@@ -89,6 +93,8 @@ class SamplingParams:
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequest(f"{name} must lie in [-2, 2], got {getattr(self, name)!r}")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.guide is not None and not isinstance(self.guide, Guide):
+            raise InvalidRequest(f"guide must be None or an int8kv.engine.Guide, got {type(self.guide).__name__}")
         if self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
@@ -174,6 +180,8 @@ class Sequence:
     num_cached_prompt: int = 0
     # time.perf_counter() when the scheduler first ran it (a fork: its parent's); None while it has not run
     admitted_at: float | None = None
+    # With params.guide: its grammar's matcher, advanced by each sampled token (LLM._retire)
+    matcher: Any = field(default=None, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -205,10 +213,11 @@ class Sequence:
         """Its whole prompt is cached and only the last generated token is not: the next step decodes it."""
         return bool(self.output) and self.num_uncached == 1 and self.num_cached >= len(self.prompt)
 
-    def append(self, token: int, eos_ids: tuple[int, ...]) -> bool:
-        """Add a sampled token; True (and `finish_reason` set) when the request is complete."""
+    def append(self, token: int, eos_ids: tuple[int, ...], complete: bool = False) -> bool:
+        """Add a sampled token; True (and `finish_reason` set) when the request is complete: EOS, max_tokens, or
+        `complete` (its grammar has ended)."""
         self.output.append(token)
-        if not self.params.ignore_eos and token in eos_ids:
+        if complete or (not self.params.ignore_eos and token in eos_ids):
             self.finish_reason = "stop"
         elif len(self.output) >= self.params.max_tokens:
             self.finish_reason = "length"

@@ -26,14 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from ..engine import LLM, SamplingParams, chat
+from ..engine import LLM, Guide, SamplingParams, chat
 from ..engine.sampler import TokenLogprob
 from ..errors import InvalidEngineConfig, InvalidRequest, KvPoolExhausted
+from . import tools
 from .engine_loop import EngineLoop, QueueFull, ServerStopping, Sink
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
@@ -43,6 +43,7 @@ from .protocol import (
     usage,
 )
 from .text import CONTEXT, TextStream, token_texts
+from .tools import PARSERS
 
 requests_log = logging.getLogger("int8kv.server.requests")
 T = TypeVar("T", bound=BaseModel)
@@ -166,16 +167,19 @@ def encode_bounded(tokenizer: Any, text: str, limit: int, add_special_tokens: bo
     return encode(text)
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
-    """The token ids of `messages` through the tokenizer's chat template, ready for the assistant's turn (as
-    `apply_chat_template(..., tokenize=True)` gives them), bounded by `limit` tokens like a text prompt."""
-    return encode_bounded(tokenizer, chat_text(tokenizer, messages), limit or 1 << 62, add_special_tokens=False)
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], limit: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The token ids of `messages` (and `tools`) through the tokenizer's chat template, ready for the assistant's
+    turn (as `apply_chat_template(..., tokenize=True)` gives them), bounded by `limit` tokens like a text prompt."""
+    text = chat_text(tokenizer, messages, tools=tools)
+    return encode_bounded(tokenizer, text, limit or 1 << 62, add_special_tokens=False)
 
 
-def chat_text(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+              tools: list[dict[str, Any]] | None = None) -> str:
     """`int8kv.engine.chat.chat_text`, its refusals as 400s."""
     try:
-        return chat.chat_text(tokenizer, messages, add_generation_prompt)
+        return chat.chat_text(tokenizer, messages, add_generation_prompt, tools)
     except InvalidRequest as e:
         raise ApiError(400, str(e)) from None
 
@@ -221,10 +225,33 @@ def completion_logprobs(tokenizer: Any, ids: list[int], entries: list[TokenLogpr
             "text_offset": offsets}
 
 
+class ToolCalls:
+    """How a chat request's tools shape its answers (server/tools.py): `active` when its output is read as calls."""
+
+    def __init__(self, body: ChatCompletionRequest, parser: str | None) -> None:
+        self.mode, self.named, self.parser = body.tool_mode(), body.named_tool(), parser
+        self.active = self.mode in ("named", "required") or (self.mode == "auto" and parser is not None)
+
+    def read(self, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
+        """(content, calls, finish reason) of a finished choice's text: "tool_calls" when it made calls."""
+        if self.mode == "auto":
+            content, found = tools.parse(text, self.parser)
+        else:
+            content, found = None, (tools.guided_calls(text, self.mode, self.named) if reason == "stop" else None)
+            if not found:
+                content = text
+        return (content, found, "tool_calls") if found else (text, None, reason)
+
+
 class Service:
     """What the handlers share: the engine thread, the tokenizer worker, the limits and the served model's name."""
 
-    def __init__(self, llm: LLM, model_name: str, limits: Limits) -> None:
+    def __init__(self, llm: LLM, model_name: str, limits: Limits, tool_parser: str | None = None) -> None:
+        """`tool_parser`: how "auto" tool choice reads calls from the output (tools.PARSERS); None: "auto" is
+        refused."""
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise InvalidEngineConfig(f"tool_parser must be one of {PARSERS}, got {tool_parser!r}")
+        self.tool_parser = tool_parser
         if llm.tokenizer is None:
             raise InvalidRequest("the server needs a model with a tokenizer")
         max_len = limits.max_model_len or llm.max_positions
@@ -270,11 +297,33 @@ class Service:
                                 "positions", param="prompt")
         return prompt
 
-    def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, [m.template_dict() for m in messages], self.max_model_len)
+    def encode_chat(self, body: ChatCompletionRequest) -> list[int]:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return chat_prompt_ids(self.tokenizer, [m.template_dict() for m in body.messages], self.max_model_len, tools)
 
-    def params(self, body: Any, max_tokens: int | None, prompts: list[list[int]], logprobs: int | None
-               ) -> list[SamplingParams]:
+    def guide(self, body: Any) -> Guide | None:
+        """(worker thread) The request's structured output or the grammar of its tool choice, compiled now, so a
+        bad schema is a 400 before anything is queued and the engine finds it compiled."""
+        mode = body.tool_mode() if isinstance(body, ChatCompletionRequest) else "none"
+        if mode == "auto" and self.tool_parser is None:
+            raise ApiError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                                "--tool-call-parser; \"required\" or a named function work without them",
+                           param="tool_choice")
+        asked = body.guide()
+        held = tools.guide(body.tools, mode, body.named_tool(), body.parallel_tool_calls) if mode != "none" else None
+        if asked is not None and held is not None:
+            raise ApiError(400, f"tool_choice {mode!r} holds the output to its calls; it cannot also follow "
+                                "response_format or structured outputs", param="tool_choice")
+        guide = asked or held
+        if guide is not None:
+            try:
+                self.llm.grammars.compile(guide)
+            except InvalidRequest as e:
+                raise ApiError(400, str(e), param="response_format" if asked else "tools") from None
+        return guide
+
+    def params(self, body: Any, max_tokens: int | None, prompts: list[list[int]], logprobs: int | None,
+               guide: Guide | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice (choice j of a seeded request uses seed + j), after checking every
         prompt + max_tokens against the context."""
         limit, context = self.limits.max_tokens, self.max_model_len
@@ -294,7 +343,7 @@ class Service:
                                 f"{self.llm.vocab_size}) (the vocabulary)", param="logit_bias")
         try:
             return [SamplingParams(max_tokens=max(max_tokens, 1), temperature=body.temperature, top_p=body.top_p,
-                                   ignore_eos=body.ignore_eos, logprobs=logprobs, **fields,
+                                   ignore_eos=body.ignore_eos, logprobs=logprobs, guide=guide, **fields,
                                    seed=None if body.seed is None else body.seed + j) for j in range(body.n)]
         except InvalidRequest as e:
             raise ApiError(400, str(e)) from None
@@ -414,8 +463,9 @@ class Run:
                           use["completion_tokens"], reasons, time.perf_counter() - self.started)
 
 
-def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: str | None = None) -> FastAPI:
-    service = Service(llm, model_name, limits or Limits())
+def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: str | None = None,
+              tool_parser: str | None = None) -> FastAPI:
+    service = Service(llm, model_name, limits or Limits(), tool_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -508,7 +558,7 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Response:
         body = await service.parse(raw, ChatCompletionRequest)
-        prompts = [await service.off_loop(service.encode_chat, body.messages)]
+        prompts = [await service.off_loop(service.encode_chat, body)]
         return await respond(body, raw, prompts, body.requested_max_tokens(), chat=True,
                              logprobs=body.num_logprobs(), echo=None)
 
@@ -517,17 +567,19 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
         """`echo`: the prompts as given, to echo before the output (completions only)."""
         if any(not p for p in prompts):
             raise ApiError(400, "prompt is empty", param="prompt")
-        params = service.params(body, max_tokens, prompts, logprobs)  # every check before any work
+        guide = await service.off_loop(service.guide, body)
+        params = service.params(body, max_tokens, prompts, logprobs, guide)  # every check before any work
         echoed = None if echo is None else [await echo_of(t, ids, logprobs) for t, ids in zip(echo, prompts,
                                                                                                strict=True)]
         request_id = new_id("chatcmpl" if chat else "cmpl")
         sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
         ids = None if max_tokens == 0 else await service.submit(prompts, params, sink)  # 0: echo only
         run = Run(service, ids, sink, body.stop_strings(), prompts, body.n, request_id)
+        calls = ToolCalls(body, service.tool_parser) if chat else None
         if body.stream:
-            return StreamingResponse(stream(run, chat, logprobs, echoed, body.include_usage()),
+            return StreamingResponse(stream(run, chat, logprobs, echoed, body.include_usage(), calls),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await collect(run, raw, chat, logprobs, echoed)
+        return await collect(run, raw, chat, logprobs, echoed, calls)
 
     def choice_logprobs(run: Run, i: int, start: int, chat: bool, offset: int) -> dict:
         """Choice i's logprobs object for its output tokens from `start` on."""
@@ -539,20 +591,25 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
             return chat_logprobs(service.tokenizer, entries, before)
         return completion_logprobs(service.tokenizer, out[start:], entries, before, offset)
 
-    def choice(i: int, text: str, reason: str | None, chat: bool, chunk: bool, logprobs: dict | None = None) -> dict:
+    def choice(i: int, text: str | None, reason: str | None, chat: bool, chunk: bool, logprobs: dict | None = None,
+               calls: list[dict] | None = None) -> dict:
         if not chat:
             return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
         if chunk:
-            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
-                    "finish_reason": reason}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": reason}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def joined(head: dict | None, tail: dict) -> dict:
         return tail if head is None else {k: head[k] + tail[k] for k in tail}
 
     async def collect(run: Run, raw: Request, chat: bool, logprobs: int | None,
-                      echo: list[tuple[str, dict | None]] | None) -> Response:
+                      echo: list[tuple[str, dict | None]] | None, calls: ToolCalls | None) -> Response:
         try:
             while run.live:
                 try:
@@ -566,14 +623,17 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
                 lp = None
                 if logprobs is not None:
                     lp = joined(head_lp, await service.off_loop(choice_logprobs, run, i, 0, chat, len(head)))
-                choices.append(choice(i, head + t.text, run.reasons[i], chat, False, lp))
+                text, reason, found = head + t.text, run.reasons[i], None
+                if calls is not None and calls.active:
+                    text, found, reason = calls.read(text, reason)
+                choices.append(choice(i, text, reason, chat, False, lp, found))
             return JSONResponse(completion_body(run.request_id, model_name, choices, run.usage(), chat))
         finally:
             run.abort_rest()
             run.log()
 
     async def stream(run: Run, chat: bool, logprobs: int | None, echo: list[tuple[str, dict | None]] | None,
-                     include_usage: bool) -> AsyncIterator[str]:
+                     include_usage: bool, calls: ToolCalls | None) -> AsyncIterator[str]:
         def event(choices: list[dict], use: dict | None = None) -> str:
             body = completion_body(run.request_id, model_name, choices, use, chat, chunk=True)
             return f"data: {json.dumps(body)}\n\n"
@@ -607,6 +667,14 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
                     yield f"data: {json.dumps(error_body(e.message, e.kind))}\n\n"
                     break
                 lp = pending(i)
+                if calls is not None and calls.active:  # the text is read as calls once whole (module tools)
+                    if lp is not None:
+                        yield event([choice(i, "", None, chat, True, lp)])
+                    if reason is not None:
+                        text, found, reason = calls.read(run.texts[i].text, reason)
+                        yield event([choice(i, text, None, chat, True, None, found)])
+                        yield event([choice(i, "", reason, chat, True)])
+                    continue
                 if delta or lp is not None:
                     yield event([choice(i, delta, None, chat, True, lp)])
                 if reason is not None:

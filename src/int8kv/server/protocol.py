@@ -10,13 +10,16 @@ name, not handed to a tokenizer.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..engine.grammar import Guide
 from ..engine.sequence import MAX_LOGPROBS, is_int
+from ..errors import InvalidRequest
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 
@@ -40,6 +43,64 @@ class StreamOptions(_Strict):
     include_usage: bool = False  # a last chunk with `choices: []` and the usage (OpenAI's opt-in)
 
 
+def _guided(json_schema: dict | str | None, regex: str | None, choice: list[str] | None, grammar: str | None,
+            json_object: bool = False) -> Guide | None:
+    """The one Guide of vLLM's fields (ValueError when several are set)."""
+    kinds = [g for g in (
+        json_schema is not None and ("json", json_schema if isinstance(json_schema, str) else json.dumps(json_schema)),
+        regex is not None and ("regex", regex), choice is not None and ("choice", choice),
+        grammar is not None and ("grammar", grammar), json_object and ("json_object", "")) if g]
+    if len(kinds) > 1:
+        raise ValueError(f"give one of json, regex, choice, grammar and json_object, not {len(kinds)}")
+    if not kinds:
+        return None
+    kind, spec = kinds[0]
+    try:
+        return Guide.choice(spec) if kind == "choice" else Guide(kind, spec)
+    except InvalidRequest as e:
+        raise ValueError(str(e)) from None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema here, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        if self.json_schema is not None and self.json_schema.schema_ is None:
+            raise ValueError("json_schema.schema is required")
+        return self
+
+    def guide(self) -> Guide | None:
+        if self.type == "json_object":
+            return Guide("json_object")
+        if self.type == "json_schema":
+            return Guide.json_schema(self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` object: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def guide(self) -> Guide | None:
+        return _guided(self.json_, self.regex, self.choice, self.grammar, bool(self.json_object))
+
+
 class _Sampling(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -59,6 +120,30 @@ class _Sampling(_Strict):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def guide(self) -> Guide | None:
+        """The structured output this request asks for (at most one of the fields), as the engine's Guide."""
+        given = [name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                   "guided_choice", "guided_grammar") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one structured output, not {' and '.join(given)}")
+        if self.response_format is not None:
+            return self.response_format.guide()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.guide()
+        return _guided(self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> _Sampling:
+        self.guide()
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -153,19 +238,70 @@ def _content(value: Any) -> str:
     return "\n".join(texts)
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Any
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Any = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (its content may then be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
-    def _check_content(cls, value: Any) -> str:
-        return _content(value)
+    def _check_content(cls, value: Any) -> str | None:
+        return None if value is None else _content(value)
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates read it."""
-        return self.model_dump(exclude_none=True)
+    @model_validator(mode="after")
+    def _roles(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: a call's arguments as an object where they are JSON (the
+        templates of Qwen, Hermes and Llama 3 write them with `tojson`)."""
+        out = self.model_dump(exclude_none=True)
+        for call in out.get("tool_calls", ()):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                pass
+        return out
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # calls the grammar makes (required, named) follow the schema either way
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -173,11 +309,19 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        named = self.named_tool()
+        if named is not None and named not in [t.function.name for t in self.tools or ()]:
+            raise ValueError(f"tool_choice names the function {named!r}, which is not in tools")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -185,6 +329,17 @@ class ChatCompletionRequest(_Sampling):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named": how tools shape this request's output."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"  # OpenAI's default when tools are given
 
 
 class TokenizeRequest(_Strict):

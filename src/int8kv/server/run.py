@@ -59,12 +59,12 @@ def store_name(url: str | None) -> str:
 
 def serve(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, limits: Limits | None = None,
           log_level: str = "warning", api_key: str | None = None, sock: socket.socket | None = None,
-          kv_store: str | None = None, log_requests: bool = True) -> int:
+          kv_store: str | None = None, log_requests: bool = True, tool_parser: str | None = None) -> int:
     import uvicorn
 
     limits = limits or Limits()
     sock = sock or bind(host, port)
-    app = build_app(llm, model_name, limits, api_key)
+    app = build_app(llm, model_name, limits, api_key, tool_parser)
     service = app.state.service
     config = uvicorn.Config(app, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=int(limits.shutdown_timeout + SHUTDOWN_MARGIN))
