@@ -50,6 +50,7 @@ SAME_UNIT_TESTS = {
     "tests/test_cli.py::test_bench_attention_plot": "bench attention",
     "tests/test_cli.py::test_bench_options_are_the_same_from_both_entry_points": "bench attention",
     "tests/test_readme.py::test_openai_example_runs_against_int8kv_serve": "tests/test_server_smollm2.py",
+    "tests/test_readme.py::test_structured_output_example_follows_its_schema": "tests/test_server_smollm2.py",
 }
 
 # Work units sent before all others, in this order: the longest first (LPT), so that no long unit starts while the

@@ -22,6 +22,7 @@ BLOCKS = {
     "kv_store=store": "test_store_example_shares_blocks_between_two_engines",
     "from openai import OpenAI": "test_openai_example_runs_against_int8kv_serve",
     "QuantizedKvCache": "test_lower_level_example_runs",
+    "response_format=": "test_structured_output_example_follows_its_schema",
 }
 
 
@@ -130,6 +131,16 @@ def test_openai_example_runs_against_int8kv_serve(smollm2_server):
     assert reply == ns["reply"].choices[0].message.content and reply.strip() and usage.completion_tokens > 0
     texts = [text for (text,) in pieces if text]  # chunks without text print "" (a finish or usage chunk)
     assert "".join(texts).strip() and len(texts) <= 16  # max_tokens=16: at most one text piece per token
+
+
+def test_structured_output_example_follows_its_schema(smollm2_server):
+    code = block("response_format=")
+    url = "http://127.0.0.1:8000/v1"
+    assert code.count(url) == 1
+    ns, printed = run_block(code.replace(url, smollm2_server.base + "/v1"))
+    ((city,),) = printed
+    assert city == ns["city"] and set(city) == {"city", "population"}
+    assert city["city"] in ("Paris", "Rome", "Oslo") and isinstance(city["population"], int)
 
 
 # -- command lines ---------------------------------------------------------------------------------------

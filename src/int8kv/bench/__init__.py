@@ -21,4 +21,5 @@ BENCHMARKS = {
     "hybrid": "int8kv.bench.hybrid",
     "busy": "int8kv.bench.busy",
     "gguf": "int8kv.bench.gguf",
+    "structured": "int8kv.bench.structured",
 }

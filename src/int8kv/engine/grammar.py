@@ -1,10 +1,9 @@
 """Structured outputs: a request's output held to a JSON schema, a regular expression, a list of choices or an EBNF
 grammar, by masking the tokens the grammar cannot take next before each token is chosen.
 
-The grammar engine is xgrammar (an optional dependency: `int8kv[serve]`). Measured against llguidance on
-SmolLM2's 49,152-token vocabulary, batch 16, a JSON schema: filling the batch's masks took 0.6 ms a step against
-3.0, accepting the chosen tokens 0.4 against 0.4 (tools/structured_overhead.py). Masks are applied here (a
-bit unpacking in torch) rather than by either library's CPU function, which took 4.9 and 513 ms a step.
+The grammar engine is xgrammar (an optional dependency: `int8kv[serve]`), chosen over llguidance for its lower
+cost a step at batch 16 (docs/performance.md, tools/grammar_backends.py). Masks are applied here, by unpacking
+the bits in torch, which costs less than either library's CPU function.
 
 `Guide` is what a request asks for (checked and compiled when the request is queued, so a bad schema is refused
 before anything runs); `Grammars` is one engine's compiler and cache of compiled grammars; a sequence holds one
