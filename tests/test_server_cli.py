@@ -26,6 +26,11 @@ from int8kv.server.launch import free_port
         (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:"),  # not an address of this machine
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
         (["/nonexistent/positional"], "/nonexistent/positional"),
+        # an empty key read as "no key" served every route without one
+        (["--api-key", ""], "--api-key: the API key is empty or blank"),
+        (["--api-key", " \t "], "--api-key: the API key is empty or blank"),
+        (["--api-key", " sk-padded"], "--api-key: the API key has spaces at its ends or control characters"),
+        (["--api-key", "sk-\nsplit"], "--api-key: the API key has spaces at its ends or control characters"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_1(capsys, monkeypatch, argv, message):
@@ -68,3 +73,22 @@ def test_a_max_model_len_beyond_the_model_is_one_line(capsys, tmp_path):
     assert cli.main(["serve", "--quiet", str(model), "--port", str(free_port()), "--max-model-len", "300"]) == 1
     err = capsys.readouterr().err
     assert "max_model_len 300 must lie in [1, 256]" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_api_key_in_the_environment_is_refused_too(capsys, monkeypatch, value):
+    import int8kv.models
+
+    monkeypatch.setattr(int8kv.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setenv("INT8KV_API_KEY", value)
+    assert cli.main(["serve", "--quiet", "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("int8kv: error: $INT8KV_API_KEY: the API key is empty or blank") and err.count("\n") == 1
+
+
+def test_build_app_refuses_an_empty_key_instead_of_serving_without_one():
+    from int8kv.errors import InvalidEngineConfig
+    from int8kv.server import build_app
+
+    with pytest.raises(InvalidEngineConfig, match="empty or blank"):
+        build_app(None, "tiny", api_key="")  # refused before the engine is touched
