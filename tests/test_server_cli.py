@@ -26,6 +26,8 @@ from int8kv.server.launch import free_port
         (["--host", "203.0.113.7"], "cannot listen on 203.0.113.7:"),  # not an address of this machine
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
         (["/nonexistent/positional"], "/nonexistent/positional"),
+        (["--kv-store", "embedded", "--kv-store-secret", "0" * 16], "--kv-store-secret: a KV store secret of 16 "
+         "bytes that are all one value is no secret"),
         # an empty key read as "no key" served every route without one
         (["--api-key", ""], "--api-key: the API key is empty or blank"),
         (["--api-key", " \t "], "--api-key: the API key is empty or blank"),
