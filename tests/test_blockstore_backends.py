@@ -8,8 +8,10 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -367,6 +369,37 @@ def test_disk_store_survives_a_partial_temp_file_and_a_truncated_block(tmp_path)
     assert not partial.exists() and fresh.exists()
     assert not any(p.name.startswith(".tmp-") and p != fresh for p in store.root.iterdir())
     assert store.get_prefix(keys[:1], spec).equal(state.slice(0, 4))
+
+
+def test_a_cleared_disk_store_is_written_again_and_never_through_a_planted_link(tmp_path):
+    spec = small_spec()
+    state, values = blocks(spec, 3, seed=21)
+    keys = key_chain(3, seed=21)
+    store = DiskBlockStore(tmp_path / "store", namespace="cleared")
+    mode = stat.S_IMODE(store.root.stat().st_mode)
+    assert store.put(keys[0], values[0])
+    shutil.rmtree(tmp_path / "store")  # the cache directory cleared while the engine runs
+    assert store.lookup(keys) == 0 and store.total_bytes() == 0
+    assert store.put(keys[0], values[0]) and store.put(keys[1], values[1])  # every later put failed
+    assert store.get_prefix(keys[:2], spec).equal(state.slice(0, 8))
+    assert stat.S_IMODE(store.root.stat().st_mode) == mode and store.stats().errors == 0
+    # A link planted where the namespace directory was: the put fails, nothing lands where it points.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(store.root)
+    store.root.symlink_to(elsewhere)
+    assert not store.put(keys[2], values[2]) and list(elsewhere.iterdir()) == []
+    assert store.stats().errors == 1
+    with pytest.raises(StoreUnavailable):
+        DiskBlockStore(tmp_path / "store", namespace="cleared")  # refused at start as well
+    # A link in place of a fan-out directory: the link goes (never its target), the block lands in a directory.
+    store.root.unlink()
+    fanout = store.path_of(keys[2]).parent
+    fanout.parent.mkdir()
+    fanout.symlink_to(elsewhere)
+    assert store.put(keys[2], values[2])
+    assert fanout.is_dir() and not fanout.is_symlink() and list(elsewhere.iterdir()) == []
+    assert store.get([keys[2]]) == [values[2]]
 
 
 def test_disk_store_ttl_expires_by_write_time(tmp_path):

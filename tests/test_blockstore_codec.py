@@ -278,8 +278,8 @@ def test_a_value_is_bound_to_its_key():
     assert decode(spec, reframe(values[1], rekey), key=keys[0]).equal(state.slice(4, 8))
 
 
-SECRET = b"s" * 16
-OTHER = b"t" * 16
+SECRET = b"sixteen-byte-key"
+OTHER = b"another-16b-key!"
 
 
 def test_authenticated_values_need_the_same_secret():
@@ -304,8 +304,8 @@ def test_authenticated_values_need_the_same_secret():
     assert decode(spec, reframe(value, patch, secret=SECRET), secret=SECRET).k_scales[0][0, 1, 1] == 1.0
 
 
-@pytest.mark.parametrize("secret", ["", b"short", "x" * 15, 12345, bytearray(3)])
-def test_short_or_non_bytes_secrets_are_refused_without_echoing_them(secret):
+@pytest.mark.parametrize("secret", ["", b"short", "x" * 15, 12345, bytearray(3), bytes(16), b"\xff" * 32, "k" * 64])
+def test_short_one_byte_or_non_bytes_secrets_are_refused_without_echoing_them(secret):
     spec = small_spec()
     state = random_state(spec.layout, 4, seed=16)
     with pytest.raises(InvalidStoreSecret) as refused:

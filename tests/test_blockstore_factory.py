@@ -119,8 +119,8 @@ def test_a_secret_from_the_argument_or_the_environment_names_keys_apart(tmp_path
     from_env.close()
 
 
-@pytest.mark.parametrize("secret", ["short", b"", b"fifteen bytes!!"])
-def test_a_short_secret_is_refused_before_anything_opens(secret, tmp_path, monkeypatch):
+@pytest.mark.parametrize("secret", ["short", b"", b"fifteen bytes!!", bytes(16), "0" * 32])
+def test_a_short_or_one_byte_secret_is_refused_before_anything_opens(secret, tmp_path, monkeypatch):
     with pytest.raises(InvalidStoreSecret):
         open_block_store("embedded", secret=secret)  # refused before a server starts
     monkeypatch.setenv(SECRET_ENV, "short")

@@ -387,6 +387,22 @@ def test_cache_inspect_checks_its_output_before_any_work(capsys, tmp_path, where
     assert code == 0 and "tokens" in out and json.loads((tmp_path / "r.json").read_text())
 
 
+@pytest.mark.parametrize("target", ["missing/r.json", "gone.json"])
+def test_cache_inspect_refuses_a_dangling_link_as_its_output_before_any_work(capsys, tmp_path, target):
+    import torch
+
+    from int8kv import QuantizedKvCache, save_kv
+
+    cache = QuantizedKvCache(num_layers=1, capacity=4, num_kv_heads=1, head_dim=8)
+    cache.push_step([torch.randn(1, 8)], [torch.randn(1, 8)])
+    save_kv(tmp_path / "p.kv", cache)
+    (tmp_path / "link.json").symlink_to(tmp_path / target)  # a folder that is missing, or only the file
+    code, out, err = run(capsys, "cache", "inspect", str(tmp_path / "p.kv"), "--json", str(tmp_path / "link.json"))
+    assert code == 1 and out == "" and err.count("\n") == 1, err  # refused before the report, not after it
+    assert "--json" in err and "is a symbolic link to a missing file" in err
+    assert not (tmp_path / target).exists() and (tmp_path / "link.json").is_symlink()
+
+
 def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path):
     import os
     import socket

@@ -115,6 +115,67 @@ def test_signatures_compiled_at_once_all_reach_the_index(tmp_path):
         assert later["result"][kind] == _expected(kind)
 
 
+def _child_env(tmp_path: Path, **extra: str) -> dict:
+    (tmp_path / "kernels.py").write_text(MODULE)
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "start").write_text("")
+    return {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(tmp_path),
+            "NUMBA_CACHE_MODULE": str(SRC / "int8kv" / "numba_cache.py"), **extra}  # fmt: skip
+
+
+def _run_child(tmp_path: Path, env: dict, timeout: float = 120) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "start"), "int64"], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["result"]["int64"] == _expected("int64")
+    return result, done.stderr
+
+
+@pytest.mark.parametrize(("suffix", "damage"), [(".nbi", "empty"), (".nbi", "garbage"), (".nbc", "truncated")])
+def test_a_damaged_cache_entry_is_a_miss_that_is_compiled_and_replaced(tmp_path, suffix, damage):
+    env = _child_env(tmp_path)
+    assert _run_child(tmp_path, env)[0]["misses"] == 1  # compiled and saved
+    (entry,) = (tmp_path / "cache").rglob(f"*{suffix}")
+    body = entry.read_bytes()
+    entry.write_bytes({"empty": b"", "garbage": os.urandom(64), "truncated": body[: len(body) // 2]}[damage])
+    result, err = _run_child(tmp_path, env)  # a bare EOFError / UnpicklingError at the first call before
+    index = next((tmp_path / "cache").rglob("*.nbi"))
+    assert result["misses"] == 1 and "unreadable" in err and str(index) in err, err
+    result, err = _run_child(tmp_path, env)  # the entry was written again
+    assert result["hits"] == 1 and result["misses"] == 0 and "unreadable" not in err, err
+
+
+HOLDER = textwrap.dedent('''
+    import os, signal, sys
+    import numpy as np
+    import kernels
+    x = np.arange(5, dtype="int64")
+    sig = tuple(kernels.combine.typeof_pyval(a) for a in (x, x.dtype.type(3)))  # what a call compiles
+    with kernels.combine._cache.compiling(sig):
+        print("holding", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # Ctrl-Z while compiling
+''')
+
+
+def test_a_compile_lock_held_by_a_stopped_process_is_waited_for_with_a_bound(tmp_path):
+    env = _child_env(tmp_path, INT8KV_NUMBA_LOCK_TIMEOUT="1")
+    (tmp_path / "holder.py").write_text(HOLDER)
+    holder = subprocess.Popen([sys.executable, str(tmp_path / "holder.py")], env=env, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        # Waited without limit or message before (still blocked after 45 s for a 3 s compile).
+        result, err = _run_child(tmp_path, env, timeout=60)
+        assert result["misses"] == 1, result  # compiled here, without the lock
+        assert f"held by pid {holder.pid}" in err and "going on without numba cache lock" in err, err
+    finally:
+        holder.kill()
+        holder.wait(30)
+    result, _ = _run_child(tmp_path, env)  # the build saved under the index lock loads
+    assert result["hits"] == 1 and result["misses"] == 0
+
+
 def test_twin_builds_of_one_function_are_refused():
     def body(x):
         return x + 1

@@ -3,7 +3,8 @@ system has no GNU OpenMP runtime (a slim container image). workqueue ends the pr
 parallel kernels at once, and drops an exception raised in a worker.
 
 Each check runs in a child process with NUMBA_THREADING_LAYER=workqueue (the layer is fixed at a process's first
-parallel launch), against the same kernels the suite loads from numba's disk cache.
+parallel launch), against the same kernels the suite loads from numba's disk cache; the fork check runs a child on
+the layer int8kv chooses (tbb, int8kv.tbb_layer).
 """
 
 from __future__ import annotations
@@ -106,6 +107,44 @@ def test_a_refusal_in_a_worker_is_refused_to_the_caller_on_workqueue():
     done = _child(code)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "16 passed" in done.stdout  # 4 + 12
+
+
+# A process that has run a parallel kernel forks, by os.fork and by multiprocessing's "fork", and each child runs
+# one too. On GNU OpenMP (numba's omp layer, where the system has libgomp) the children ended at their first kernel
+# ("Terminating: fork() called from a process already using GNU OpenMP, this is unsafe").
+FORKS = """
+import multiprocessing, os, sys, torch
+from int8kv import numba_threads
+from int8kv.codec import quantize_int8
+
+rows = torch.randn(1024, 128, generator=torch.Generator().manual_seed(0))  # above the serial size: parallel
+want = quantize_int8(rows)
+
+def again():
+    codes, scales = quantize_int8(rows)
+    return 0 if torch.equal(codes, want[0]) and torch.equal(scales, want[1]) else 3
+
+pid = os.fork()
+if pid == 0:
+    code = 4  # an exception: not 0
+    try:
+        code = again()
+    finally:
+        os._exit(code)
+forked = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+child = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(again()))
+child.start()
+child.join(300)
+print("layer", numba_threads.layer(), "os.fork", forked, "multiprocessing", child.exitcode)
+"""
+
+
+def test_a_process_that_ran_a_kernel_can_fork_a_child_that_runs_one():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_THREADING_LAYER")}  # int8kv's choice
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run([sys.executable, "-c", FORKS], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.split()[2:] == ["os.fork", "0", "multiprocessing", "0"], done.stdout + done.stderr[-2000:]
 
 
 def test_the_layer_is_named_once_a_parallel_kernel_has_run():

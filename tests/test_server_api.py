@@ -81,6 +81,32 @@ def test_api_key_guards_v1_and_tokenize_but_not_health(server):
     assert get(server.base + "/health")[0] == 200 and get(server.base + "/metrics")[0] == 200
 
 
+def get_with(url: str, authorization: str | None) -> tuple[int, str]:
+    headers = {"Authorization": authorization} if authorization else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_the_api_docs_and_unknown_paths_need_the_key_too(server):
+    # Only /health and /metrics are open: the OpenAPI schema and its pages describe every guarded route.
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/no-such-route"):
+        status, body = get_with(server.base + path, None)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", (path, body)
+    status, body = get_with(server.base + "/openapi.json", f"Bearer {KEY}")
+    assert status == 200 and "/v1/completions" in json.loads(body)["paths"]
+    assert get_with(server.base + "/docs", f"Bearer {KEY}")[0] == 200
+
+
+def test_the_bearer_scheme_is_matched_in_any_case_and_the_key_exactly(server):
+    for scheme in ("bearer", "BEARER", "bEaReR", "Bearer  "):  # RFC 7235: the scheme is case-insensitive
+        assert get_with(server.base + "/v1/models", f"{scheme} {KEY}")[0] == 200, scheme
+    for header in (f"Bearer {KEY.upper()}", f"Basic {KEY}", f"Bearer{KEY}", KEY, f"Bearer {KEY}x", "Bearer"):
+        assert get_with(server.base + "/v1/models", header)[0] == 401, header
+
+
 def test_tokenize_and_detokenize_in_vllms_shapes(server, offline):
     tok = offline.tokenizer
     status, body = post(server.base, "/tokenize", {"prompt": "the water of people", "return_token_strs": True})

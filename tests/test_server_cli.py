@@ -42,6 +42,13 @@ from int8kv.server.launch import free_port
         (["--chat-template", "no-such-template.jinja"], "no such file, and not a Jinja template"),
         (["--chat-template", "{% for m in messages %}{{ m.content }}"], "--chat-template: Jinja syntax error on "
                                                                         "line 1"),
+        (["--kv-store", "embedded", "--kv-store-secret", "0" * 16], "--kv-store-secret: a KV store secret of 16 "
+         "bytes that are all one value is no secret"),
+        # an empty key read as "no key" served every route without one
+        (["--api-key", ""], "--api-key: the API key is empty or blank"),
+        (["--api-key", " \t "], "--api-key: the API key is empty or blank"),
+        (["--api-key", " sk-padded"], "--api-key: the API key has spaces at its ends or control characters"),
+        (["--api-key", "sk-\nsplit"], "--api-key: the API key has spaces at its ends or control characters"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_1(capsys, monkeypatch, argv, message):
@@ -125,3 +132,22 @@ def test_vllm_flag_names_reach_the_engine_and_the_server(capsys, monkeypatch, tm
     assert seen["kv_format"] == KvStorageFormat.INT8_PER_TOKEN_HEAD_F32_SCALE_V1 and "prefix_caching" not in seen
     assert seen["tokenizer"].chat_template == "{{ messages[0]['content'] }}!" and seen["serve"]["log_requests"]
     assert not any(isinstance(m, BFloat16Linear) for m in seen["model"].modules())
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_api_key_in_the_environment_is_refused_too(capsys, monkeypatch, value):
+    import int8kv.models
+
+    monkeypatch.setattr(int8kv.models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setenv("INT8KV_API_KEY", value)
+    assert cli.main(["serve", "--quiet", "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("int8kv: error: $INT8KV_API_KEY: the API key is empty or blank") and err.count("\n") == 1
+
+
+def test_build_app_refuses_an_empty_key_instead_of_serving_without_one():
+    from int8kv.errors import InvalidEngineConfig
+    from int8kv.server import build_app
+
+    with pytest.raises(InvalidEngineConfig, match="empty or blank"):
+        build_app(None, "tiny", api_key="")  # refused before the engine is touched

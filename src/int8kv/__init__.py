@@ -46,13 +46,16 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# Before any kernel module loads numba: INT8KV_CPU=avx2 sets numba's target (int8kv.cpu_target), and numba's pool
-# is sized to the CPUs the process may use (affinity, cgroup quota: int8kv.cpu_budget).
+# Before any kernel module loads numba: INT8KV_CPU=avx2 sets numba's target (int8kv.cpu_target), numba's pool
+# is sized to the CPUs the process may use (affinity, cgroup quota: int8kv.cpu_budget), and the tbb wheel's library
+# is loaded so that numba's threads run on tbb, which a process can fork (int8kv.tbb_layer).
 from .cpu_budget import apply_budget as _apply_cpu_budget  # noqa: E402
 from .cpu_target import apply_switch as _apply_cpu_switch  # noqa: E402
+from .tbb_layer import load_tbb as _load_tbb  # noqa: E402
 
 _apply_cpu_switch()
 _apply_cpu_budget()
+_load_tbb()
 
 # Every public name loads on first use (PEP 562), from the module that defines it: `import int8kv.bench.gpu_check`
 # or `int8kv.errors` then costs no torch import (2.4 s of CPU on the 2-core dev VM, paid by each child process

@@ -172,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="the model name clients use (default: from --model)")
     serve.add_argument("--max-model-len", type=int,
                        help="the most tokens (prompt + new) one request may use (default: the model's context)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-                                          "(default: $INT8KV_API_KEY, which keeps the key out of the process list)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health and "
+                                          "/metrics (default: $INT8KV_API_KEY, which keeps the key out of the "
+                                          "process list)")
     serve.add_argument("--no-log-requests", "--disable-log-requests", dest="no_log_requests", action="store_true",
                        help="no log line per request (id, tokens, finish reason, seconds)")
     # vLLM's names for the same settings, so its launch lines run as they are
@@ -538,6 +539,7 @@ def run_serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CliError(f"--kv-store-secret: {exc}") from None
         extra["kv_store_secret"] = args.kv_store_secret
+    key = _api_key(args)  # before the port is bound and the model loads
     from .server import Limits, serve
     from .server.run import bind
 
@@ -552,7 +554,6 @@ def run_serve(args: argparse.Namespace) -> int:
         os.path.basename(str(args.model).rstrip("/")) if args.model else "SmolLM2-135M-Instruct")
     limits = Limits(max_tokens=args.max_tokens, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
                     max_model_len=args.max_model_len)
-    key = args.api_key or os.environ.get("INT8KV_API_KEY") or None  # not a parser default: --help would show it
     return serve(llm, name, args.host, args.port, limits, log_level="debug" if args.debug else "warning",
                  api_key=key, sock=sock, kv_store=args.kv_store, log_requests=not args.no_log_requests,
                  tool_parser=args.tool_call_parser)
@@ -599,6 +600,22 @@ def _chat_template(value: str) -> str:
     except TemplateSyntaxError as e:
         raise CliError(f"--chat-template: Jinja syntax error on line {e.lineno}: {e.message}") from None
     return text
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $INT8KV_API_KEY (not a parser default: --help would show it), else None. A key given
+    empty or blank is refused: read as "no key" it served every route to anyone."""
+    from .server.app import check_api_key
+
+    key, where = args.api_key, "--api-key"
+    if key is None:
+        key, where = os.environ.get("INT8KV_API_KEY"), "$INT8KV_API_KEY"
+    if key is None:
+        return None
+    try:
+        return check_api_key(key)
+    except ValueError as exc:
+        raise CliError(f"{where}: {exc}") from None
 
 
 # -- entry point -----------------------------------------------------------------------------------------

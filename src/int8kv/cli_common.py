@@ -70,6 +70,8 @@ def output_problem(path: str) -> str | None:
         mode = None
     except OSError as exc:  # ENOTDIR: under a regular file
         return f"cannot write {path!r}: {exc.strerror}"
+    if mode is None and os.path.islink(path):  # the write would create the link's target, or fail after the work
+        return f"{path!r} is a symbolic link to a missing file ({os.readlink(path)!r}): give the file itself"
     if mode is not None:
         if stat.S_ISDIR(mode):
             return f"{path!r} is a directory, not a file to write"

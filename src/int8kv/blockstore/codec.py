@@ -201,7 +201,8 @@ class BlockHeader:
 
 
 def check_secret(secret: str | bytes | None) -> bytes | None:
-    """The shared secret as bytes (a str is UTF-8), or None; refuses secrets shorter than 16 bytes."""
+    """The shared secret as bytes (a str is UTF-8), or None; refuses secrets shorter than 16 bytes and secrets
+    of one repeated byte (all zeros, say)."""
     if secret is None:
         return None
     if isinstance(secret, str):
@@ -211,6 +212,9 @@ def check_secret(secret: str | bytes | None) -> bytes | None:
             f"a KV store secret is a str or bytes of at least {MIN_SECRET_BYTES} bytes, got "
             f"{type(secret).__name__} of {len(secret) if isinstance(secret, (bytes, bytearray)) else '?'} bytes"
         )  # never the secret itself
+    if len(set(secret)) == 1:  # all zeros or one byte repeated: a placeholder, or a key buffer never filled
+        raise InvalidStoreSecret(f"a KV store secret of {len(secret)} bytes that are all one value is no secret: "
+                                 "use random bytes (e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
     return bytes(secret)
 
 

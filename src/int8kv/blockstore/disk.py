@@ -17,6 +17,10 @@ Hostile entries: a block is read through ``open(O_NONBLOCK | O_NOFOLLOW)`` relat
 (itself opened with ``O_NOFOLLOW``), the opened descriptor is checked to be a regular file, and at most the
 expected size + 1 bytes are read. A FIFO, device node, socket, directory or symbolic link under a block's name
 is a miss that never blocks, and the entry (never what a link points to) is removed so a writer can replace it.
+Writes go through descriptors of the namespace and fan-out directories opened with ``O_NOFOLLOW``: a link in
+place of the namespace directory fails the put, one in place of a fan-out directory is removed and replaced by
+a directory. A namespace directory removed while the store is open (a cleared cache) is made again by the next
+put, as at start.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ DEFAULT_MAX_BYTES = 10 << 30
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _STALE_TMP_SECONDS = 60.0
 _LOW_WATER = 0.9
 _SIZE = re.compile(r"(\d+)\s*([kmgt]?)i?b?", re.IGNORECASE)
@@ -75,7 +80,7 @@ class DiskBlockStore(BlockStore):
         self.max_bytes = parse_size(max_bytes)
         self._evict_lock = threading.Lock()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            os.close(self._open_root())  # made if missing; a link in its place is refused, as at every put
             self._total = self._scan(remove_stale=True)[0]
         except OSError as exc:
             raise StoreUnavailable(f"cannot use {self.root} as a block store: {exc}") from exc
@@ -105,27 +110,33 @@ class DiskBlockStore(BlockStore):
         final = self.path_of(key)
         if self._fresh(final):
             return False
-        final.parent.mkdir(exist_ok=True)
-        tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
+        root = self._open_root()
         try:
-            with open(tmp, "wb") as f:
-                f.write(value)
-                f.flush()
-                os.fsync(f.fileno())
+            fanout = _open_fanout(root, final.parent.name)
             try:
-                os.link(tmp, final)
-            except FileExistsError:
-                return False
+                written = _write_new(root, fanout, final.name, value)
+            finally:
+                os.close(fanout)
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        _fsync_dir(final.parent)
+            os.close(root)
+        if not written:
+            return False
         with self._evict_lock:
             self._total += len(value)
             over = self._total > self.max_bytes
         if over:
             self._evict()
         return True
+
+    def _open_root(self) -> int:
+        """The namespace directory's descriptor, never through a symbolic link planted there (ELOOP: the put
+        fails). Made again, as at start, when it has been removed while the store is open (a cleared cache
+        directory): without that every later put failed until the process restarted."""
+        try:
+            return os.open(self.root, _DIR_FLAGS)
+        except FileNotFoundError:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return os.open(self.root, _DIR_FLAGS)
 
     def _delete(self, keys: list[bytes]) -> None:
         for key in keys:
@@ -191,6 +202,8 @@ class DiskBlockStore(BlockStore):
         """Total block bytes and (atime, size, path) of every block; optionally removes stale temp files."""
         total, entries = 0, []
         now = time.time()
+        if not self.root.is_dir():  # removed while open: empty until a put makes it again
+            return total, entries
         with os.scandir(self.root) as top:
             for sub in top:
                 if sub.name.startswith(".tmp-"):
@@ -232,12 +245,39 @@ def _unlink_entry(path: Path) -> None:
         os.unlink(path)
 
 
-def _fsync_dir(directory: Path) -> None:
+def _open_fanout(root: int, name: str) -> int:
+    """The fan-out directory ``name`` in the namespace directory ``root`` (a descriptor), made if missing. A
+    link or file in its place is removed (the entry, never its target) and a directory made instead, so nothing
+    is written through a planted link."""
+    for _ in range(2):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, dir_fd=root)  # the mode rule of the start's mkdir: 0o777 less the umask
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=root)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            os.unlink(name, dir_fd=root)
+    raise OSError(errno.ELOOP, f"fan-out directory {name} keeps being replaced")
+
+
+def _write_new(root: int, fanout: int, name: str, value: bytes) -> bool:
+    """Write ``value`` to a temporary file in ``root``, fsync it, hard-link it as ``name`` in ``fanout`` (False
+    if that name exists: first writer wins) and fsync ``fanout``; the temporary is removed whatever happens."""
+    tmp = f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    fd = os.open(tmp, _WRITE_FLAGS, 0o666, dir_fd=root)  # 0o666 less the umask, as open(path, "wb") made it
     try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # platforms that cannot open directories have no directory fsync either
-        return
-    try:
-        os.fsync(fd)
+        with open(fd, "wb", closefd=False) as f:
+            f.write(value)
+            f.flush()
+            os.fsync(fd)
+        try:
+            os.link(tmp, name, src_dir_fd=root, dst_dir_fd=fanout)
+        except FileExistsError:
+            return False
     finally:
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=root)
+    os.fsync(fanout)
+    return True

@@ -108,18 +108,39 @@ class BodyLimit:
             await too_big.response()(scope, receive, send)
 
 
+OPEN_PATHS = ("/health", "/metrics")  # what probes and scrapers reach without the API key
+
+
+def check_api_key(key: str) -> str:
+    """``key`` if it can guard the server, else InvalidEngineConfig: an empty or blank key would read as "no key"
+    and serve every route to anyone, and one with control characters or spaces at its ends cannot be sent in a
+    header (clients and proxies trim them), so no request could match it. Never echoes the key."""
+    if not isinstance(key, str) or not key.strip():
+        raise InvalidEngineConfig("the API key is empty or blank: give a key, or leave --api-key and "
+                                  "$INT8KV_API_KEY unset to serve without one")
+    if key != key.strip() or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise InvalidEngineConfig("the API key has spaces at its ends or control characters, which an HTTP "
+                                  "header cannot carry")
+    return key
+
+
 class ApiKey:
-    """ASGI middleware: with a key, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <key>` (401 in
-    OpenAI's shape otherwise); /health and /metrics stay open (probes and scrapers)."""
+    """ASGI middleware: with a key, every route but /health and /metrics (probes and scrapers) needs
+    `Authorization: Bearer <key>` (401 in OpenAI's shape otherwise): /v1/*, /tokenize, /detokenize, the API
+    docs (/docs, /redoc, /openapi.json) and any path that is not a route, so a route added later is guarded
+    too. The scheme is matched in any case (RFC 7235), the key exactly and in constant time."""
 
     def __init__(self, app: Any, key: str) -> None:
-        self.app, self.key = app, f"Bearer {key}".encode()
+        self.app, self.key = app, check_api_key(key).encode()
+
+    def authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        return hmac.compare_digest(token.lstrip(b" "), self.key) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+        if scope["type"] == "http" and scope.get("path", "") not in OPEN_PATHS:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.key):
+            if not self.authorized(given):
                 refused = ApiError(401, "missing or incorrect API key (send Authorization: Bearer <key>)",
                                    headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
                 return await refused.response()(scope, receive, send)
@@ -465,6 +486,8 @@ class Run:
 
 def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: str | None = None,
               tool_parser: str | None = None) -> FastAPI:
+    if api_key is not None:  # "" is refused, never read as "no key" (before the engine is touched)
+        check_api_key(api_key)
     service = Service(llm, model_name, limits or Limits(), tool_parser)
 
     @contextlib.asynccontextmanager
@@ -479,7 +502,7 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
 
     app = FastAPI(title="int8kv", lifespan=lifespan)
     app.state.service = service
-    if api_key:
+    if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)
     app.add_middleware(BodyLimit, limit=service.limits.max_body_bytes)  # outermost: counts every body
 
