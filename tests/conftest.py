@@ -51,6 +51,7 @@ SAME_UNIT_TESTS = {
     "tests/test_cli.py::test_bench_options_are_the_same_from_both_entry_points": "bench attention",
     "tests/test_readme.py::test_openai_example_runs_against_int8kv_serve": "tests/test_server_smollm2.py",
     "tests/test_readme.py::test_structured_output_example_follows_its_schema": "tests/test_server_smollm2.py",
+    "tests/test_server_structured.py": "tests/test_server_smollm2.py",
 }
 
 # Work units sent before all others, in this order: the longest first (LPT), so that no long unit starts while the
@@ -91,8 +92,8 @@ if LoadScopeScheduling is not None:
 
     class ModuleFixtureScheduling(LoadScopeScheduling):
         """Single tests as work units, except ONE_WORKER_MODULES (one unit per module) and SAME_UNIT_TESTS
-        (one unit per group). LONG_UNITS go first, in their order; the rest follow largest first, by
-        LoadScopeScheduling's ordering."""
+        (one unit per group; a key is a test or a whole module). LONG_UNITS go first, in their order; the rest
+        follow largest first, by LoadScopeScheduling's ordering."""
 
         _long_units_sent = False
 
@@ -108,7 +109,7 @@ if LoadScopeScheduling is not None:
             path = nodeid.split("::", 1)[0]
             if Path(path).stem in ONE_WORKER_MODULES:
                 return path
-            return SAME_UNIT_TESTS.get(nodeid, nodeid)
+            return SAME_UNIT_TESTS.get(nodeid, SAME_UNIT_TESTS.get(path, nodeid))
 
     @pytest.hookimpl(optionalhook=True)  # `-p no:xdist` leaves xdist's hooks undeclared
     def pytest_xdist_make_scheduler(config, log):
@@ -145,11 +146,13 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_server(tmp_path_factory):
-    """`int8kv serve --memory 64MiB` on the packaged SmolLM2 at a free loopback port, one per test session (its
+    """`int8kv serve --memory 64MiB` (and "auto" tool choice read by the hermes parser) on the packaged SmolLM2 at
+    a free loopback port, one per test session (its
     users share one work unit: SAME_UNIT_TESTS); stopped with SIGTERM at the end, which must exit 0."""
     from int8kv.server.launch import LocalServer
 
-    proc = LocalServer("--memory", "64MiB", log_path=tmp_path_factory.mktemp("smollm2-server") / "server.log")
+    proc = LocalServer("--memory", "64MiB", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                       log_path=tmp_path_factory.mktemp("smollm2-server") / "server.log")
     try:
         yield proc
     finally:

@@ -1,5 +1,6 @@
-"""Structured outputs and tool calls through `int8kv serve` and the real `openai` client, on the packaged SmolLM2
-with a Hermes-style tool template (`--chat-template`) and `--tool-call-parser hermes`."""
+"""Structured outputs and tool calls through `int8kv serve` and the real `openai` client, on the session's packaged
+SmolLM2 server (conftest.py: started with `--tool-call-parser hermes --enable-auto-tool-choice`). SmolLM2's own
+template shows no tools to the model; "required" and named tool choices hold its output to the calls anyway."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -8,30 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from int8kv.server.launch import LocalServer
-
 pytestmark = pytest.mark.slow
-# SmolLM2's ChatML with tools in the system turn and calls as <tool_call> JSON, as Hermes-style templates write them
-TEMPLATE = """{%- if tools %}<|im_start|>system
-You may call these functions:
-{%- for t in tools %}
-{{ t | tojson }}
-{%- endfor %}
-To call one, write <tool_call>{"name": <name>, "arguments": <object>}</tool_call>.<|im_end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
-{%- for c in m.tool_calls %}
-<tool_call>{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments | tojson }}}</tool_call>
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>{{ m.content }}</tool_response><|im_end|>
-{% else %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"], "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
                                                                         "maximum": 120},
@@ -46,15 +24,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    root = tmp_path_factory.mktemp("structured")
-    (root / "tools.jinja").write_text(TEMPLATE)
-    server = LocalServer("--memory", "64MiB", "--max-num-seqs", "16", "--chat-template", str(root / "tools.jinja"),
-                         "--tool-call-parser", "hermes", "--enable-auto-tool-choice", log_path=root / "server.log")
-    try:
-        yield openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=600)
-    finally:
-        assert server.stop() == 0, server.output()
+def client(smollm2_server):
+    return openai.OpenAI(base_url=smollm2_server.base + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 def test_fifty_sampled_json_answers_follow_their_schema(client):

@@ -10,6 +10,27 @@ from int8kv import cli
 from int8kv.server import tools
 from int8kv.server.protocol import ChatCompletionRequest
 
+# ChatML with tools in the system turn and calls as <tool_call> JSON, as Hermes-style templates write them
+TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call these functions:
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+To call one, write <tool_call>{"name": <name>, "arguments": <object>}</tool_call>.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{%- for c in m.tool_calls %}
+<tool_call>{"name": {{ c.function.name | tojson }}, "arguments": {{ c.function.arguments | tojson }}}</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
@@ -99,6 +120,30 @@ def test_tool_modes_and_request_refusals():
     assistant = convo.messages[1].template_dict()
     assert assistant["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}  # as templates read it
     assert convo.messages[2].template_dict() == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+    assert assistant["content"] == ""  # templates that join content as text get text
+
+
+def test_a_hermes_template_shows_the_tools_the_calls_and_their_results(tmp_path):
+    """What a tool conversation becomes through a tool-capable template: the tools' definitions, the assistant's
+    calls with their arguments as objects, the tool's answer; and the parser reads back the calls it wrote."""
+    from server_helpers import make_tiny_model
+    from transformers import AutoTokenizer
+
+    from int8kv.server.app import chat_text
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "tiny"))
+    tokenizer.chat_template = TEMPLATE
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    body = request(messages=[{"role": "user", "content": "weather?"},
+                             {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], tools=[WEATHER, TIME])
+    text = chat_text(tokenizer, [m.template_dict() for m in body.messages],
+                     tools=[t.model_dump(exclude_none=True) for t in body.tools])
+    assert '"name": "get_weather"' in text and '"name": "get_time"' in text  # the definitions
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
+    assert "<tool_response>sunny</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+    written = text[text.rindex("<tool_call>"):text.rindex("</tool_call>") + len("</tool_call>")]
+    assert names_and_args(tools.parse(written, "hermes")[1]) == [("get_weather", {"city": "Oslo"})]
 
 
 def test_the_cli_offers_the_parsers_the_server_has():

@@ -97,7 +97,8 @@ def test_the_mask_is_the_grammars_own_next_tokens(smollm2):
     assert dead == [] and torch.equal(masked[1], logits[1])
     kept = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     assert kept and torch.equal(masked[0, kept], logits[0, kept])
-    for token in range(llm.vocab_size):
+    sample = set(torch.randperm(llm.vocab_size, generator=torch.Generator().manual_seed(1))[:3000].tolist())
+    for token in sorted(sample | set(kept)):  # every kept token, and a random 3,000 of the rest
         probe = grammars.matcher(Guide.choice(["yes", "no"]))
         assert probe.accept_token(token) == (token in kept), token
     # a grammar ending in a character this vocabulary cannot write: no token continues it

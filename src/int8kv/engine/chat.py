@@ -32,7 +32,7 @@ def chat_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generat
         return tokenizer.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
-    except TemplateError as e:  # the template's own refusal (raise_exception) or an error inside it
+    except (TemplateError, TypeError) as e:  # its own refusal (raise_exception), or e.g. text + a missing value
         raise InvalidRequest(f"the chat template refused the conversation: {e}") from None
 
 

@@ -273,8 +273,10 @@ class ChatMessage(_Strict):
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates read it: a call's arguments as an object where they are JSON (the
-        templates of Qwen, Hermes and Llama 3 write them with `tojson`)."""
+        templates of Qwen, Hermes and Llama 3 write them with `tojson`), null content as ""."""
         out = self.model_dump(exclude_none=True)
+        if self.content is None:  # an assistant's calls alone: "" for templates that join content as text
+            out["content"] = ""
         for call in out.get("tool_calls", ()):
             try:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
