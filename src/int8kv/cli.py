@@ -44,7 +44,7 @@ JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 WEIGHTS_HELP = (
     "precision of the model's matmuls: model (its own weights exactly; an engine runs GGUF Q4_1 / Q8_0 blocks "
     "packed), dense (as loaded, torch's matmuls: SmolLM2's are float32), bfloat16, or int8 (per-row int8 weights, "
-    "bfloat16 inputs; CPU only); perplexity and speed of each in docs/benchmarks.md"
+    "bfloat16 inputs; CPU only); perplexity and speed of each in docs/performance.md"
 )
 THREADS_HELP = (
     "threads per engine step (default: one or every CPU the process may use, its affinity and cgroup quota, "
@@ -399,7 +399,7 @@ def _demo_summary(result: dict) -> str:
     ]
     if "f16" in runs and INT8.as_str() in runs:
         lines.append("  identical  whether INT8 storage changed any greedy (temperature 0) token against F16; a "
-                     "long answer may part after a near-tie (docs/benchmarks.md, Quality)")
+                     "long answer may part after a near-tie (docs/performance.md, Quality)")
     if "f16" in capacity and INT8.as_str() in capacity:
         more = capacity[INT8.as_str()] / capacity["f16"]
         lines.append(f"  fits       the same memory holds {more:.2f}x the tokens in INT8: longer contexts or more "
