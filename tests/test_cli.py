@@ -1,6 +1,7 @@
 """Every subcommand through `int8kv.cli.main`, in-process: output, --json, --plot and the error paths."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -119,10 +120,11 @@ def test_eval_small_run(capsys, tmp_path):
     text.write_text(open("/usr/share/common-licenses/Apache-2.0").read()[:3000])
     code, out, err = run(
         capsys, "eval", "--text", str(text), "--ctx", "64", "--chunk", "32", "--windows", "2", "--gen-tokens", "4",
-        "--prompts", "1", "--json", str(tmp_path / "e.json"), "--plot", str(tmp_path / "e.png"), "--quiet",
+        "--prompts", "1", "--fp8", "--json", str(tmp_path / "e.json"), "--plot", str(tmp_path / "e.png"), "--quiet",
     )
     assert code == 0, err
     rows = {r["cache"]: r for r in json.loads((tmp_path / "e.json").read_text())["rows"]}
+    # --fp8 adds transformers' fp8 cache to the default three
     assert set(rows) == {"DynamicCache fp32 (baseline)", "int8kv f16", "int8kv int8", "QuantizedCache fp8"}
     assert rows["DynamicCache fp32 (baseline)"]["ppl_change_vs_baseline"] == 0
     assert rows["int8kv int8"]["bytes_vs_f16"] == pytest.approx(68 / 128)
@@ -145,6 +147,105 @@ def test_eval_takes_the_4bit_format(capsys, tmp_path):
     assert rows["int8kv int4"]["bytes_vs_f16"] == pytest.approx(Q4W.bytes_per_row(64) / 128)
     # 80 scored tokens, page 0 sealed from position 127 on: within 5% of the float32 cache.
     assert abs(rows["int8kv int4"]["ppl_change_vs_baseline"]) < 0.05
+
+
+def table_and_legend(text: str, header_start: str) -> tuple[list[str], list[str], list[str]]:
+    """(column names read off the printed header, the table's rows, the names the legend explains). Header cells
+    stand at least two spaces apart, and so do a legend entry's name and its text."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(header_start))
+    end = lines.index("", at)
+    legend = lines[lines.index("columns:", end) + 1 :]
+    names = [line[2:].split("  ")[0] for line in legend if line.startswith("  ") and not line.startswith("   ")]
+    return re.split(r"\s{2,}", lines[at].strip()), lines[at + 1 : end], names
+
+
+EVAL_ROW = {"perplexity": 13.1, "ppl_change_vs_baseline": 0.002, "kv_bytes_per_token": 12240.0,
+            "bytes_vs_f16": 0.531, "greedy_agreement": 0.75, "greedy_common_prefix": 20.5}
+
+
+@pytest.mark.parametrize("prompts", [["a prompt", "another"], []])
+def test_the_eval_legend_explains_every_column_of_the_table(prompts):
+    from int8kv.eval import format_eval
+
+    result = {"ctx": 512, "chunk": 128, "windows": 8, "scored_tokens": 2048, "gen_tokens": 32, "prompts": prompts,
+              "rows": [{**EVAL_ROW, "cache": "DynamicCache fp32 (baseline)"}, {**EVAL_ROW, "cache": "int8kv int8"}]}
+    text = format_eval(result)
+    columns, rows, explained = table_and_legend(text, "cache")
+    assert columns == explained and len(rows) == 2
+    # the greedy columns only where something was generated, and each row has one value per column
+    assert ("agree" in columns) == bool(prompts) and all(len(row[30:].split()) == len(columns) - 1 for row in rows)
+    assert "(out of 32; higher is better)" in text if prompts else "prefix" not in text
+    assert "the first row (DynamicCache fp32 (baseline)) is the reference" in " ".join(text.split())
+
+
+def test_the_attention_legend_explains_every_column_and_names_the_default_path(capsys):
+    code, out, err = run(capsys, "bench", "attention", "--context", "40", "--batch", "1", "--q-heads", "2",
+                         "--kv-heads", "1", "--head-dim", "32", "--block-size", "8", "--repeat", "1",
+                         "--window", "16", "--quiet")
+    assert code == 0, err
+    columns, rows, explained = table_and_legend(out, "context")
+    assert columns == explained
+    assert {"floor", "q16 diff", "q16/floor", "window/full", "x sdpa_f32"} <= set(columns)
+    assert all(len(row) == len(out.splitlines()[1]) for row in rows)  # the cells stand under their names
+    default = [line for line in out.splitlines() if "DEFAULT path" in line]
+    assert len(default) == 1 and default[0].split()[0] == "int8_q16_paged"
+
+
+def test_stages_estimate_the_time_left_from_each_kind_of_unit(monkeypatch):
+    import io
+
+    from int8kv import progress
+    from int8kv.progress import Stages
+
+    monkeypatch.setattr(progress, "_quiet", False)  # an earlier command's --quiet
+
+    now = [0.0]
+    out = io.StringIO()
+    stages = [("a: perplexity", "ppl", 100), ("a: greedy", "gen", 10), ("b: perplexity", "ppl", 100),
+              ("b: greedy", "gen", 10)]
+    with Stages("eval", stages, every=30, stream=out, tty=False, clock=lambda: now[0]) as bar:
+        bar.begin(0)
+        now[0] = 10.0
+        bar.update(100)  # 10 s for 100 scored tokens; nothing generated yet
+        assert bar.seconds_left() is None and "estimating the time left" in bar.line()
+        bar.begin(1)
+        now[0] = 15.0
+        bar.update(5)  # 5 s for 5 generated tokens
+        # 5 + 10 generated at 1 s each, 100 scored at 0.1 s each
+        assert bar.seconds_left() == pytest.approx(25.0)
+        assert out.getvalue() == ""  # no line before 30 s have passed
+        now[0] = 31.0
+        bar.update(1)  # 6 tokens in 21 s: 3.5 s a token, for 4 + 10 of them, and 100 scored at 0.1 s
+        assert out.getvalue() == "eval [2/4] a: greedy: 6/10 tok, 0:31 elapsed, about 0:59 left\n"
+        for i in (1, 2, 3):
+            bar.begin(i)
+            bar.update(stages[i][2] - bar.done[i])
+        assert bar.seconds_left() == 0
+    assert out.getvalue().splitlines()[-1] == "eval: done in 0:31 (4 stages, 220 tok)"
+
+
+def test_stages_redraw_one_line_on_a_terminal(monkeypatch):
+    import io
+
+    from int8kv import progress
+    from int8kv.progress import Stages
+
+    monkeypatch.setattr(progress, "_quiet", False)  # an earlier command's --quiet
+
+    now = [0.0]
+    out = io.StringIO()
+    with Stages("eval", [("x", "ppl", 4)], stream=out, tty=True, clock=lambda: now[0]) as bar:
+        bar.begin(0)
+        for _ in range(4):
+            now[0] += 1
+            bar.update()
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\r\x1b[Keval: done in 0:04 (1 stage, 4 tok)\n")
+    assert text.count("\r") == 6  # begin, four updates, the clearing of the line
+    assert "\reval [1/1] x: 3/4 tok, 0:03 elapsed, about 0:01 left\x1b[K" in text
+    # a line too wide for the terminal loses the end of its stage part, never the times
+    assert bar.line(50) == "eval [1/1] x: 4/..., 0:04 elapsed, about 0:00 left"
 
 
 def test_bench_codec_json(capsys, tmp_path):
@@ -246,7 +347,8 @@ def test_bench_options_are_the_same_from_both_entry_points(capsys, tmp_path):
     "argv, defaults",
     [
         (["demo"], ["--max-tokens MAX_TOKENS", "(default: 48)", "(default: 8GiB)", "(default: f16,int8)"]),
-        (["eval"], ["(default: 512)", "(default: 128)", "(default: 8)", "(default: 4)"]),
+        (["eval"], ["(default: 512)", "(default: 128)", "(default: 8)", "(default: 32)", "(default: 4)",
+                    "--fp8, --no-fp8", "off by default"]),
         (["bench", "attention"], ["(default: 4096)", "(default: 8)", "(default: 32)", "(default: 20)"]),
         (["bench", "codec"], ["(default: 4096)", "(default: 30)"]),
         (["bench", "prefix"], ["(default: 1024)", "(default: 3)"]),
@@ -356,10 +458,13 @@ def test_demo_and_eval_show_progress_and_the_demo_explains_its_figures(capsys, t
     text = tmp_path / "t.txt"
     text.write_text(" ".join(["the water is hot and the day is long"] * 20))
     code, out, err = run(capsys, "eval", "--model", model, "--text", str(text), "--ctx", "16", "--chunk", "8",
-                         "--windows", "2", "--prompts", "1", "--gen-tokens", "3", "--no-fp8")
+                         "--windows", "2", "--prompts", "1", "--gen-tokens", "3")
     assert code == 0, err
-    for i, kind in enumerate(("DynamicCache fp32 (baseline)", "int8kv f16", "int8kv int8"), 1):
-        assert f"[{i}/3] {kind}: perplexity: 32/32 tok (" in err and f"[{i}/3] {kind}: greedy: 3/3 tok (" in err
+    # stderr is not a terminal and the run is short: no line every 30 s, one at the end with the work counted
+    # (three caches, fp8 off by default: 2 x 16 tokens through the model and 3 generated per cache)
+    assert err.splitlines()[-1].startswith("eval: done in ")
+    assert err.splitlines()[-1].endswith(" (6 stages, 105 tok)")
+    assert "QuantizedCache fp8" not in out and "int8kv int8" in out
 
 
 def test_model_dir_prints_what_load_model_reads(capsys, tmp_path):

@@ -44,7 +44,7 @@ JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 WEIGHTS_HELP = (
     "precision of the model's matmuls: model (its own weights exactly; an engine runs GGUF Q4_1 / Q8_0 blocks "
     "packed), dense (as loaded, torch's matmuls: SmolLM2's are float32), bfloat16, or int8 (per-row int8 weights, "
-    "bfloat16 inputs; CPU only); perplexity and speed of each in docs/benchmarks.md"
+    "bfloat16 inputs; CPU only); perplexity and speed of each in docs/performance.md"
 )
 THREADS_HELP = (
     "threads per engine step (default: one or every CPU the process may use, its affinity and cgroup quota, "
@@ -132,12 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", help=MODEL_HELP)
     ev.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
     ev.add_argument("--text", help="UTF-8 text file (default: the license texts in /usr/share/common-licenses)")
-    ev.add_argument("--ctx", type=int, default=512, help="tokens per perplexity window")
+    ev.add_argument("--ctx", type=int, default=512, help="tokens per perplexity window (the second half is scored)")
     ev.add_argument("--chunk", type=int, default=128, help="tokens fed per forward (K/V written, then read)")
-    ev.add_argument("--windows", type=int, default=8, help="at most this many windows")
-    ev.add_argument("--gen-tokens", type=int, default=128, help="greedy tokens generated per prompt")
+    ev.add_argument("--windows", type=int, default=8,
+                    help="at most this many windows: the default 8 x 512 tokens go through the model once per "
+                         "cache, 2,048 of them scored (about three quarters of the default run's time)")
+    ev.add_argument("--gen-tokens", type=int, default=32,
+                    help="greedy tokens generated per prompt and cache, one forward each: the default 4 x 32 take "
+                         "about a quarter of the default run's time; 128 makes the run about 1.8x as long")
     ev.add_argument("--prompts", type=int, default=4, help="built-in prompts to generate from (0: none)")
-    ev.add_argument("--no-fp8", action="store_true", help="skip transformers' fp8 QuantizedCache")
+    ev.add_argument("--fp8", action=argparse.BooleanOptionalAction,
+                    help="also score transformers' fp8 QuantizedCache (off by default: its perplexity passes are "
+                         "several times slower than the other caches', which more than doubles the run)")
     ev.add_argument("--kv-format", default=None, help=f"comma-separated Int8KvCache formats to score after the "
                     f"float32 baseline (default: F16 and INT8): {FORMAT_CHOICES}")
     ev.add_argument("--json", metavar="PATH", help=JSON_HELP)
@@ -400,7 +406,7 @@ def _demo_summary(result: dict) -> str:
     ]
     if "f16" in runs and INT8.as_str() in runs:
         lines.append("  identical  whether INT8 storage changed any greedy (temperature 0) token against F16; a "
-                     "long answer may part after a near-tie (docs/benchmarks.md, Quality)")
+                     "long answer may part after a near-tie (docs/performance.md, Quality)")
     if "f16" in capacity and INT8.as_str() in capacity:
         more = capacity[INT8.as_str()] / capacity["f16"]
         lines.append(f"  fits       the same memory holds {more:.2f}x the tokens in INT8: longer contexts or more "
@@ -460,7 +466,7 @@ def run_eval(args: argparse.Namespace) -> dict:
     result = evaluate(
         model, tokenizer, text, ctx=args.ctx, chunk=args.chunk, max_windows=args.windows,
         gen_tokens=args.gen_tokens, prompts=DEFAULT_PROMPTS[: args.prompts],
-        kinds=cache_kinds(not args.no_fp8, formats),
+        kinds=cache_kinds(bool(args.fp8), formats),
     )
     return {"weights": args.weights, **result}
 

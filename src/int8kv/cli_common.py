@@ -14,6 +14,7 @@ import os
 import stat
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable
 
 from .errors import KvCacheError
@@ -124,6 +125,15 @@ def memory_budget(text: str, option: str = "--memory") -> int:
     if budget <= 0:
         raise CliError(f"{option} must be a positive size, got {text!r}")
     return budget
+
+
+def legend(columns: dict[str, str], title: str = "columns:", width: int = 110) -> str:
+    """The words under a printed table: one entry per column name, its text wrapped under it."""
+    pad = max(map(len, columns)) + 4
+    lines = [title]
+    for name, text in columns.items():
+        lines += textwrap.wrap(text, width, initial_indent=f"  {name:<{pad - 2}}", subsequent_indent=" " * pad)
+    return "\n".join(lines)
 
 
 def strict_json_value(value: object) -> object:

@@ -85,8 +85,8 @@ def _quantize_int8_cpu(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     # float16/bfloat16 -> float32 is exact, so rounding to float16 afterwards is still one rounding.
     rows = x.to(torch.float32).reshape(-1, x.shape[-1]).contiguous().numpy()
-    # numpy's allocations, shared with torch: 0.5 us each against torch.empty's 1.8 (a decode step encodes
-    # every layer's few rows, so the fixed costs are the cost).
+    # numpy's allocations, shared with torch: a fraction of torch.empty's fixed cost, which is what counts here
+    # (a decode step encodes every layer's few rows).
     q = np.empty(rows.shape, np.int8)
     scale = np.empty(rows.shape[0], np.float32)
     if rows.size < _codec_cpu.SERIAL_ELEMENTS:  # a decode step's few rows: no thread pool to set or wake

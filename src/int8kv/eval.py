@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .cli_common import legend
 from .errors import KvCacheError
 from .formats import KvStorageFormat
 from .models.config import kv_dims
-from .progress import Bar
+from .progress import Stages
 
 DEFAULT_TEXT_GLOB = "/usr/share/common-licenses/*"
 DEFAULT_PROMPTS = (
@@ -52,7 +53,7 @@ class EvalRow:
     greedy_common_prefix: float  # mean number of leading tokens equal to the baseline's
 
 
-def cache_kinds(include_fp8: bool = True, formats: list | tuple | None = None) -> list[CacheKind]:
+def cache_kinds(include_fp8: bool = False, formats: list | tuple | None = None) -> list[CacheKind]:
     """The float32 baseline, an :class:`~int8kv.hf.Int8KvCache` per format of ``formats`` (names or objects,
     :func:`int8kv.hf.cache.resolve_format`: the 4-bit ``int4_kchan64_vtok_asym_sink4_win64_v1`` too; default:
     the :class:`KvStorageFormat` members that are not stateful, F16 and INT8) and, with ``include_fp8``,
@@ -117,7 +118,7 @@ def windows(ids: list[int], ctx: int, max_windows: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def window_nll(model, kind: CacheKind, window: list[int], chunk: int, bar: Bar | None = None) -> tuple[float, int]:
+def window_nll(model, kind: CacheKind, window: list[int], chunk: int, bar: Stages | None = None) -> tuple[float, int]:
     cache = kind.make(model.config)
     logits = []
     for start in range(0, len(window), chunk):
@@ -132,7 +133,7 @@ def window_nll(model, kind: CacheKind, window: list[int], chunk: int, bar: Bar |
 
 
 @torch.inference_mode()
-def greedy(model, tokenizer, kind: CacheKind, prompt: str, new_tokens: int, bar: Bar | None = None) -> list[int]:
+def greedy(model, tokenizer, kind: CacheKind, prompt: str, new_tokens: int, bar: Stages | None = None) -> list[int]:
     inputs = tokenizer(prompt, return_tensors="pt")
     out = model.generate(
         **inputs, cache=kind.make(model.config), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -142,10 +143,10 @@ def greedy(model, tokenizer, kind: CacheKind, prompt: str, new_tokens: int, bar:
 
 
 class _Counter:
-    """A transformers streamer that counts the generated tokens on a progress bar (its first `put` is the
+    """A transformers streamer that counts the generated tokens on the progress line (its first `put` is the
     prompt)."""
 
-    def __init__(self, bar: Bar) -> None:
+    def __init__(self, bar: Stages) -> None:
         self.bar, self.prompt_seen = bar, False
 
     def put(self, value: torch.Tensor) -> None:
@@ -170,7 +171,7 @@ def evaluate(
     ctx: int = 512,
     chunk: int = 128,
     max_windows: int = 8,
-    gen_tokens: int = 128,
+    gen_tokens: int = 32,
     prompts: tuple[str, ...] = DEFAULT_PROMPTS,
     kinds: list[CacheKind] | None = None,
 ) -> dict:
@@ -180,15 +181,25 @@ def evaluate(
     nll: dict[str, float] = {}
     generated: dict[str, list[list[int]]] = {}
     scored = 0
-    for i, kind in enumerate(kinds, 1):
-        total, scored = 0.0, 0
-        with Bar(f"[{i}/{len(kinds)}] {kind.name}: perplexity", total=sum(map(len, wins)), unit="tok") as bar:
+    # Each cache generates first: the short greedy stage times one kind of token, the first chunks of
+    # perplexity the other, so the estimate of the time left comes a few seconds into the run.
+    stages = []
+    for kind in kinds:
+        if prompts:
+            stages.append((f"{kind.name}: greedy", "greedy", len(prompts) * gen_tokens))
+        stages.append((f"{kind.name}: perplexity", "perplexity", sum(map(len, wins))))
+    per_kind = len(stages) // len(kinds)
+    with Stages("eval", stages) as bar:
+        for i, kind in enumerate(kinds):
+            if prompts:
+                bar.begin(i * per_kind)
+            generated[kind.name] = [greedy(model, tokenizer, kind, p, gen_tokens, bar) for p in prompts]
+            bar.begin(i * per_kind + per_kind - 1)
+            total, scored = 0.0, 0
             for w in wins:
                 s, n = window_nll(model, kind, w, chunk, bar)
                 total, scored = total + s, scored + n
-        nll[kind.name] = total / scored
-        with Bar(f"[{i}/{len(kinds)}] {kind.name}: greedy", total=len(prompts) * gen_tokens, unit="tok") as bar:
-            generated[kind.name] = [greedy(model, tokenizer, kind, p, gen_tokens, bar) for p in prompts]
+            nll[kind.name] = total / scored
     base = kinds[0].name
     f16_bytes = KvStorageFormat.F16.bytes_per_token(*kv_dims(model.config))
     rows = []
@@ -214,19 +225,36 @@ def evaluate(
 
 
 def format_eval(result: dict) -> str:
-    greedy = (
-        f"greedy agreement over {result['gen_tokens']} tokens x {len(result['prompts'])} prompts"
-        if result["prompts"] else "no greedy run"
-    )
+    """The table of an `evaluate` result, with a legend under it that says what each column measures."""
+    prompts = len(result["prompts"])
+    greedy = f"greedy agreement over {result['gen_tokens']} tokens x {prompts} prompts" if prompts else "no greedy run"
     head = (
         f"perplexity over {result['scored_tokens']} scored tokens ({result['windows']} windows of {result['ctx']}, "
         f"chunks of {result['chunk']}); {greedy}"
     )
-    lines = [head, f"{'cache':<30}{'ppl':>9}{'Δppl':>9}{'KV B/tok':>10}{'vs F16':>8}{'agree':>7}{'prefix':>8}"]
+    header = f"{'cache':<30}{'ppl':>9}{'Δppl':>9}{'KV B/tok':>10}{'vs F16':>8}"
+    columns = {
+        "cache": f"the KV cache the model ran with; the first row ({result['rows'][0]['cache']}) is the reference "
+                 "every other row is compared with",
+        "ppl": "perplexity of the scored tokens (the exponential of their mean negative log-likelihood); lower "
+               "is better",
+        "Δppl": "perplexity change against the reference, in percent: the prediction quality this way of storing "
+                "K/V loses (0: none; +0.2 % means 0.2 % higher perplexity)",
+        "KV B/tok": "bytes of K and V stored per token, all layers together",
+        "vs F16": "those bytes over F16 storage's (0.531: 53.1 % of F16's memory)",
+    }  # fmt: skip
+    if prompts:
+        header += f"{'agree':>7}{'prefix':>8}"
+        columns["agree"] = ("share of the greedily generated tokens equal to the reference's token at the same "
+                            "position, over every prompt (100 %: the same text; once a token differs, the texts "
+                            "usually part ways)")
+        columns["prefix"] = (f"tokens generated, on average over the prompts, before the first one that differs "
+                             f"from the reference's (out of {result['gen_tokens']}; higher is better)")
+    lines = [head, header]
     for r in result["rows"]:
         lines.append(
             f"{r['cache']:<30}{r['perplexity']:>9.4f}{100 * r['ppl_change_vs_baseline']:>+8.3f}%"
             f"{r['kv_bytes_per_token']:>10.0f}{r['bytes_vs_f16']:>8.3f}"
-            + (f"{100 * r['greedy_agreement']:>6.1f}%{r['greedy_common_prefix']:>8.1f}" if result["prompts"] else "")
+            + (f"{100 * r['greedy_agreement']:>6.1f}%{r['greedy_common_prefix']:>8.1f}" if prompts else "")
         )
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + legend(columns)

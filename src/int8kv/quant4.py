@@ -93,10 +93,10 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
 NAME = "int4_kchan16_vtok_asym_f16_v1"
 VERSION = 1
 # Positions per sealed block (keys share one scale and minimum per channel over a block): the paged cache's
-# block size, so a block carries its own scales. Measured (docs/benchmarks.md, "4-bit KV", every token reading
-# what its decode step reads): +1.54 % / +0.58 % perplexity on the licenses / the held-out text; 64-position
-# blocks alone (0.281x F16 instead of 0.328x) are worse, with 4 F16 sink positions and a 64-position F16
-# window they give +0.11 % / +0.33 % (frozen as its own format: int8kv.quant4w).
+# block size, so a block carries its own scales. Its cost in quality (docs/archive/benchmarks-2026.md, "4-bit KV",
+# every token reading what its decode step reads): +1.54 % / +0.58 % perplexity on the licenses / the held-out
+# text; 64-position blocks alone (0.281x F16 instead of 0.328x) are worse, with 4 F16 sink positions and a
+# 64-position F16 window they give +0.11 % / +0.33 % (frozen as its own format: int8kv.quant4w).
 BLOCK = 16
 
 

@@ -30,7 +30,7 @@ __all__ = [
 NAME = "int4_kchan64_vtok_asym_sink4_win64_v1"
 VERSION = 1
 # Positions per sealed block: one key group per (head, channel) spans a block, so its scale and minimum cost
-# 4 bytes per channel per 64 positions. Measured (docs/benchmarks.md, "4-bit KV"): with the sinks and the
+# 4 bytes per channel per 64 positions. Measured (docs/archive/benchmarks-2026.md, "4-bit KV"): with the sinks and the
 # window, perplexity +0.109 % / +0.328 % (licenses / held-out text) and 0.281x / 0.273x F16's bytes at head_dim
 # 64 / 128; 16-position blocks with the same F16 rows reach a lower KL (1.9 / 1.7 millinats against 2.8 / 2.8)
 # at 0.328x / 0.320x, above the 0.30x / 0.28x bytes targets.

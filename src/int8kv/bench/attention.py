@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .. import numba_threads
 from ..cache.paged import PagedKvCache
-from ..cli_common import CliError, bench_parser, check_minimums, output_path
+from ..cli_common import CliError, bench_parser, check_minimums, legend, output_path
 from ..formats import KvStorageFormat
 from ..ops import attention, cpu_simd, plan_attention
 from ..progress import progress
@@ -318,12 +318,34 @@ def _cpu_model() -> dict:
 
 
 def report(result: dict) -> str:
-    if "presets" in result:
-        parts = [report({**run, "copy_gb_per_s": result["copy_gb_per_s"]}) for run in result["presets"]]
-        return "\n\n".join(parts)
+    """The table of each configuration (one per preset), then a legend that says what every column shows."""
+    runs = result["presets"] if "presets" in result else [result]
+    columns: dict[str, str] = {}
+    tables = [_table({**run, "copy_gb_per_s": result["copy_gb_per_s"]}, columns) for run in runs]
+    return "\n\n".join(tables) + "\n\n" + legend(columns)
+
+
+# What each method's column times (median ms of its calls, the best call in brackets).
+METHOD_LEGEND = {
+    "int8_paged": "int8kv's CPU kernel over INT8 blocks with a float32 query (precision=\"exact\"), the scales "
+                  "folded into scores and weights",
+    "int8_q16_paged": "the same kernel with precision=\"int16\", the DEFAULT path (what models and the engine "
+                      "run): the query rounded to int16, q . k computed on the INT8 codes in integers",
+    "f16_paged": "the same CPU kernel over F16 blocks",
+    "torch_gather_int8": "plain torch: gather the INT8 blocks through the block table, dequantize, then SDPA",
+    "sdpa_f32": "torch's scaled_dot_product_attention over a contiguous float32 cache of the same shape",
+    "sdpa_bf16": "torch's scaled_dot_product_attention over a contiguous bfloat16 cache of the same shape",
+    "int8_window": "int8_paged with a sliding window of --window keys, on the same cache",
+}
+
+
+def _table(result: dict, columns: dict[str, str]) -> str:
+    """One configuration's title and table; adds an entry to ``columns`` for each column it prints."""
     c = result["config"]
     m = result["machine"]
     names = list(result["results"][0]["ms"])
+    peers = [name for name in names if not name.startswith("int8")]
+    window = "window_over_full" in result["results"][0]
     load = ", ".join(f"{x:.1f}" for x in result["load_average_before"])
     title = f"preset {result['preset']}: " if "preset" in result else ""
     lines = [
@@ -333,8 +355,9 @@ def report(result: dict) -> str:
         f"{result['copy_gb_per_s']:.1f} GB/s (read + write); load average {load}; CPU {m['cpu']['model']} "
         f"({m['cpu']['llvm_name']}), integer dot {m['dot']}; median ms (best)",
         f"{'context':>8}" + "".join(f"{name:>22}" for name in names) + f"{'floor':>9}"
-        + "".join(f"{'x ' + peer:>22}" for peer in names if not peer.startswith("int8"))
-        + f"{'int8/floor':>11}{'q16/floor':>10}{'q16 diff':>9}{'q16 x int8':>11}",
+        + "".join(f"{'x ' + peer:>22}" for peer in peers)
+        + f"{'int8/floor':>12}{'q16/floor':>11}{'q16 diff':>10}{'q16 x int8':>12}"
+        + (f"{'window/full':>13}" if window else ""),
     ]
     for r in result["results"]:
         lines.append(
@@ -342,15 +365,31 @@ def report(result: dict) -> str:
             + "".join(f"{r['median_ms'][n]:>13.3f} ({r['ms'][n]:>6.3f})" for n in names)
             + f"{r['floor_ms']:>9.3f}"
             + "".join(
-                f"{r[f'int8_paged_speedup_vs_{p}']:>11.2f}/{r[f'int8_q16_paged_speedup_vs_{p}']:<5.2f}"
-                for p in names if not p.startswith("int8")
+                f"{r[f'int8_paged_speedup_vs_{p}']:>16.2f}/{r[f'int8_q16_paged_speedup_vs_{p}']:<5.2f}" for p in peers
             )
-            + f"{r['int8_over_floor']:>10.2f}x{r['q16_over_floor']:>9.2f}x"
-            + f"{r['q16_rel_diff_vs_exact']:>9.1e}"
-            + f"{r['int8_q16_paged_speedup_vs_int8_paged']:>10.2f}x"
-            + (f"  window {r['window']}/full {r['window_over_full']:.3f}" if "window_over_full" in r else "")
+            + f"{r['int8_over_floor']:>11.2f}x{r['q16_over_floor']:>10.2f}x"
+            + f"{r['q16_rel_diff_vs_exact']:>10.1e}"
+            + f"{r['int8_q16_paged_speedup_vs_int8_paged']:>11.2f}x"
+            + (f"{r['window_over_full']:>13.3f}" if window else "")
         )
-    lines.append("x peer: peer median / int8 exact median, then / int8 q16 (> 1: int8kv faster)")
+    columns["context"] = "keys per sequence: the tokens of K/V each query attends to"
+    for name in names:
+        columns[name] = METHOD_LEGEND[name] + "; median ms of the timed calls, the best call in brackets"
+    columns["floor"] = ("ms to read the INT8 K/V once (codes and scales of K and V) at this machine's copy "
+                        "bandwidth: no kernel that reads its input can beat it")
+    for peer in peers:
+        columns[f"x {peer}"] = (f"{peer}'s median over int8_paged's, then over int8_q16_paged's (above 1: int8kv's "
+                                "kernel is faster)")
+    columns.update({
+        "int8/floor": "int8_paged's best call over the floor (1.00x: as fast as the memory allows)",
+        "q16/floor": "int8_q16_paged's best call over the floor",
+        "q16 diff": "largest difference between the int16 path's output and the exact path's, relative to the "
+                    "largest output: what rounding the query to int16 costs in accuracy",
+        "q16 x int8": "int8_paged's median over int8_q16_paged's (above 1: the default int16 path is faster)",
+    })  # fmt: skip
+    if window:
+        columns["window/full"] = (f"int8_window's median over int8_paged's (a window of "
+                                  f"{result['results'][0]['window']} keys)")
     return "\n".join(lines)
 
 

@@ -67,7 +67,7 @@ class Shapes:
     pytest_k: str | None  # -k filter for the pytest section (None: every test)
     switches: tuple[str, ...] | None  # SWITCHES checked and timed (None: all)
     # Query tokens of the ragged prefill (two sequences from empty, one launch): the first step of the 4-bit
-    # check, whose kernel faulted at these lengths on the first GPU run (docs/benchmarks.md).
+    # check, whose kernel faulted at these lengths on the first GPU run (docs/archive/benchmarks-2026.md).
     ragged: tuple[int, int]
     # Test files the pytest section collects (None: all of TRITON_TESTS). The smoke's -k selects from the first
     # only; collecting the other two imports the engine for nothing (12.9 against 5.8 s of CPU under the

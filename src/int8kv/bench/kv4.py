@@ -7,7 +7,7 @@ storage, bytes per token.
     python -m int8kv.bench kv4 --combine PART.json ... [--json PATH]     (merge runs made side by side)
 
 ``--ctx 0`` runs the agreement alone, ``--prompts 0`` the perplexity alone (a process per text and group of
-candidates, merged with ``--combine``: docs/benchmarks.md, "4-bit KV").
+candidates, merged with ``--combine``: docs/archive/benchmarks-2026.md, "4-bit KV").
 
 Every candidate is a fake-quantizing transformers cache: ``update`` stores ``decode(encode(K/V))`` and attention
 reads those rows, so each figure is the storage's error alone (a kernel that reads the codes computes the same
@@ -106,7 +106,7 @@ SCHEMES = (
     Scheme("H + asym g=d, open block F16", mode="asym", rotate=True, open_f16=True),
     Scheme("KIVI (K per channel / 16-block, V per token)", mode="asym", kivi=True, open_f16=True),
     Scheme("KIVI, 64-token blocks", mode="asym", kivi=True, open_f16=True, block=64),
-    # What the 16-block format's error is made of, and what buys it down (docs/benchmarks.md, "4-bit KV").
+    # What the 16-block format's error is made of, and what buys it down (docs/archive/benchmarks-2026.md, "4-bit KV").
     Scheme("KIVI keys only (values F16)", mode="asym", kivi=True, open_f16=True, values=False),
     Scheme("KIVI values only (keys F16)", mode="asym", kivi=True, open_f16=True, keys=False),
     Scheme("KIVI + 1 sink", mode="asym", kivi=True, open_f16=True, sinks=1),

@@ -2,7 +2,7 @@
 
     python -m int8kv.bench plots [--results docs/results] [--out docs]
 
-Each plot is drawn by the function its command's --plot uses, from the JSON quoted in docs/benchmarks.md.
+Each plot is drawn by the function its command's --plot uses, from the JSON quoted in docs/performance.md.
 """
 
 from __future__ import annotations

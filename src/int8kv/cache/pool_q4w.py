@@ -78,12 +78,10 @@ UNVERIFIED_GPU_ENV = "INT8KV_UNVERIFIED_GPU_KERNELS"
 
 
 def check_gpu(device: torch.device | str) -> None:
-    """Refuse (UnsupportedFormat) a CUDA device unless ``INT8KV_UNVERIFIED_GPU_KERNELS=1``: on the first GPU
-    run (an H200, Triton 3.6, bench/gpu_check.py) this format's Triton kernel (ops/triton_q4w.py) faulted with
-    an illegal memory access at its first call, a ragged prefill of 700 and 1,000 tokens, which ends the CUDA
-    context of the process; its cause is not found yet (docs/benchmarks.md). Under ``TRITON_INTERPRET=1`` the
-    same kernel matches the float64 reference and every access it makes lies inside its tensors
-    (tests/test_triton_bounds.py)."""
+    """Refuse (UnsupportedFormat) a CUDA device unless ``INT8KV_UNVERIFIED_GPU_KERNELS=1``: this format's Triton
+    kernel (ops/triton_q4w.py) is not verified on a GPU, where it has faulted with an illegal memory access, which
+    ends the process's CUDA context (docs/performance.md, "GPU"). Under ``TRITON_INTERPRET=1`` it matches the
+    float64 reference and every access it makes lies inside its tensors (tests/test_triton_bounds.py)."""
     if torch.device(device).type == "cuda" and os.environ.get(UNVERIFIED_GPU_ENV) != "1":
         raise UnsupportedFormat(
             f"the {INT4_SINK_WINDOW_V1.name} format is not served on a GPU yet: its Triton kernel faulted (an "

@@ -403,9 +403,9 @@ class Int8KvLayer(CacheLayerMixin):
         that does not apply (the triton backend, non-contiguous rows, and what ``write.store_compiled`` declines):
         the general path then takes the rows.
 
-        Measured inside SmolLM2-135M's decode at 512 tokens: the general path (write.append_rows: its checks, the
-        backend, the pool, the format and the codec's own checks, each a Python call) took ~41 us a layer, this
-        ~20 (docs/benchmarks.md, "The decode write through compiled calls")."""
+        The general path (write.append_rows: its checks, the backend, the pool, the format and the codec's own
+        checks, each a Python call) costs about twice this one per layer in a small model's decode
+        (docs/archive/benchmarks-2026.md, "The decode write through compiled calls")."""
         if self.backend == "triton" or not (k.is_contiguous() and v.is_contiguous()):
             return False
         return write.store_compiled(self.pool, 0, k, v, slots)

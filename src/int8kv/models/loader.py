@@ -388,11 +388,10 @@ def _one_gguf_parse() -> Iterator[None]:
 
     transformers parses the file anew for the tokenizer's config, the tokenizer, the model's config and its
     tensors (gguf-py's reader builds a numpy view for each of the ~300k parts of SmolLM2's vocabulary and
-    merges: ~4 s a parse here), and builds the same name map for each of the model's ~400 modules (~21 ms
-    each). Both are read-only: the converted files are the same bytes with or without this (checked on the
-    packaged SmolLM2: model.safetensors, tokenizer.json and the configs identical). Measured on a 2-vCPU Intel
-    Xeon VM (Emerald Rapids), both ways taking turns: 23.8 / 19.2 s -> 9.3 / 7.8 s (docs/benchmarks.md, "Converting
-    a GGUF file").
+    merges), and builds the same name map for each of the model's ~400 modules. Both are read-only, so doing
+    each once leaves the converted files the same bytes (checked on the packaged SmolLM2: model.safetensors,
+    tokenizer.json and the configs identical) and roughly halves the conversion (docs/archive/benchmarks-2026.md,
+    "Converting a GGUF file").
     gguf's module attributes are put back on exit; transformers looks both up in that module at each call."""
     import gguf
 

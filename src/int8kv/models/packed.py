@@ -22,11 +22,9 @@ layer stays float32.
 
 Rows of x above `DENSE_ROWS` (a prefill chunk) decode the layer's weights to float32 for one torch matmul (the
 dense product, bit for bit torch's over the model's float32 weights). The block kernel decodes each block once per
-four rows of x, so its cost grows with the rows, while decoding the weights costs the same at any row count.
-SmolLM2's 211 layers on the 2-core Zen 4 VM (`docs/results/packed_kernel_rows.py`, docs/benchmarks.md, "Packed
-GGUF weights"): block kernel against decode + dense 43.9 / 117.1 ms at 16 rows, 85.6 / 146.1 at 32, 134.5 /
-171.3 at 48, 166.0 / 186.5 at 64 (the AVX2 build: 193.1 / 392.7 at 64): the block kernel is the faster one up to
-64 rows.
+four rows of x, so its cost grows with the rows, while decoding the weights costs the same at any row count;
+over SmolLM2's layers the block kernel stays the faster one up to 64 rows (`docs/results/packed_kernel_rows.py`,
+docs/archive/benchmarks-2026.md, "Packed GGUF weights").
 """
 
 from __future__ import annotations

@@ -17,21 +17,21 @@
   quarter of the bytes of float32 read per token; CPU only). Inputs are not quantized: torch's dynamic int8
   Linear (fbgemm: 7-bit inputs, one range per call) cost +255 % perplexity on SmolLM2 over 512-token windows
   and +13 % even with a range per row (+2.3 % at 8 bits per row), against +0.8 % weight-only
-  (`int8kv eval` figures in docs/benchmarks.md, "Weight precision"); and a range per call would make a row's
+  (`int8kv eval` figures in docs/performance.md, "Weight precision"); and a range per call would make a row's
   result depend on its batch mates.
 
 Why the weights: a SmolLM2 decode step at 512 tokens (batch 1, INT8 KV, one thread, load 18) spent 55 % in its
 211 matmuls (lm_head 9 %), 14-16 % in attention, 9 % writing K/V and 20 % in the rest of the forward; torch's
 profiler put `aten::mm` at 73-75 %. Measured on this 2-core Xeon (AVX-512 VNNI, AMX; load 4.5, one thread): int8
 weight-only decodes 1.39x (generic path) / 1.49x (fused) as fast as float32 (84 against 117-125 ms per token);
-bfloat16 0.83x / 0.96x, its one-row matmul being no faster than float32 in torch here (docs/benchmarks.md,
+bfloat16 0.83x / 0.96x, its one-row matmul being no faster than float32 in torch here (docs/performance.md,
 "Weight precision").
 
 Embeddings stay as they are (a lookup reads one row). A GgufLinear converts from its decoded float32 weights,
 one layer at a time (no float32 copy of the whole model). Converted layers keep their weights in the module's
 ``state_dict`` (int8 codes and scales for "int8"), so a model fingerprint hashes what actually runs.
 Perplexity on `int8kv eval`'s 2,048-token run: bfloat16 -0.008 %, int8 +0.747 %; it and the decode speed are
-in docs/benchmarks.md ("Weight precision").
+in docs/performance.md ("Weight precision").
 """
 
 from __future__ import annotations

@@ -242,9 +242,8 @@ class PreparedAttention:
     variant's checks and, on the CPU, the kernel's work items, thread choice and query path; :func:`attention`
     resolves them at each call), then runs each layer with only what changes per layer checked: the pool against
     the one it was prepared with (format, heads, head_dim, blocks, device), the layer index and q
-    (:func:`check_query`). The transformers drop-in's attention function, SmolLM2-135M's 30 layers at 512 tokens
-    in a loop: 50.7-57.1 us a layer against 56.4-57.7 when each layer resolved it again (docs/benchmarks.md, "The
-    drop-in's per-layer decode path").
+    (:func:`check_query`): a model's step pays the resolution once instead of once per layer
+    (docs/archive/benchmarks-2026.md, "The drop-in's per-layer decode path").
 
     The backend is resolved when this is built (a "triton" one under ``TRITON_INTERPRET`` is not asked again),
     and so is the CPU kernel's split of the keys over threads: a later ``numba.set_num_threads`` changes how many

@@ -4,15 +4,14 @@ numba links every callee's LLVM module into its caller's and optimises and gener
 whole again, so each level of a call chain pays for the levels below it once more. The attention kernels'
 work-item loops (``_run_items`` in ops/cpu.py and ops/cpu_q4w.py) were compiled four or five times per
 specialisation: alone, inside the serial entry, inside the parallel loop's gufunc and inside the parallel
-entry. For one INT8 exact specialisation that was 34 s of CPU (cold cache, the 2-core dev VM): 12.8 s for the
-kernels, 5 s to link them into the item loop, 3.4 s for the serial entry and 10 s for the parallel one.
+entry, so the linking and the two entries cost more than the kernels themselves.
 
 :func:`fan_out` is one small parallel kernel that calls the item loop through its address: what it compiles per
 specialisation is a loop and a call. Python calls the item loop itself for a serial run. :func:`call_at` is the
 call itself, for any caller: ops/cpu.py's item loop calls its per-item kernels with it, so those too are built
-once (one decode specialisation 28.5 -> ~9 s of CPU cold; docs/benchmarks.md "Kernel compile time"). The address of each
-specialisation (:class:`Compiled`) comes from numba's own compile result, and the parallel kernel compares a
-tag of the argument types it was compiled for with the tag of the specialisation behind the address before it
+once, which cuts a cold compile to about a third (docs/archive/benchmarks-2026.md, "Kernel compile time"). The
+address of each specialisation (:class:`Compiled`) comes from numba's own compile result, and the parallel kernel
+compares a tag of the argument types it was compiled for with the tag of the specialisation behind the address before it
 calls anything: arguments of other types raise TypeError instead of running code built for other types.
 
     fan_out(address, tag, lists [workers + 1] int64, args: tuple, then, then_tag, then_args: tuple)
@@ -135,7 +134,7 @@ class Compiled:
     def address(self, args: tuple) -> tuple[int, int]:
         """(address, signature tag) of the specialisation for ``args`` (compiled or loaded on first use). The
         fingerprint is what numba's dispatcher itself keys argument types by, here of the whole tuple in one
-        call (0.22 us for 9 arguments against 0.76 one by one)."""
+        call, a fraction of the cost of one call per argument."""
         key = compute_fingerprint(args)
         found = self._found.get(key)
         if found is None:

@@ -480,7 +480,7 @@ def _attend_item(q, sm, caps, kc, ks, vc, vs, tables, seq, row0, nrows, lo, hi, 
                 # Each helper has one call site (the paired keys first, then each row's rest and its softmax):
                 # numba inlines them, and three copies of `_scores`, `_accumulate` and `_softmax_step` made one
                 # INT8 specialisation take 7.4-7.6 s to compile cold, one copy 4.4-4.7 (the same bits, and a
-                # 16-query chunk at 2,048 keys 0.97x the time: docs/benchmarks.md "Kernel compile time").
+                # 16-query chunk at 2,048 keys 0.97x the time: docs/archive/benchmarks-2026.md "Kernel compile time").
                 step = 2 if paired else 1
                 if n > 0:
                     done = _scores_pair(qh[r], qh[r + 1], kt[a:], n, sh[r, a:], sh[r + 1, a:]) if paired else 0
@@ -532,7 +532,7 @@ def _quantize_rows(x, d, sm, codes, scale):
     zeros gets scale 0. Each row is a slice indexed from 0: indexed as x[h * d + i], LLVM could not rule out a
     negative index and vectorised the rounding with gathers and scattered stores; the range comes from
     `cpu_simd.absmax16`. Together 1.18 -> 0.16 us for SmolLM2's 9 heads x 64, 8.4 -> 0.85 at 32 x 128, the same
-    codes and scales (each work item quantizes its row; docs/benchmarks.md, "Loops that numba indexed with
+    codes and scales (each work item quantizes its row; docs/archive/benchmarks-2026.md, "Loops that numba indexed with
     gathers")."""
     vector = d - d % cpu_simd.LANES
     for h in range(x.shape[0] // d):
@@ -610,8 +610,8 @@ def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems, spre
     elif bs > TILE and run >= lanes and offset + 2 * lanes <= bs:
         # A block longer than a tile (the transformers drop-in's: a batch row's whole storage is one block, so
         # there is no next block to ask for): the 16 keys after this run, in the same block. The drop-in's kernel
-        # call inside SmolLM2's decode step at 512 tokens: 51-52 us a layer against 73-75 with no request ahead;
-        # 32 keys ahead no better, 64 worse (docs/benchmarks.md, "The keys after a run").
+        # call is markedly faster with this request ahead than with none; 32 keys ahead are no better, 64 worse
+        # (docs/archive/benchmarks-2026.md, "The keys after a run").
         count = lanes * (block_elems // bs)
         following = (table[index] * bs + offset + lanes) * (block_elems // bs)
     if following >= 0 and (not spread or run < lanes):
@@ -757,11 +757,11 @@ def _store_item(q, kc, sinks, out, part_m, part_l, part_acc, row0, nrows, split,
 # signature tag in the slot after each checked first), for two reasons:
 # - the same bits whatever was compiled when. Linked into the leaf, the kernel's machine code depended on
 #   whether numba had just compiled it (its IR inlined into the leaf and optimised again) or loaded it from the
-#   disk cache: `int8kv eval --prompts 0 --no-fp8` gave INT8 13.105603 in a process that compiled the kernels
-#   and 13.059931 in the next one, which loaded them; called by address, 13.105603 in both (the outputs of
-#   docs/results/cpu_bits.py, compiled and loaded, are the same bits; docs/benchmarks.md "Kernel compile time");
+#   disk cache, so a perplexity differed between the process that compiled and the next one that loaded; called
+#   by address, both give the same bits (docs/results/cpu_bits.py; docs/archive/benchmarks-2026.md, "Kernel
+#   compile time");
 # - a window's key lows specialise the row leaf but not `_attend_row`, and each leaf specialisation no longer
-#   optimises the whole kernel again (five decode specialisations 25.5 -> 23.0 s of CPU, cold).
+#   optimises the whole kernel again, which shortens a cold compile.
 @njit(fastmath=True, cache=True)
 def _row_item(it, leaves, q, q_scale, sm, cap, sinks, kc, ks, vc, vs, tables, items, limits, lows, out, part_m,
               part_l, part_acc):
@@ -1012,7 +1012,7 @@ def _num_splits(sequences: int, longest: int, threads: int) -> int:
     even out a few long sequences), but none shorter than MIN_SPLIT_KEYS. A single sequence gets one range per
     thread: its ranges are equal by construction, and two per thread cost each worker a second state to store
     and the merge two more to read (2,048 keys, SmolLM2's shape: 46.7 -> 44.3 us a call for INT8, 77.6 -> 76.2
-    for F16; docs/benchmarks.md, "The call's fixed cost")."""
+    for F16; docs/archive/benchmarks-2026.md, "The call's fixed cost")."""
     want = threads if sequences == 1 else (2 * threads + max(sequences, 1) - 1) // max(sequences, 1)
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
@@ -1200,7 +1200,7 @@ def _runner(pool: KvPool, plan: AttentionPlan, work: tuple, cap: np.ndarray | No
     rebuilt at each call)."""
     items, row_limits, lows, bounded, splits, pairs, lists, tables, choice, uses, found = work
     # Decode writes every row (an item per sequence, or the merge); prefill may leave rows to the flash path or
-    # to zeros (queries before a window's start). numpy's allocation: 0.5 us against torch.empty's 1.8.
+    # to zeros (queries before a window's start). numpy allocates: its fixed cost is a fraction of torch.empty's.
     new = np.empty if plan.is_decode else np.zeros
     q_scale = _INT16_QUERY if path == "int16" else _NO_SCALE
     sm = plan.softmax_scale
@@ -1434,10 +1434,9 @@ def prepare(pool: KvPool, plan: AttentionPlan, num_q_heads: int, variant: Attent
     with the work items, thread choice, query path and softcap resolved here once (`ops.PreparedAttention`).
 
     Without a variant the ``run`` itself is kept in the plan, per number of query heads, numba thread count and
-    format, so `ops.attention` called layer after layer with one plan resolves it once: `ops._resolve` 3.55 ->
-    2.57 us a call, most of what is left `numba.get_num_threads` (batch 1 x 512 keys, SmolLM2's shape, both
-    checkouts in one process, the 2-vCPU Intel Xeon VM; docs/benchmarks.md "Per-call cost of `ops.attention`"),
-    which `numba_threads.thread_count` asks in a seventh of its time."""
+    format, so `ops.attention` called layer after layer with one plan resolves it once; most of what is left
+    of a call's fixed cost is asking numba's thread count, which `numba_threads.thread_count` does far faster
+    than `numba.get_num_threads` (docs/archive/benchmarks-2026.md, "Per-call cost of `ops.attention`")."""
     if getattr(pool, "writes_by_step", False):  # int8kv.cache.pool_q4w: its own kernel
         from .cpu_q4w import attend as attend_q4w
 

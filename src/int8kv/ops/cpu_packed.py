@@ -5,11 +5,11 @@
 A GGUF model's Linear weights are blocks of 32: Q4_1 holds a scale d, a minimum m and 32 4-bit codes q
 (w = d q + m), Q8_0 a scale d and 32 int8 codes (w = d q); d and m are float16 values. transformers decodes them
 to float32 once, and a decode step then reads 4 bytes per weight where the file holds 0.625 (Q4_1) or 1.0625
-(Q8_0): SmolLM2-135M's step at 512 tokens spent 49-50 ms of 64-70 in `aten::mm` over its float32 weights
-(docs/benchmarks.md, "Decode cost per 1,000 tokens of context"). These kernels read the blocks and decode each
-weight in registers, to exactly the float32 value transformers made of it (d q is exact in float32: an 11-bit
-significand times a code of at most 8 bits; + m rounds once, as the decoder's own float32 arithmetic does), and
-multiply it with x. They differ from the float32 product only in summation order.
+(Q8_0), so the matmuls over those float32 weights take most of a small model's decode step
+(docs/archive/benchmarks-2026.md, "Decode cost per 1,000 tokens of context"). These kernels read the blocks and
+decode each weight in registers, to exactly the float32 value transformers made of it (d q is exact in float32: an
+11-bit significand times a code of at most 8 bits; + m rounds once, as the decoder's own float32 arithmetic does),
+and multiply it with x. They differ from the float32 product only in summation order.
 
 Layouts (one weight row n, `blocks` = k / 32 blocks; all arrays C-contiguous):
 

@@ -25,7 +25,7 @@ kept in that order, which is undone once per item. While a block is computed, th
 prefetched when it is entered and its codes a head's share before each head's call (`prefetch_scales`). A
 head_dim the vector kernels do not take (not a multiple of 16) runs the same steps as plain loops, and the open
 block's F16 rows (at most 15 per sequence) always do, their float16 values read through a 65,536-entry float32
-table. Figures: docs/benchmarks.md, "4-bit KV".
+table. Figures: docs/archive/benchmarks-2026.md, "4-bit KV".
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ online-softmax states merged at the end of the item, one for the F16 rows and on
 
 head_dim must be a multiple of 16 (the vector kernels'); another is refused by name (UnsupportedFormat). Cold
 compile, one thread (the serial kernel and `_run_items`): 5.3 s of CPU; the parallel twin 4.2 s more; the
-unpacking specialisation 5.0 s. Figures: docs/benchmarks.md, "4-bit KV".
+unpacking specialisation 5.0 s. Figures: docs/archive/benchmarks-2026.md, "4-bit KV".
 """
 
 from __future__ import annotations

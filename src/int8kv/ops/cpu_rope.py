@@ -74,7 +74,7 @@ def split_rotate(qkv, c, s, q, k, v) -> int:
     of the write path's general route (write.prepare_qkv), in its order. Heads are taken from the C-contiguous
     view one at a time (slices of it were strided arrays to numba, rotated with gathers) and the checks have no
     early exit: SmolLM2's decode step (one token, 9 + 3 + 3 heads x 64) 1.31 -> 0.36 us a layer, 8 tokens
-    9.5 -> 2.1 us, the same bits (docs/benchmarks.md, "Loops that numba indexed with gathers")."""
+    9.5 -> 2.1 us, the same bits (docs/archive/benchmarks-2026.md, "Loops that numba indexed with gathers")."""
     tokens, hq, dim = q.shape
     hkv = k.shape[1]
     if not finite(qkv):

@@ -377,10 +377,9 @@ def _dot_step(kind: str):
         return step
     fnty = ir.FunctionType(acc_ty, [acc_ty, acc_ty, acc_ty])  # the pairs passed as int32 lanes (LLVM's signature)
     if kind == "vnni512":
-        # The instruction itself, as inline assembly: from the intrinsic, LLVM (tuned for Emerald Rapids) emitted 15
-        # of each 16 as `vpmaddwd` + `vpaddd`. The whole decode call, both checkouts in one process, bit-identical,
-        # two runs: 0.98x / 0.97-0.98x / 0.95-0.97x the time at 512 / 2,048 / 7,000 keys (SmolLM2's shape;
-        # docs/benchmarks.md, "The 512-bit vpdpwssd as written"). 256 bits keep the intrinsic: on a CPU with
+        # The instruction itself, as inline assembly: from the intrinsic, LLVM emitted most of them as `vpmaddwd`
+        # + `vpaddd`, which is slower and gives the same bits (docs/archive/benchmarks-2026.md, "The 512-bit
+        # vpdpwssd as written"). 256 bits keep the intrinsic: on a CPU with
         # AVX-VNNI but no AVX-512 the assembler would have to pick the VEX form of the same mnemonic, which no
         # machine here can run.
         dpwssd = ir.InlineAsm(fnty, "vpdpwssd $3, $2, $0", "=v,0,v,v")
@@ -516,10 +515,9 @@ def qk16i_kernel(kind: str, keys: int | None = None):
     head_dim adds into (256-bit variants; None: `keys_per_row_group`); the 512-bit variant pairs its keys and
     always takes all 16.
 
-    Against the keys sign-extended once into an int16 scratch that each row then reads back, the whole decode
-    call (both checkouts in one process, the same bits; docs/benchmarks.md, "q . k widened in registers"): 512
-    bits 0.98x / 0.91-0.95x / 0.86-0.91x the time at 512 / 2,048 / 7,000 keys (SmolLM2's shape) and 0.86x at
-    batch 8 x 4,096 (32 / 8 x 128); the AVX2 code 0.96x / 0.95x / 0.93x and 0.96x."""
+    Widening in registers saves a pass that sign-extends the keys into an int16 scratch each row then reads
+    back: the same bits, and faster the more keys there are (docs/archive/benchmarks-2026.md, "q . k widened in
+    registers")."""
     step = _dot_step(kind)
     default = keys_per_row_group()
     if kind == "vnni512":
@@ -671,7 +669,7 @@ def prefetch(typingctx, array, offset, count):
 # The decode row kernel's softmax, 16 scores a vector. Written in numba loops (`cpu._softmax_step` plus the fold
 # of the value scales) it took 1.5 ns per (key, query row) at 64 keys (one thread, Zen 4): LLVM vectorised the
 # loops but each row paid their remainders, two horizontal reductions and the exp polynomial in scalar for alpha.
-# These take ~0.5 (docs/benchmarks.md, "The decode softmax in vectors").
+# These take ~0.5 (docs/archive/benchmarks-2026.md, "The decode softmax in vectors").
 def _f32(value: float) -> float:
     """``value`` rounded to float32 (as a Python float)."""
     return struct.unpack("f", struct.pack("f", value))[0]

@@ -44,11 +44,12 @@ INT32_MAX = 2**31 - 1
 # INT8KV_ATTENTION_PRECISION environment variable. int16 is the default because its change is inside the noise
 # of the quality metric itself: on the 2,048-token decode run (docs/results/eval_decode_noise.json) moving each
 # decode query by one float32 ulp moved the exact path's perplexity over 13.064-13.101 (fp32 13.067) and its KL
-# from fp32 over 1.72-1.82e-3, and int16 gave 13.068-13.090 and 1.68-1.82e-3; it is 1.14-2.3x faster than
-# exact per decode call (docs/benchmarks.md). F16 and 4-bit caches, CPUs without an integer dot variant and
-# head_dims its kernel does not take run exact whatever the precision. An int8 query (for `vpdpbusd`) is not
-# offered: it moved the 2,048-token perplexity by +0.24 percentage points against exact, beyond the 0.02 budget
-# (docs/benchmarks.md, "The default query precision"), so a name outside PRECISIONS is refused, never mapped.
+# from fp32 over 1.72-1.82e-3, and int16 gave 13.068-13.090 and 1.68-1.82e-3; and it is faster than exact per
+# decode call (docs/performance.md, "Decode attention kernel"). F16 and 4-bit caches, CPUs without an integer dot
+# variant and head_dims its kernel does not take run exact whatever the precision. An int8 query (for
+# `vpdpbusd`) is not offered: it moved the 2,048-token perplexity by +0.24 percentage points against exact, beyond
+# the 0.02 budget (docs/archive/benchmarks-2026.md, "The default query precision"), so a name outside PRECISIONS
+# is refused, never mapped.
 PRECISIONS = ("exact", "int16")
 DEFAULT_PRECISION = "int16"
 PRECISION_ENV = "INT8KV_ATTENTION_PRECISION"

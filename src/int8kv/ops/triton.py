@@ -17,7 +17,7 @@ split into a float16 high part and a float16 low part, so each product is two do
 tensor-core work of TF32x3 (decode must stay memory-bound) and works the same in the interpreter.
 
 Constexpr switches, compiled and checked but off by default until timed on a GPU (``attention(...)``
-options, docs/benchmarks.md for their registers): ``magic`` (int8 -> float16 by bit arithmetic instead of
+options, docs/archive/benchmarks-2026.md for their registers): ``magic`` (int8 -> float16 by bit arithmetic instead of
 I2F), ``hilo=False`` (one float16 product each, ~2e-4 relative error), ``block_n`` and ``num_stages``.
 ``python -m int8kv.bench.gpu_compile`` compiles every kernel and switch for sm_90/sm_80 without a GPU.
 
@@ -639,7 +639,7 @@ def store_rows(cache, layer: int, k16: torch.Tensor, v16: torch.Tensor, slots: t
 
 
 # Resident CTAs per SM of the default decode configuration (BLOCK_N 64, 4 warps, 3 stages), from the
-# registers ptxas allocates for sm_90 (`python -m int8kv.bench.gpu_compile`, docs/benchmarks.md): INT8
+# registers ptxas allocates for sm_90 (`python -m int8kv.bench.gpu_compile`, docs/archive/benchmarks-2026.md): INT8
 # 249-255 registers x 128 threads -> 2 CTAs in 65,536 registers; F16 155-163 -> 3. Shared memory (31 KiB
 # INT8, 46 KiB F16 per CTA, of 228 KiB) is not the limit. sm_80 allocates fewer (INT8 168-188): 2 or 3.
 _CTAS_PER_SM = {True: 2, False: 3}

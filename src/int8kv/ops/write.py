@@ -158,8 +158,8 @@ def split_rotate_store(
     (:func:`prepare_qkv` then :func:`append_paged_kv`) then takes the step and says what is wrong. The same values,
     stores and refusals as that route (tests/test_write.py).
 
-    Measured in the engine's SmolLM2 decode at 512 tokens: the general route's ~25 Python calls took ~92 us a layer
-    (docs/benchmarks.md, "The decode write through compiled calls")."""
+    It exists because the general route's ~25 Python calls a layer are a large share of a small model's decode
+    step (docs/archive/benchmarks-2026.md, "The decode write through compiled calls")."""
     if getattr(pool, "writes_by_step", False) or plan.slots is None:  # cache.pool_q4w's pool: written by step
         return None
     found = pool.compiled_store(layer)
