@@ -42,9 +42,9 @@ DEMO_PROMPTS = (
 MODEL_HELP = "local transformers dir or .gguf file (default: packaged SmolLM2-135M)"
 JSON_HELP = "also write the results as JSON (NaN and inf as null)"
 WEIGHTS_HELP = (
-    "precision of the model's matmuls: model (its own weights exactly; an engine runs GGUF Q4_1 / Q8_0 blocks "
-    "packed), dense (as loaded, torch's matmuls: SmolLM2's are float32), bfloat16, or int8 (per-row int8 weights, "
-    "bfloat16 inputs; CPU only); perplexity and speed of each in docs/performance.md"
+    "precision of the model's matmuls: model (its own weights exactly; an engine runs a GGUF file's Q4_0-Q8_0 and "
+    "K-quant blocks packed), dense (as loaded, torch's matmuls: SmolLM2's are float32), bfloat16, or int8 (per-row "
+    "int8 weights, bfloat16 inputs; CPU only); perplexity and speed of each in docs/performance.md"
 )
 THREADS_HELP = (
     "threads per engine step (default: one or every CPU the process may use, its affinity and cgroup quota, "
@@ -75,7 +75,7 @@ FOREIGN_FLAGS = {
     "--cpu-offload-gb": f"not supported: {_NO_GPU}",
     "--enforce-eager": f"not supported: {_NO_GPU} and captures no CUDA graphs",
     "--n-gpu-layers": f"not supported: {_NO_GPU}", "-ngl": f"not supported: {_NO_GPU}",
-    "--block-size": "not supported: KV blocks hold 16 tokens",
+    "--block-size": "not supported: KV blocks hold 16 tokens (64 positions in the 4-bit format)",
     "--seed": "not supported: seed each request with its 'seed' field",
     "--trust-remote-code": "not supported: int8kv runs transformers' own model classes, never code from a model "
                            "directory",
