@@ -133,7 +133,7 @@ class ThreadChoice:
 
 # One ThreadChoice per kind of call: decode and prefill, INT8 and F16, the two precisions and each head shape
 # cost different amounts per unit of work. A single shared model once learned its seconds per unit on INT8 decode
-# calls, took the F16 calls' larger cost for a wake-up cost, and kept long F16 calls on one thread where two
+# calls, took the F16 calls' larger cost for a wake-up cost, and kept long calls on one thread where two
 # threads were clearly faster.
 _THREADS: dict[tuple, ThreadChoice] = {}
 
