@@ -18,7 +18,7 @@ import numpy as np
 from .numba_cache import share_compiles
 
 # Elements below which one thread beats waking the pool: on a busy machine waking a second thread can
-# take milliseconds, while 64 Ki elements take ~20 us here. (A decode step encodes a few hundred.)
+# take milliseconds, far longer than one thread needs for 64 Ki elements. (A decode step encodes a few hundred.)
 SERIAL_ELEMENTS = 1 << 16
 
 
@@ -109,9 +109,9 @@ def quantize_rows(x: np.ndarray, q: np.ndarray, scale: np.ndarray, nthreads: int
 @nb.njit(cache=True)
 def quantize_rows_serial(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> int:
     """`quantize_rows` on the calling thread, for inputs below SERIAL_ELEMENTS: no thread pool to set or wake.
-    Through the parallel kernel on one thread a decode step's 2 x 3 x 64 values took 85-98 us per layer inside
-    SmolLM2's forward (torch's threads busy around it) against ~20 us alone; the same code run serially takes
-    neither the two set_num_threads calls nor the pool's launch."""
+    Through the parallel kernel on one thread a decode step's few values cost several times more inside a
+    model's forward (torch's threads busy around it) than alone; the same code run serially takes neither the
+    two set_num_threads calls nor the pool's launch."""
     return _quantize_range(x, q, scale, 0, x.shape[0])
 
 

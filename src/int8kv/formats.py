@@ -235,8 +235,8 @@ class Int8V1Format(KvFormat):
         return dequantize_int8(*parts)
 
     def value_problem(self, tensor: str, values: np.ndarray) -> str | None:
-        # numpy, not torch: on the 2-core dev machine a 1 MiB chunk takes 0.01-1 ms here against 15-85 ms for
-        # the same reductions in torch (thread start-up under contention).
+        # numpy, not torch: on a busy machine torch's threaded reductions pay thread start-up under contention,
+        # far more than the reductions on one chunk.
         if values.size == 0:
             return None
         if tensor.endswith("scales"):

@@ -70,8 +70,8 @@ _DIGESTS: dict[str, str] = {}  # package directory -> numba_sources_digest, comp
 def numba_sources_digest(root: str | None = None) -> str:
     """SHA-256 (hex) over the ``.py`` files under ``root`` (default: this package) whose text mentions numba,
     their relative paths and contents, in path order: what every cached kernel's key holds, so that editing
-    any module with numba code rebuilds every kernel and editing any other rebuilds none. ~20 ms for this
-    package's ~100 modules, once per process."""
+    any module with numba code rebuilds every kernel and editing any other rebuilds none. Computed once per
+    process and kept, as it reads every module."""
     root = os.path.dirname(os.path.abspath(__file__)) if root is None else os.path.abspath(root)
     digest = _DIGESTS.get(root)
     if digest is None:

@@ -43,8 +43,8 @@ _COUNT: list[Callable[[], int]] = []  # numba's C getter of the calling thread's
 def thread_count() -> int:
     """``numba.get_num_threads()``: the calling thread's count, as ``numba.set_num_threads`` last set it in that
     thread. numba's function takes two locks (making sure its threads are launched) before it asks its C
-    getter; once they are, this asks the getter alone, 0.72 -> 0.10 us a call (the CPU attention asks it at
-    every ``ops.attention`` call). A numba without that getter gets its public function every time."""
+    getter; once they are, this asks the getter alone, skipping the locks (the CPU attention asks it at every
+    ``ops.attention`` call). A numba without that getter gets its public function every time."""
     if _COUNT:
         return _COUNT[0]()
     count = numba.get_num_threads()  # launches the threads, after which numba holds the getter

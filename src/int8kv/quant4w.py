@@ -30,10 +30,10 @@ __all__ = [
 NAME = "int4_kchan64_vtok_asym_sink4_win64_v1"
 VERSION = 1
 # Positions per sealed block: one key group per (head, channel) spans a block, so its scale and minimum cost
-# 4 bytes per channel per 64 positions. Measured (docs/archive/benchmarks-2026.md, "4-bit KV"): with the sinks and the
-# window, perplexity +0.109 % / +0.328 % (licenses / held-out text) and 0.281x / 0.273x F16's bytes at head_dim
-# 64 / 128; 16-position blocks with the same F16 rows reach a lower KL (1.9 / 1.7 millinats against 2.8 / 2.8)
-# at 0.328x / 0.320x, above the 0.30x / 0.28x bytes targets.
+# 4 bytes per channel per 64 positions. 64, not 16: 16-position blocks reach a lower KL but miss the bytes
+# targets (0.30x / 0.28x of F16's at head_dim 64 / 128), which 64 meets with the sinks and the window at a
+# perplexity cost of a few tenths of a percent (docs/archive/benchmarks-2026.md, "4-bit KV: candidates, the
+# chosen format, its decode kernel").
 BLOCK = 64
 # The first positions of a sequence, F16 for good: small models park attention there (attention sinks), so
 # their error reaches every later query. One sink measured as good as four (KL 3.0 / 2.8 against 2.8 / 2.8);

@@ -192,7 +192,7 @@ class BlockStore(ABC):
     #: A command the server refused (out of memory, a key of the wrong type) does not start the interval.
     retry_after: float = 1.0
     #: Seconds a lookup may hold its caller; a get may take this plus its expected bytes at ``read_rate``.
-    #: A loopback lookup takes 3-15 ms on this loaded machine (docs/block_store.md, "Faults"). Each store
+    #: The default is well above a loopback lookup on a loaded machine (docs/block_store.md, "Faults"). Each store
     #: starts with ``INT8KV_KV_STORE_READ_DEADLINE`` if set (a remote store, a heavily loaded machine).
     read_deadline: float = 0.1
     #: Bytes per second a healthy get is allowed: 4x below the slowest measured here (`get_prefix` of 128

@@ -404,7 +404,7 @@ def assemble_blocks(
 
     Each tensor (K/V codes, K/V scales; of each group) is copied block by block into one ``[L, total, Hk, (D)]``
     array, so a prefix of n blocks costs 4n copies per group and one state, not one state of 4L tensors per block
-    (measured on SmolLM2's 30 layers: 1.6 ms per block as separate states, against the raw GET's ~0.5 ms).
+    (separate states per block cost several times the raw GET of the block).
     A grouped spec gives a GroupedKvState (sections in the spec's group order, no layer map).
     """
     tokens = spec.block_size if tokens is None else tokens
@@ -414,8 +414,8 @@ def assemble_blocks(
     header_len = spec.header_len() if header_len is None else header_len
     sections: list[dict[str, list[torch.Tensor]]] = [{} for _ in spec.layouts]
     for name, g, offset, dtype, shape in _payload_layout(spec, tokens):
-        # numpy allocates, torch wraps: torch.empty handed back fresh pages on every call here (page faults:
-        # 83 us per SmolLM2 block of codes), numpy's allocation reuses freed memory (8 us for the same copy).
+        # numpy allocates, torch wraps: torch.empty handed back fresh pages on every call here (a page fault per
+        # page on the copy), while numpy's allocation reuses freed memory.
         out = np.empty((shape[0], n * tokens, *shape[2:]), dtype=_NUMPY[dtype])
         count = math.prod(shape)
         for i, value in enumerate(values):
@@ -472,8 +472,8 @@ def _as_bytes(value: bytes | bytearray | memoryview) -> bytes | bytearray:
 
 
 def _check_values(spec: BlockSpec, data: bytes | bytearray, header: BlockHeader) -> None:
-    # numpy on the value itself, not torch ops: on this shared 2-core machine torch's threaded
-    # ``(codes == -128).any()`` took 13 ms per 92 K-code SmolLM2 block (thread start-up under contention).
+    # numpy on the value itself, not torch ops: on a busy machine torch's threaded ``(codes == -128).any()``
+    # pays thread start-up under contention, far more than the check itself on one block.
     fmt = spec.format.spec
     for name, _, offset, dtype, shape in _payload_layout(spec, header.tokens):
         values = np.frombuffer(data, dtype=_NUMPY[dtype], count=math.prod(shape), offset=header.header_len + offset)

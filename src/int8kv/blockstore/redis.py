@@ -159,9 +159,9 @@ def _redis() -> Any:
 
 def client_options(target: RedisTarget) -> dict[str, Any]:
     """The redis-py options of every client of the store (node, cluster, embedded): the target's socket
-    timeouts and no retries. Measured before this: redis-py's default retry policy (3 retries with backoff,
-    10 in the cluster client) made a paused embedded server cost 26 s per fault, and one retry of a 2 s
-    timeout 4.1 s per fault on redis://; the store's reader deadline and back-off now bound a fault instead."""
+    timeouts and no retries: redis-py's default retry policy (3 retries with backoff, 10 in the cluster client)
+    multiplies every timeout, so a paused server held a caller for many times its timeout per fault; the store's
+    reader deadline and back-off now bound a fault instead (docs/block_store.md, "Faults")."""
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 

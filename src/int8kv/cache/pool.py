@@ -81,7 +81,7 @@ class KvPool:
         self.device = k[0].device
         self._layers = [(tuple(t[i] for t in self._k), tuple(t[i] for t in self._v)) for i in range(self.num_layers)]
         # The same views by slot, built once: a decode step writes every layer, and flattening its four parts
-        # per write cost 5.5 us of a 48 us transformers-layer append (SmolLM2's shape, one thread).
+        # per write was a sizeable part of a transformers-layer append.
         self._rows = [tuple(tuple(t.flatten(0, 1) for t in side) for side in pair) for pair in self._layers]
         self._row_arrays: list[tuple | None] = [None] * self.num_layers  # row_arrays(), built on first use
         self._compiled: list[tuple | None] = [None] * self.num_layers  # compiled_store(), found on first use
@@ -121,7 +121,7 @@ class KvPool:
 
     def row_arrays(self, layer: int) -> tuple | None:
         """:meth:`layer_rows` as numpy views, K's parts then V's (zero-copy, kept for the pool's life), or None
-        for a pool not on the CPU. Taking the four views per write cost 3.6 us of a decode step's layer."""
+        for a pool not on the CPU. Taking the four views per write was a measurable part of a decode step's layer."""
         arrays = self._row_arrays[layer]
         if arrays is None and self.device.type == "cpu":
             k, v = self._rows[layer]

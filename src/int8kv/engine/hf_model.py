@@ -484,10 +484,10 @@ def check_architecture(hf_model: torch.nn.Module) -> list[LayerSpec]:
 # State modules that need more than the cache's state layers, by class: the attributes holding a state the module
 # keeps on itself instead of in the cache (dotted paths), and whether its forward of several tokens continues
 # from a previous state. Where it does not, a sequence's chunks after the first run one token per forward, which
-# the single-token path continues exactly. Measured on tiny models, last-token logits of a 12-token prompt run as
-# 7 + 5 tokens against all 12 at once (relative to their range): Jamba 0.32 (its selective scan is called without
-# the previous state), RecurrentGemma 0.004 (its multi-token forward restarts the convolution state), Qwen3-Next,
-# Bamba, LFM3, Zamba2 and Nemotron-H 0; one token at a time: 0 for all. The bool is a floor, not the judge: the
+# the single-token path continues exactly. On tiny models a prompt run in two chunks changed the last-token
+# logits against one run for Jamba (its selective scan is called without the previous state) and RecurrentGemma
+# (its multi-token forward restarts the convolution state), not for Qwen3-Next, Bamba, LFM3, Zamba2 or
+# Nemotron-H; one token at a time matched for all. The bool is a floor, not the judge: the
 # construction probe (TransformersModel._check_continuation) turns chunks off for any model it catches restarting.
 STATE_MODULES: dict[str, tuple[tuple[str, ...], bool]] = {
     "RecurrentGemmaRecurrentBlock": (("conv1d_state", "rg_lru.recurrent_states"), False),

@@ -67,10 +67,10 @@ from .store_tier import PageStoreTier, StoreTier
 
 # "transformers" serves every model; None (the default) picks "fused" for a model the fused forward implements
 # exactly (check_fused: Llama / Qwen3 with nothing it refuses) and "transformers" for every other. With float32
-# weights the generic path ran at 0.94x / 0.91x the fused forward's decode speed (SmolLM2, 2,048 tokens, batch
-# 1; `python -m int8kv.bench engine_paths`), but once the matmuls read packed GGUF blocks the rest of the step is
-# what differs: 21.62 against 15.56 ms per token at 512 tokens (0.72x; `bench slope`, docs/benchmarks.md,
-# "Packed GGUF weights"), where the fused forward makes 121 matmul calls a step and the model's own 211.
+# weights the generic path is a little slower than the fused forward; once the matmuls read packed GGUF blocks
+# the rest of the step is what differs and the gap widens, the fused forward making 121 matmul calls a step and
+# the model's own 211 (docs/archive/benchmarks-2026.md, "Engine model paths on SmolLM2-135M", "Packed GGUF
+# weights").
 IMPLEMENTATIONS = ("transformers", "fused")
 
 

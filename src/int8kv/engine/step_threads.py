@@ -231,8 +231,8 @@ class StepThreads:
 
     Every `LOOK_EVERY` steps it reads how much CPU other processes took on its CPUs (`OtherLoad`). While that is
     `BUSY` CPUs or more, every step runs on one thread: a parallel step would wait at each of its hundreds of
-    parallel regions for a thread the OS gives to the other process (measured on SmolLM2: 23 ms a step when
-    lucky, 120-800 ms often, 30 ms on one thread), and measuring that mode only pays for it. Otherwise
+    parallel regions for a thread the OS gives to the other process (such a step often takes several times as
+    long as one on a single thread), and measuring that mode only pays for it. Otherwise
     `StepChoice` decides by measured times; when the others' load goes, the parallel mode is due at once.
     ``load``: the reader (tests pass their own)."""
 

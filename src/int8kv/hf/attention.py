@@ -350,7 +350,7 @@ def int8kv_attention_forward(
         if query.requires_grad:
             query = query.detach()
         # q as [queries, q_heads, dim]. One decode position: [batch, q_heads, 1, dim] already holds that order, so
-        # one reshape (1.2 us) instead of transpose + reshape (3.2 us; two torch calls per layer).
+        # one reshape instead of transpose + reshape (two torch calls per layer).
         if shared.valid is not None:
             q = query.transpose(1, 2)[shared.valid]
         elif n == 1:
@@ -367,7 +367,7 @@ def int8kv_attention_forward(
             full[shared.valid] = out
             out = full
         layer.mark_read()
-        # A float32 model's output is the kernel's own tensor: `.to` of the same dtype still costs 1.4 us a call.
+        # A float32 model's output is the kernel's own tensor: `.to` of the same dtype is still a torch call.
         return (out if out.dtype == query.dtype else out.to(query.dtype)), None
     except Exception as e:
         book.abort(e)
@@ -416,8 +416,8 @@ def _shared_plan(
         if n == 1 and num_queries == batch:
             cu, valid = None, None  # every row has its one query: plain decode
     # A plain decode step over one block per batch row (no mask, no paging) has metadata that is valid by
-    # construction once these two bounds hold: its plan skips the range checks' host read (103 -> 28 us a step
-    # in a loop, SmolLM2's shape; the plan is new every step, the lengths having grown).
+    # construction once these two bounds hold: its plan skips the range checks' host read, most of its planning
+    # cost (the plan is new every step, the lengths having grown).
     trusted = cu is None and kv_starts is None and paged is None and batch <= p.num_blocks and held <= p.block_size
     plan = plan_attention(
         p, block_tables, context_lens, cu_seqlens_q=cu, kv_starts=kv_starts, num_queries=num_queries,

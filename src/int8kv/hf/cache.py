@@ -370,7 +370,7 @@ class Int8KvLayer(CacheLayerMixin):
             self.reserve(row + n)  # returns at once while the rows fit
         p = self.pool
         # [batch, heads, n, dim] -> rows [batch * n, heads, dim] in slot order (row b's block, rows row..). One
-        # position (decode) is already in that order: one reshape (1.2 us) instead of transpose + reshape (3.2).
+        # position (decode) is already in that order: one reshape instead of transpose + reshape.
         if n == 1:
             k = key_states.reshape(-1, p.num_kv_heads, p.head_dim)
             v = value_states.reshape(-1, p.num_kv_heads, p.head_dim)
@@ -389,7 +389,7 @@ class Int8KvLayer(CacheLayerMixin):
         self.seq_len += n
         # Empty handles only the int8kv attention may read (any other operation raises AttentionBypassed): they
         # hold nothing but shape, dtype, device and this layer, so one pair serves every step of that kind
-        # (two new tensor subclasses per layer and step cost ~10 us in a SmolLM2-135M decode step's layer).
+        # (two new tensor subclasses per layer and step were a large part of a small model's decode layer).
         kind = (expected, key_states.dtype, value_states.dtype, key_states.device)
         handles = self._handles
         if handles is None or handles[0] != kind:
@@ -664,7 +664,7 @@ class Int8KvCache(Cache):
             raise UnsupportedAttention(self.book.broken)
         config = self._text_config
         # Asked when a forward begins (no forward in progress, or this layer already written in it): reading
-        # `_attn_implementation` goes through transformers' config __getattribute__ (2-3 us a layer). A switch
+        # `_attn_implementation` goes through transformers' config __getattribute__, slow per layer. A switch
         # in the middle of a forward is still caught: the next layer's attention is then another function, which
         # reads the handles of this cache and raises AttentionBypassed.
         fw = self.book.forward

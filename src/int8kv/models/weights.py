@@ -20,12 +20,10 @@
   (`int8kv eval` figures in docs/performance.md, "Weight precision"); and a range per call would make a row's
   result depend on its batch mates.
 
-Why the weights: a SmolLM2 decode step at 512 tokens (batch 1, INT8 KV, one thread, load 18) spent 55 % in its
-211 matmuls (lm_head 9 %), 14-16 % in attention, 9 % writing K/V and 20 % in the rest of the forward; torch's
-profiler put `aten::mm` at 73-75 %. Measured on this 2-core Xeon (AVX-512 VNNI, AMX; load 4.5, one thread): int8
-weight-only decodes 1.39x (generic path) / 1.49x (fused) as fast as float32 (84 against 117-125 ms per token);
-bfloat16 0.83x / 0.96x, its one-row matmul being no faster than float32 in torch here (docs/performance.md,
-"Weight precision").
+Why the weights: with an INT8 KV cache a small model's decode step spends more time in its matmuls than in
+attention, writing K/V and the rest of the forward together. On a CPU with AVX-512 VNNI, int8 weight-only
+decodes faster than float32; bfloat16 does not, its one-row matmul being no faster than float32 in torch
+(docs/archive/benchmarks-2026.md, "Weight precision on SmolLM2-135M").
 
 Embeddings stay as they are (a lookup reads one row). A GgufLinear converts from its decoded float32 weights,
 one layer at a time (no float32 copy of the whole model). Converted layers keep their weights in the module's

@@ -134,7 +134,7 @@ def _all_finite() -> Any:
 def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan, *, finite: bool = True) -> torch.Tensor:
     """``q [num_queries, num_q_heads, head_dim]`` as float32, contiguous; NaN/inf refused (NonFiniteError) unless
     ``finite`` is False: for a backend whose runs refuse it themselves (its module's ``CHECKS_QUERY``)."""
-    shape = q.shape if isinstance(q, torch.Tensor) else ()  # read once: 0.17 us a read
+    shape = q.shape if isinstance(q, torch.Tensor) else ()  # read once: each read of q.shape builds a torch.Size
     if len(shape) != 3 or shape[2] != pool.head_dim or shape[0] != plan.num_queries:
         got = tuple(shape) if isinstance(q, torch.Tensor) else type(q).__name__
         raise ShapeMismatch(f"q must be [{plan.num_queries}, num_q_heads, {pool.head_dim}], got {got}")
@@ -145,14 +145,13 @@ def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan, *, finite: b
     if q.device != pool.device:
         raise ShapeMismatch(f"q is on {q.device} but the cache is on {pool.device}")
     # Refused on every backend alike: a NaN query would give NaN rows on one backend and zeros on another.
-    if q.requires_grad or q.dtype != torch.float32 or not q.is_contiguous():  # 1.1 us saved on the common case
+    if q.requires_grad or q.dtype != torch.float32 or not q.is_contiguous():  # the common case skips three torch calls
         q = q.detach().to(torch.float32).contiguous()
     if not finite:
         return q
-    # On the CPU one compiled pass (`cpu.all_finite`): inside SmolLM2's decode step (the drop-in, 512 tokens),
-    # where every layer checks its q with the caches cold, this check took 10.2-11.2 us a layer (median, two runs)
-    # with a BLAS dot of q with itself (np.vdot, 0.8 us in a loop: a finite result meant finite values) and
-    # 6.1-7.0 with the compiled pass.
+    # On the CPU one compiled pass (`cpu.all_finite`): inside a decode step, where every layer checks its q with
+    # the caches cold, it beat a BLAS dot of q with itself (np.vdot: a finite result meant finite values), which
+    # only looked faster in a loop.
     if q.is_cpu:
         finite = _all_finite()(q.numpy())
     else:
@@ -163,7 +162,7 @@ def check_query(pool: KvPool, q: torch.Tensor, plan: AttentionPlan, *, finite: b
 
 
 # (backend argument, device, format object) -> backend module, for the names resolved without the environment
-# (None, "cpu", "reference"): resolve_backend + _module + check_kernels took 1.0 us per call, a dict lookup 0.15.
+# (None, "cpu", "reference"): one dict lookup instead of resolve_backend + _module + check_kernels on every call.
 # Keyed by the format's spec object, the thing check_kernels reads, not its enum member: a member whose spec
 # changes (a format registered again, a test's stand-in) is checked afresh.
 _RESOLVED: dict[tuple, Any] = {}

@@ -45,13 +45,12 @@ MIN_SPLIT_KEYS = 256  # shortest key range worth its own decode work item
 _NO_SCALE = np.empty((0, 0), np.float32)  # q_scale of the exact (float32 query) path
 _NO_SINKS = np.empty(0, np.float32)  # sinks of a call without them
 # q_scale of the int16 path: q stays float32 and each (row, head) is quantized to int16 inside the kernel
-# (`_row_query`), where it costs ~0.1 us a row; the same in torch took ~10 us a call (7 small ops).
+# (`_row_query`): in torch the same quantization is several small ops, each with its own dispatch, per call.
 _INT16_QUERY = np.empty((0, 0), np.int16)
 # A sequence whose chunk has at least FLASH_MIN_QUERIES queries and at least FLASH_MIN_PAIRS causal
-# (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). Measured on
-# 2 cores, 9 q / 3 kv heads, head_dim 64, 8 sequences: the two paths tie near 30-35k pairs (64 queries over
-# 512-640 keys, 32 over 1056), torch wins from ~50k (128 over 512: 15 vs 18 ms; 2048 over 2048: 2.5x) and loses
-# below, where its per-call overhead outweighs the numba kernel's slower inner loop (64 over 256: 7 vs 5 ms).
+# (query, key) pairs prefills through `_flash_prefill` (torch's fused flash kernel on K/V tiles). The bounds sit
+# just above where the two paths tie: below them torch's per-call overhead outweighs the numba kernel's slower
+# inner loop (docs/archive/benchmarks-2026.md, "Figures from code comments").
 FLASH_MIN_QUERIES = 32
 FLASH_MIN_PAIRS = 48 * 1024
 FLASH_KEY_TILE = 1024  # keys converted to float32 per step: K + V tile of 1.5 MB at 3 KV heads x 64
@@ -63,10 +62,8 @@ _sdpa_tile = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 # The formats this backend reads: the parts' pairs, and the 4-bit sink-and-window pool through ops.cpu_q4w.
 KERNELS = PARTS_KERNELS | {"int4_sink_window"}
 # Every run this backend prepares refuses a q holding NaN or inf itself (NonFiniteError, before any output is
-# written), so `ops.check_query` leaves that pass to it: the item loop checks q's bits where it starts (~0.05 us
-# at SmolLM2's decode shape), and the Python check it replaces cost a numba dispatch and a `Tensor.numpy()` on
-# every layer, 9 us a call inside SmolLM2's decode at 512 tokens (the drop-in; its caches cold after the
-# weights), against ~3 in a loop.
+# written), so `ops.check_query` leaves that pass to it: the item loop checks q's bits where it starts, nearly
+# free there, while the Python check it replaces cost a numba dispatch and a `Tensor.numpy()` on every layer.
 CHECKS_QUERY = True
 NEG = np.float32(cpu_simd.NEG)  # finite "minus infinity": fastmath lets the compiler assume no inf anywhere
 
@@ -531,9 +528,8 @@ def _quantize_rows(x, d, sm, codes, scale):
     codes [len(x)] int16 in [-32767, 32767], scale [rows] float32 with the softmax scale sm folded in; a row of
     zeros gets scale 0. Each row is a slice indexed from 0: indexed as x[h * d + i], LLVM could not rule out a
     negative index and vectorised the rounding with gathers and scattered stores; the range comes from
-    `cpu_simd.absmax16`. Together 1.18 -> 0.16 us for SmolLM2's 9 heads x 64, 8.4 -> 0.85 at 32 x 128, the same
-    codes and scales (each work item quantizes its row; docs/archive/benchmarks-2026.md, "Loops that numba indexed with
-    gathers")."""
+    `cpu_simd.absmax16`. Together several times faster, the same codes and scales (each work item quantizes its
+    row; docs/archive/benchmarks-2026.md, "Loops that numba indexed with gathers")."""
     vector = d - d % cpu_simd.LANES
     for h in range(x.shape[0] // d):
         row = x[h * d : (h + 1) * d]
@@ -591,14 +587,11 @@ def _enter_run(table, pos, bs, left, tile_start, blocks, flat, block_elems, spre
     pass, V in the value pass) while this one is computed; in a block longer than a tile, a run of 16 keys
     prefetches the 16 keys after it instead. Whole, here, or, for a run of the vector kernels' 16 keys with
     `spread` (INT8 codes), a head's share before each head's call by the caller, `following` then being the first
-    element of the `count` to prefetch (-1 otherwise). Spread against whole: at SmolLM2's 3 x 64 over 7,000 keys in the
-    engine's decode step the attention entry took 6.8-7.2 ms a step against 11.4-13.0
-    (docs/results/engine_attention_split.py, two checkouts taking turns; likely because a burst of 48 line requests
-    takes the core's line-fill slots the compute's own loads then wait for); F16's blocks, twice the bytes, took
-    5-15 % longer spread at 8 KV heads x 128 over 2,048-7,000 keys in the attention benchmark, so they stay whole.
-    One block ahead, whole, against none (one thread, per key and KV head): 68 -> 54 ns at 8 KV heads x 128 over
-    32,768 keys from DRAM (a head's rows are 1 KB apart), 48 -> 40 ns over 4,096; 22 -> 19 ns at SmolLM2's 3 x 64
-    over 7,000. Two blocks ahead: no better."""
+    element of the `count` to prefetch (-1 otherwise). INT8 spreads its prefetch because a whole block's burst of
+    line requests likely takes the core's line-fill slots the compute's own loads then wait for; F16's blocks,
+    twice the bytes, were slower spread, so they stay whole. One block ahead beats none, most for keys from DRAM
+    (a head's rows are 1 KB apart); two ahead gained nothing (docs/archive/benchmarks-2026.md, "The next block's
+    prefetch, a head's share at a time")."""
     index = pos // bs
     offset = pos - index * bs
     run = min(bs - offset, left)
@@ -810,9 +803,9 @@ def _run_items(first, last, merge, splits, leaves, q, q_scale, sm, cap, sinks, k
     a kernel's before the leaf calls it. A serial call runs this from
     Python; a parallel one through `calls.fan_out` (merge False; the merge follows on the calling thread). Worker w
     of a parallel call runs items lists[w]..lists[w + 1] (`_assign_items`): numba's dynamic schedule
-    (`parallel_chunksize(1)`, items handed out one at a time) ran 8 items of SmolLM2's shape at 2,048 keys in 134
-    us on two threads, as slow as one (133 us); this fixed split took 86. A serial call (`merge`) passes empty
-    part_* and allocates the `splits` states here (three numpy allocations cost ~1 us in Python)."""
+    (`parallel_chunksize(1)`, items handed out one at a time) gained nothing from a second thread on a decode
+    call's few items, where this fixed split does. A serial call (`merge`) passes empty part_* and allocates the
+    `splits` states here, saving three numpy allocations in Python."""
     if not finite_bits(q):  # the backend's query check (CHECKS_QUERY): each worker's, before it writes anything
         raise NonFiniteError("q holds NaN or inf")
     if merge and splits > 1:
@@ -859,18 +852,17 @@ def _leaves(args: tuple, uses: tuple[bool, bool], bounded: bool) -> np.ndarray:
     chunk), with them (slots 8, 9). `_entry` keeps them in the plan's work under its key (the pool's format,
     whether a softcap is set): with the query path, the tables and ``bounded`` (the work's own), those fix every
     argument's type (q is float32 and contiguous, sinks float32, lows an int64 array, the rest made by `_work`
-    and `_run`); should one differ, the tag checks in `_run_items` and the leaves raise instead. numba's argument
-    fingerprints took ~1 us a call. Every plan's work asks once (a decode step plans anew), and the answer depends
-    only on the argument types, so it is also kept across plans by the fingerprint of ``args``: inside SmolLM2's
-    decode step at 512 tokens (transformers' `generate`, the drop-in), with the caches cold, this call took
-    24-32 us a step finding the addresses again, 6 us finding them kept (medians of two runs each,
-    docs/results/first_layer_split.py).
+    and `_run`); should one differ, the tag checks in `_run_items` and the leaves raise instead. Calling by address
+    skips numba's argument fingerprinting, a fixed cost on every call. Every plan's work asks once (a decode step
+    plans anew), and the answer depends only on the argument types, so it is also kept across plans by the
+    fingerprint of ``args``: finding the addresses again each step cost several times more than finding them
+    kept (docs/results/first_layer_split.py).
 
     The leaves and the item loop take the rows' lowest keys as an array in every call (the rows' kv_starts
     without a window or chunk) and only `_attend_item` is specialised on their absence, where a constant first
     key keeps its tile loops as fast as they were (`_tile_offset`): one specialisation of `_run_items`,
-    `_row_item`, `_general_item` and `calls.fan_out` where there were two, each 0.8-1.2 s of CPU to compile
-    (`_attend_item` 4.4, `_attend_row` 3.9; numba's compile events, the 2-core Zen 4 VM)."""
+    `_row_item`, `_general_item` and `calls.fan_out` where there were two, each taking seconds of CPU to compile
+    (docs/archive/benchmarks-2026.md, "Kernel compile time (numba, CPU)")."""
     kinds = (compute_fingerprint(args), uses, bounded)
     leaves = _LEAVES.get(kinds)
     if leaves is None:
@@ -898,10 +890,10 @@ def _entry(found: dict, key: tuple, uses: tuple, bounded: bool, splits: int, arg
     """What every call of one work and ``key`` passes unchanged, found once and kept in the work (``found``):
     ``(leaves, fan_out's address and tag for _run_items, the merge's address and tag, ran)``; (0, 0) for no merge
     (a single key range); ``ran`` [serial, parallel]: whether a call in that mode has run. Looked up piece by
-    piece each call (four tuples built, four dict reads, the leaves' argument tuple), this was ~1 us of a
-    2,048-key decode call in a loop and ~2 in situ."""
+    piece each call (four tuples built, four dict reads, the leaves' argument tuple), this was a sizeable part of a
+    decode call's fixed cost."""
     entry = found.get(key)
-    if entry is None:  # callers look first themselves: a call of this function cost ~0.3 us
+    if entry is None:  # callers look first themselves: even a Python call of this function counts on the hot path
         parts = _new_parts(splits, o) if splits > 1 else _NO_PARTS
         leaves = _leaves((*args, *parts), uses, bounded)
         at = _ITEMS.address((INDEX, INDEX, False, splits, leaves, *args, *parts))
@@ -965,7 +957,7 @@ def _merge_states(part_m, part_l, part_acc, out, sinks):
         total = np.float32(0.0)
         o = out[row, head]
         for c in range(d):  # a loop, not `o[:] = 0`: inside a parallel kernel an array expression became a
-            o[c] = 0.0  # parallel region of its own, one launch per (row, head): 20 -> 35 us at 512 keys
+            o[c] = 0.0  # parallel region of its own, one thread launch per (row, head)
         for sp in range(nsplit):
             if part_l[sp, row, head] > 0:
                 wgt = _exp_nonpos(part_m[sp, row, head] - mx)
@@ -983,14 +975,14 @@ _KERNEL = (_run_items, _row_item, _general_item, _attend_row, _attend_item, _mer
 
 
 # -- host side ----------------------------------------------------------------------------------------------
-# id(pool) -> {layer: numpy views}, an entry dropped when its pool is (weakref.finalize): a plain dict read where
-# a WeakKeyDictionary's (a Python method building a weak reference) took ~2 us a call in situ.
+# id(pool) -> {layer: numpy views}, an entry dropped when its pool is (weakref.finalize): a plain dict read, where
+# a WeakKeyDictionary's lookup is a Python method building a weak reference on every call.
 _VIEWS: dict[int, dict] = {}
 
 
 def _layer_arrays(pool: KvPool, layer: int) -> tuple:
     """Zero-copy numpy views of one layer; F16 codes are viewed as int16 bits. Kept per pool (a pool's tensors
-    live as long as it does): building them cost 2.3 us per layer call, a tenth of a 512-token decode."""
+    live as long as it does): building them on every layer call was a sizeable share of a short decode."""
     views = _VIEWS.get(id(pool))
     if views is None:
         views = _VIEWS[id(pool)] = {}
@@ -1011,16 +1003,14 @@ def _num_splits(sequences: int, longest: int, threads: int) -> int:
     """Key ranges per sequence so that about two work items exist per thread (the fixed assignment can then
     even out a few long sequences), but none shorter than MIN_SPLIT_KEYS. A single sequence gets one range per
     thread: its ranges are equal by construction, and two per thread cost each worker a second state to store
-    and the merge two more to read (2,048 keys, SmolLM2's shape: 46.7 -> 44.3 us a call for INT8, 77.6 -> 76.2
-    for F16; docs/archive/benchmarks-2026.md, "The call's fixed cost")."""
+    and the merge two more to read (docs/archive/benchmarks-2026.md, "The call's fixed cost")."""
     want = threads if sequences == 1 else (2 * threads + max(sequences, 1) - 1) // max(sequences, 1)
     return max(1, min(want, longest // MIN_SPLIT_KEYS))
 
 
 # `_assign_items` and `_decode_items` are compiled: a decode step plans its items every step (the lengths grow),
-# and the same work in numpy, ~20 calls on arrays of a few elements, took 0.3-1 ms a step inside SmolLM2's
-# decode (its caches cold after each step's weights; 94 us in a loop), more than the whole gap between the
-# transformers drop-in and DynamicCache at 512 tokens.
+# and the same work in numpy, ~20 calls on arrays of a few elements, each paying numpy's per-call overhead,
+# cost more a step than the whole gap between the transformers drop-in and DynamicCache at short contexts.
 @njit(cache=True)
 def _longest_first(cost: np.ndarray) -> np.ndarray:
     """Indices of ``cost`` by decreasing value, equal values in index order: a bottom-up merge sort written out
@@ -1050,7 +1040,7 @@ def _assign_items(items: np.ndarray, row_limits: np.ndarray, workers: int) -> tu
     """Items regrouped by worker, longest first to the least loaded (greedy LPT: within 4/3 of the best split),
     ``(items, lists, pairs)``: worker w runs items lists[w]..lists[w + 1]; pairs is the total (query row, key)
     pairs, an upper bound of the work. A fixed assignment replaces numba's dynamic schedule, whose
-    `parallel_chunksize` context cost 2.5 us per call."""
+    `parallel_chunksize` context adds a fixed cost to every call."""
     n = items.shape[0]
     cost = np.empty(n, np.int64)
     pairs = 0
@@ -1152,13 +1142,12 @@ def quantize_query_int16(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def all_finite(a):
     """Whether every value of the C-contiguous float array ``a`` is finite (x - x is 0 for a finite x, NaN for
     inf and NaN). The CPU backend's query check where no item loop runs (CHECKS_QUERY). Indexed from 0: iterating
-    the array itself compiled to gathers, 0.33 -> 0.03 us at 1 x 9 x 64 and 17.5 -> 1.6 us at 8 x 32 x 128
-    (called from a jitted loop; from Python 0.51 -> 0.22 us at 1 x 9 x 64): the write path's check,
-    `cpu_rope.finite`."""
+    the array itself compiled to gathers, several times slower (docs/archive/benchmarks-2026.md, "Loops that numba
+    indexed with gathers"): the write path's check, `cpu_rope.finite`."""
     return finite(a)
 
 
-_FITS: dict[tuple, bool] = {}  # (cpu_simd.fits or int_fits, head_dim) -> its answer (jitted: ~0.3 us a call)
+_FITS: dict[tuple, bool] = {}  # (cpu_simd.fits or int_fits, head_dim) -> its answer (jitted: each call a dispatch)
 _NO_ROWS = np.empty(0, np.int64)  # the flash path's sequences of a decode step: none
 
 
@@ -1224,7 +1213,7 @@ def _runner(pool: KvPool, plan: AttentionPlan, work: tuple, cap: np.ndarray | No
         if timed:
             # Only an entry's first call in a mode can compile (or load) a specialisation: its addresses are
             # found (`_entry`) and every later call passes arguments of the same types. Counting the compiled
-            # specialisations took 3.6 us in situ (SmolLM2's decode at 512 tokens), on one call in eight.
+            # specialisations on every timed call (one in eight) was a noticeable share of a decode call.
             fresh = not entry[3][parallel]
             compiled = compiled_count(*_KERNEL) if fresh else 0
             start = time.perf_counter()
@@ -1232,9 +1221,8 @@ def _runner(pool: KvPool, plan: AttentionPlan, work: tuple, cap: np.ndarray | No
             _run_items(0, items.shape[0], True, splits, entry[0], *args, *_NO_PARTS)
         elif splits > 1:
             # The split-state buffers are kept in the work between calls (taken out while a call uses them, so a
-            # concurrent call allocates its own): numpy's three allocations and the merge's own dispatch were 3-4
-            # us of a 33 us call (batch 1 x 512 keys, SmolLM2's shape). The merge runs on the calling thread
-            # within fan_out's call.
+            # concurrent call allocates its own): numpy's three allocations and the merge's own dispatch were
+            # about a tenth of a short decode call. The merge runs on the calling thread within fan_out's call.
             parts = found.pop("parts", None)
             if parts is None or parts[2].shape != (splits, *o.shape):
                 parts = _new_parts(splits, o)

@@ -88,8 +88,9 @@ LAYOUTS = {
 }  # fmt: skip
 KINDS = tuple(LAYOUTS)
 # Rows of x above which tiles of weights are decoded to float32 for torch's matmul. The block kernel re-decodes each
-# sub-block per four rows of x; at 16 rows it cost about what the decoded tiles did (Q4_1 1536x576, 576x1536,
-# Q8_0 49152x576, Q4_K 8192x2048 and 2048x8192, one thread, the 2-core Zen 4 VM), and the tiles won above.
+# sub-block per four rows of x, so its cost grows with the rows while the tiles' decode does not; 16 rows is
+# about where the two cost the same across the quant types and shapes tried (docs/archive/benchmarks-2026.md,
+# "Packed GGUF weights").
 DENSE_ROWS = 16
 TILE_BYTES = 8 << 20  # float32 bytes of one decoded tile (whole output rows; at least 256 rows, at most 1024)
 

@@ -92,9 +92,8 @@ def fold(typingctx, q, qoff, scale, minimum, soff, out, bias, boff, rows, dim):
     out[r*dim + k] = q[qoff + r*dim + k] * s'_k and bias[boff + r] = sum_k q[qoff + r*dim + k] * m'_k, where s', m'
     are f16(scale[soff + i]), f16(minimum[soff + i]) reordered as the rows of q already are (channel 2j at j,
     2j + 1 at dim/2 + j). q, out, bias: float32 flat; scale, minimum: int16 flat (float16 bits); dim a multiple
-    of 16. 32 channels a step (16 where dim is an odd multiple of 16). As a split of the scales into a buffer
-    and a numba loop: 4.6 ns per (key, KV head) at 3 rows of 64 (alias checks and remainder loops around two
-    vector iterations per row)."""
+    of 16. 32 channels a step (16 where dim is an odd multiple of 16). Not a split of the scales into a buffer
+    and a numba loop: that paid alias checks and remainder loops around two vector iterations per row."""
     _expect(((q, types.float32, "q"), (scale, types.int16, "scale"), (minimum, types.int16, "minimum"),
              (out, types.float32, "out"), (bias, types.float32, "bias")))
     sig = types.void(q, qoff, scale, minimum, soff, out, bias, boff, rows, dim)
@@ -195,7 +194,7 @@ def expsum16(typingctx, x, off, shift):
 @intrinsic
 def max16(typingctx, x, off):
     """The largest of x[off : off + 16] (float32 flat). A loop of `max` in numba stays a chain of 16 dependent
-    compares: 50-60 ns per row and block, about a third of the softmax step."""
+    compares, a large share of the softmax step."""
     _expect(((x, types.float32, "x"),))
     sig = types.float32(x, off)
 
@@ -210,7 +209,7 @@ def max16(typingctx, x, off):
 def weights16(typingctx, s, soff, sstride, scale, minimum, voff, total, toff, rows):
     """For r < rows and t < 16, with p = s[soff + r*sstride + t]: s[...] = p * scale[voff + t], and
     total[toff + r] += sum_t p * minimum[voff + t] (one block's value scales and minimums, float32). All float32
-    flat. As a numba loop over views: 6 ns per (key, KV head) at 3 rows of 64, ~1 as this."""
+    flat. Not a numba loop over views, which was several times slower."""
     _expect(((s, types.float32, "s"), (scale, types.float32, "scale"), (minimum, types.float32, "minimum"),
              (total, types.float32, "total")))
     sig = types.void(s, soff, sstride, scale, minimum, voff, total, toff, rows)
@@ -235,8 +234,8 @@ def weights16(typingctx, s, soff, sstride, scale, minimum, voff, total, toff, ro
 @intrinsic
 def widen16(typingctx, bits, off, stride, out, ooff):
     """out[ooff + t] = f16(bits[off + t*stride]) for t < 16: one KV head's 16 value scales (or minimums) of a
-    block, a head apart in the pool, as float32. bits: int16 flat (float16 bits); out: float32 flat. Through the
-    float16 table (two dependent loads a value): 3 ns per (key, KV head) at 3 KV heads x 64."""
+    block, a head apart in the pool, as float32. bits: int16 flat (float16 bits); out: float32 flat. Converted in
+    registers, not through the float16 table (two dependent loads a value)."""
     _expect(((bits, types.int16, "bits"), (out, types.float32, "out")))
     sig = types.void(bits, off, stride, out, ooff)
 
@@ -255,9 +254,9 @@ def widen16(typingctx, bits, off, stride, out, ooff):
 def unpack16(typingctx, codes, off, stride, half, dst):
     """16 rows of `half` bytes (row t at codes[off + t*stride]) -> int8 dst[t*2*half + j] = the low nibble of byte
     j, dst[t*2*half + half + j] = its high nibble: each row's even channels, then its odd ones. half a multiple
-    of 8 (head_dim of 16). Steps of 32 bytes, then of 16 and 8, each over the 16 rows unrolled: measured at 3 KV
-    heads x 64, 38 ns per (key, KV head) as a numba loop (not vectorised), 6 as a loop over rows of 16-byte
-    steps (its loop counting and addressing outweighed the work), 2 as this."""
+    of 8 (head_dim of 16). Steps of 32 bytes, then of 16 and 8, each over the 16 rows unrolled: numba did not
+    vectorise the plain loop, and a loop over rows of 16-byte steps spent more on its counting and addressing
+    than on the work."""
     _expect(((codes, types.uint8, "codes"), (dst, types.int8, "dst")))
     sig = types.void(codes, off, stride, half, dst)
 

@@ -319,7 +319,7 @@ def attend(pool, layer: int, q: torch.Tensor, plan: AttentionPlan, variant: Atte
     work, reads = plan.derived(key, lambda: _work(plan, pool, q.shape[1], threads, variant))
     tables, seq_of, len_of, items, firsts, lists, units, choice = work
     checked = plan.derived("cpu-q4w-checked", dict)  # layer -> (pool, the pool's generation it was checked at)
-    if checked.get(layer, (None, -1)) != (pool, pool.generation):  # 4.5 us a call at SmolLM2's shape (3 %)
+    if checked.get(layer, (None, -1)) != (pool, pool.generation):  # check_reads is a few % of a call: once a generation
         pool.check_reads(layer, *reads)
         checked[layer] = (pool, pool.generation)
     out = np.zeros(q.shape, np.float32)

@@ -1,8 +1,8 @@
 """The write path's rotation of a decode step's few q / k rows on the CPU, in one compiled call.
 
 A SmolLM2 decode step rotates 12 heads x 64 values per layer; torch's eight elementwise operations on them
-(chunk, four products, a difference, a sum, cat) took 19 us a layer in a step at 512 tokens, most of it
-per-operation overhead. This loop does the same arithmetic in the same order (each product rounded, then the
+(chunk, four products, a difference, a sum, cat) cost mostly per-operation overhead on so few values.
+This loop does the same arithmetic in the same order (each product rounded, then the
 difference or sum: no fused multiply-add, no reassociation), so its results are torch's bit for bit
 (tests/test_write.py).
 """
@@ -73,8 +73,8 @@ def split_rotate(qkv, c, s, q, k, v) -> int:
     (before anything is rotated), 2 where ``q`` does after the rotation (a table entry), else 0: the two refusals
     of the write path's general route (write.prepare_qkv), in its order. Heads are taken from the C-contiguous
     view one at a time (slices of it were strided arrays to numba, rotated with gathers) and the checks have no
-    early exit: SmolLM2's decode step (one token, 9 + 3 + 3 heads x 64) 1.31 -> 0.36 us a layer, 8 tokens
-    9.5 -> 2.1 us, the same bits (docs/archive/benchmarks-2026.md, "Loops that numba indexed with gathers")."""
+    early exit: several times faster, the same bits (docs/archive/benchmarks-2026.md, "Loops that numba indexed
+    with gathers")."""
     tokens, hq, dim = q.shape
     hkv = k.shape[1]
     if not finite(qkv):

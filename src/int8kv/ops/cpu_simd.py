@@ -1,11 +1,9 @@
 """Vector micro-kernels for the CPU attention backend, written as LLVM IR (numba intrinsics).
 
 The numba loops of `cpu.py` compute one dot product per key: LLVM vectorises it over head_dim and then pays a
-16-lane horizontal sum per (key, query row), and the INT8 codes go through a float32 tile in memory first.
-Measured single-threaded at SmolLM2's shape (9 q / 3 kv heads, head_dim 64, 7,000 keys): 30.5 ns per
-(key, KV head), of which converting K and V into the tiles took 10 ns, the dot products 6 ns and the p . v
-updates 6 ns. These kernels work on 16 keys at once, straight from the pool's blocks (22 ns; 19 with the next
-block prefetched; of the 22, scores 12, values 8, softmax 5 by ablation):
+16-lane horizontal sum per (key, query row), and the INT8 codes go through a float32 tile in memory first;
+the tile conversion cost more than the dot products. These kernels work on 16 keys at once, straight from the
+pool's blocks, which removes both (docs/archive/benchmarks-2026.md, "Decode attention kernel (CPU)"):
 
   `qk16`  scores of g query rows against 16 keys: 16 vector accumulators (one per key, 16 lanes of head_dim
           each), codes converted once into a scratch, then one transpose-and-add tree turns the 16 accumulators into
@@ -49,20 +47,15 @@ The softmax of a decode row's tile runs here too: `logits16` (the scaled logits 
 (exp, the running sum, the value scales folded in), 16 lanes a vector with the tile's ragged end masked, and
 `gather16` brings a run's 16 per-token scales of every head in as one vector per head.
 
-p . v stays float32 (`pv16`): int16 weights (each row's 16 weights rounded to int16 with one scale) times int8 value
-rows interleaved in pairs, `vpdpwssd` into int32 per 16-key block, measured in a prototype at 3 rows x 64 (SmolLM2's
-group) on 1,024 keys, ns per key, best of 15, load 15: 4.3 vs 4.7 (AVX-512 VNNI) and 9.2 vs 7.7 (AVX2) with the
-weights already quantized, 12.3-13.1 vs 5.6-8.2 once each block's weights are quantized (max, scale, round, pack per
-row and block), which is the only way to get them. Again on Emerald Rapids with the instruction written as inline
-assembly and one weight scale per 64-key tile (docs/results/pv_dpwssd_prototype.py): the dot products 1.70 ns a key
-against `pv16`'s 3.53, the whole 3.61 once the weights are quantized and the sums folded back, and the rounding
-moves an attention output by 4-7e-5 of its max, beyond the int16 path's checks. Converting int8 rows without byte
-shuffles (64 codes loaded as 16 int32 lanes, each byte sign-extended in place by a left and a right shift, the
-accumulator kept in that permuted order) measured 0.90x `pv16` at 3 rows x 64 and 0.91x at 4 x 128 (one thread,
-2,048 / 1,024 keys hot in cache, AVX-512, Zen 4): the widening is not what limits `pv16`. In the whole kernel at
-batch 8 x 4,096 keys (32 / 8 x 128, K and V from DRAM) p . v takes ~30 ns per (key, KV head) and thread against ~11
-hot (measured by leaving `pv16` out of the row kernel): there the arithmetic is not the limit; prefetching each
-block's V during the score pass instead of one block ahead gained 2-3 %, within the noise.
+p . v stays float32 (`pv16`). int16 weights (each row's 16 weights rounded to int16 with one scale) times int8 value
+rows interleaved in pairs, `vpdpwssd` into int32 per 16-key block, makes the dot products faster, but the weights
+have to be quantized per row and block (max, scale, round, pack) first, which takes back all of the gain, and the
+rounding moves an attention output beyond the int16 path's checks (docs/results/pv_dpwssd_prototype.py;
+docs/archive/benchmarks-2026.md, "The 512-bit vpdpwssd as written, and p . v in integers once more"). Converting
+int8 rows without byte shuffles (64 codes loaded as 16 int32 lanes, each byte sign-extended in place by a left and
+a right shift, the accumulator kept in that permuted order) was slower: the widening is not what limits `pv16`.
+With K and V from DRAM the arithmetic is not the limit at all, and prefetching each block's V during the score
+pass instead of one block ahead gained nothing beyond the noise.
 """
 
 from __future__ import annotations
@@ -227,7 +220,7 @@ def _make_qk16(keys: int):
         out: float32 flat; offsets, strides, rows and dim: int64 element counts (dim a multiple of 16); buf: float32
         scratch of at least 16 * dim values. The 16 keys are converted into buf once and read by every row (an FMA
         with a memory operand) rather than converted again for each row: fewer vector operations, though the
-        whole kernel measured the same either way (22.0 vs 22.1 ns per (key, KV head), 3 rows of 64)."""
+        whole kernel is no faster for it."""
         elem = _check(k)
         sig = types.void(q, qoff, k, koff, kstride, out, ooff, ostride, rows, dim, buf)
 
@@ -303,11 +296,9 @@ def keys_per_pass(acc_bits: int, features: str | None = None) -> int:
     each pass reloads the query row's chunks (from L1). ``features``: an LLVM feature
     string (default: the compile target's, `target_features`).
 
-    Both trees, each one's kernels from a new numba cache, compiled for AVX2 on the Emerald Rapids VM (every
-    AVX-512, AMX and VNNI feature off), calls taking turns (docs/results/attention_ab.py): batch 8 x 4,096 keys at
-    32 / 8 x 128, median us, INT8 (int16 query) 11,750 -> 11,030 (0.94x), F16 20,822 -> 16,910 (0.81x); SmolLM2's
-    shape at 512 / 2,048 / 7,000 keys INT8 0.97 / 0.96 / 0.96x, F16 0.91 / 0.84 / 0.85x; every output the same
-    bits; the AVX-512 code is unchanged (all 16 keys in one pass)."""
+    Compiled for AVX2, the passes make the whole decode call faster than every key at once, most for F16, with
+    every output the same bits; the AVX-512 code is unchanged (all 16 keys in one pass; docs/results/attention_ab.py,
+    docs/archive/benchmarks-2026.md, "The AVX2 score kernels in passes")."""
     regs = _registers(target_features() if features is None else features)
     if regs is None:
         return LANES
@@ -348,7 +339,7 @@ def dot_for(features: str) -> str | None:
     return allowed[0] if allowed else None
 
 
-@functools.cache  # numba reads its target once per process; asked by each kernel factory at import (~0.3 ms)
+@functools.cache  # numba reads its target once per process; asked by each kernel factory at import, so kept
 def target_features() -> str:
     """The features numba compiles for: NUMBA_CPU_FEATURES if set, else the host's (numba's own rule, so the
     variant chosen is always one the compiled code may use, and numba's disk cache, keyed by the same string,
@@ -579,11 +570,9 @@ def int_fits(head_dim: int) -> bool:
 
 # Value rows `pv16` converts and holds in registers at a time: all 16 where 32 vector registers hold them
 # (AVX-512: 16 zmm), 8 where there are 16 registers of half the width (AVX2: a <16 x float> row takes two ymm, so
-# 16 rows spilled to the stack). One thread, Zen 4 running each target's code, ns per (key, KV head), best of 5:
-# AVX2 code 7.26 -> 5.98 at 3 rows x 64 and 18.8 -> 15.4 at 4 rows x 128 with 8; the AVX-512 code 4.24 with 16
-# against 5.67 with 8. With 4 on the AVX2 code (Emerald Rapids, the whole decode call at SmolLM2's shape, both in
-# one process, docs/results/attention_ab.py): 1.03x / 1.07x / 1.10x the time at 512 / 2,048 / 7,000 keys for
-# INT8, 1.05x / 1.08x / 1.02x for F16.
+# 16 rows spilled to the stack). Each is the faster choice on its target: fewer than 16 on AVX-512 and fewer than
+# 8 on AVX2 were slower (docs/archive/benchmarks-2026.md, "The decode softmax in vectors", "The AVX2 code path's
+# values, 8 keys a pass").
 _PV_KEYS = LANES if "+avx512f" in target_features().split(",") else 8
 
 
@@ -667,9 +656,9 @@ def prefetch(typingctx, array, offset, count):
 
 # -- the online softmax of one query row over a tile of scores ------------------------------------------------
 # The decode row kernel's softmax, 16 scores a vector. Written in numba loops (`cpu._softmax_step` plus the fold
-# of the value scales) it took 1.5 ns per (key, query row) at 64 keys (one thread, Zen 4): LLVM vectorised the
-# loops but each row paid their remainders, two horizontal reductions and the exp polynomial in scalar for alpha.
-# These take ~0.5 (docs/archive/benchmarks-2026.md, "The decode softmax in vectors").
+# of the value scales) it was about three times slower: LLVM vectorised the loops but each row paid their
+# remainders, two horizontal reductions and the exp polynomial in scalar for alpha
+# (docs/archive/benchmarks-2026.md, "The decode softmax in vectors").
 def _f32(value: float) -> float:
     """``value`` rounded to float32 (as a Python float)."""
     return struct.unpack("f", struct.pack("f", value))[0]
@@ -821,10 +810,9 @@ def strided_lanes(builder, base, start, step, vector_type):
 
 
 # Head counts whose 16 rows `gather16` reads as one vector and splits by shuffles (LLVM's permutes) when a row
-# of heads is contiguous. One call for all heads of a 16-token run against 16 scalar loads and inserts per head,
-# ns per run, one thread, Emerald Rapids, native / the AVX2 code (docs/results/gather_heads_ab.py): 2 heads 9.1
-# -> 0.8 / 7.8 -> 1.9, 3 heads 13.5 -> 1.8 / 11.7 -> 2.9, 4 heads 16.8 -> 3.4 / 15.1 -> 8.0, 8 heads 35.8 -> 11.8 /
-# 25.2 -> 24.6; 5 heads (left to the per-head loads) 21.0 / 17.8.
+# of heads is contiguous: the counts where one call for all heads of a 16-token run beats 16 scalar loads and
+# inserts per head (at 8 heads only on the native code, a tie on AVX2); other counts keep the per-head loads
+# (docs/results/gather_heads_ab.py).
 _WIDE_HEADS = (1, 2, 3, 4, 8)
 
 

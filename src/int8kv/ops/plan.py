@@ -334,8 +334,8 @@ def validate_values(
 
     Runs once per step (tests/test_plan.py counts the calls), on the caller's integers before any cast. On the
     CPU the same statistics come from numpy views of the tensors (no copy): torch's ~30 small ops of the
-    device path (each statistic reshaped and cast for the one host read) took 65 us for an engine decode step's
-    metadata in a loop, numpy's 18 (`_on_host`). ``host``: which of the two computes them (None: numpy for CPU
+    device path (each statistic reshaped and cast for the one host read) cost several times numpy's per-op
+    overhead on such small tensors (`_on_host`). ``host``: which of the two computes them (None: numpy for CPU
     tensors; the tests run both on the same metadata)."""
     stats: list = []
     host = tables.device.type == "cpu" if host is None else host

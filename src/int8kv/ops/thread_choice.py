@@ -15,30 +15,30 @@ class ThreadChoice:
     The items (and so the numerics) never depend on this: only how many threads share them. Calls are grouped
     by the size of their work (query head x key units, in powers of two); in each group every mode keeps a
     running estimate of its seconds per unit, and the cheaper one runs. Each mode is first measured twice in a
-    group and the faster of the two kept (a process's first parallel call also starts numba's threads: 117 us
-    where the next took 78); a mode not chosen is re-measured after `EXPLORE` calls of its group, and each time it still
-    loses the wait doubles (up to `MAX_EXPLORE`), so a change in load is noticed without paying a losing mode
-    often (with 7 busy processes on 2 cores, waking the second thread took 26-80 ms; idle, ~2 us).
+    group and the faster of the two kept (a process's first parallel call also starts numba's threads, so it is
+    slower than the next); a mode not chosen is re-measured after `EXPLORE` calls of its group, and each time it
+    still loses the wait doubles (up to `MAX_EXPLORE`), so a change in load is noticed without paying a losing mode
+    often (on a busy machine, waking the second thread can take milliseconds where idle it takes microseconds).
     A measurement counts for at most `CLIP` times the mode's estimate: the OS delays a single call by
-    milliseconds now and then, and taken at face value one such call made the two-thread mode look 2-10x
-    slower than it is; with the doubling waits a call kind then stayed on one thread for thousands of calls
-    (F16, SmolLM2's shape, 2,048 keys: 121 us a call where two threads take 72). Clipped, one delayed call
-    moves the estimate by at most 25 %, and a real rise still shows within a few measurements (a doubling
-    counts in full). A re-measured mode runs `BURST` calls in a row, and the burst's median, when it beats the
-    mode's estimate, takes its place at once: the first parallel call after a run of serial ones wakes the pool
-    (7-11 ms here now and then), and lone re-measuring calls, each moving the estimate a quarter of the way, left
-    F16 at SmolLM2's 2,048 keys on one thread for thousands of calls (116-119 us a call where two threads take
-    72-77; docs/results/threads_switch.py). The median, not the fastest: against the chosen mode's running
-    estimate, a burst's one lucky call handed the group to the slower mode now and then.
-    Why by size, measured: one model for all sizes (seconds per unit on one thread, plus a fixed cost of
-    waking the pool fitted on the parallel calls) took the higher per-unit cost of keys read from DRAM, as the
-    context grew, for a wake-up cost of milliseconds, and kept batch 1 x 7,000 keys at 32 / 8 heads on one
-    thread: 3.3 ms where two threads take 1.6."""
+    milliseconds now and then, and taken at face value one such call made the two-thread mode look several times
+    slower than it is; with the doubling waits a call kind then stayed on the slower single thread for thousands
+    of calls. Clipped, one delayed call moves the estimate by at most 25 %, and a real rise still shows within a
+    few measurements (a doubling counts in full). A re-measured mode runs `BURST` calls in a row, and the burst's
+    median, when it beats the mode's estimate, takes its place at once: the first parallel call after a run of
+    serial ones wakes the pool (milliseconds now and then), and lone re-measuring calls, each moving the estimate
+    a quarter of the way, left calls on the slower single thread for thousands of calls
+    (docs/results/threads_switch.py; docs/archive/benchmarks-2026.md, "The thread choice after a slow start, and
+    where SmolLM2's 2,048 keys stand"). The median, not the fastest: against the chosen mode's running estimate,
+    a burst's one lucky call handed the group to the slower mode now and then.
+    Why by size: one model for all sizes (seconds per unit on one thread, plus a fixed cost of waking the pool
+    fitted on the parallel calls) took the higher per-unit cost of keys read from DRAM, as the context grew, for
+    a wake-up cost of milliseconds, and kept long single-sequence calls on one thread where two are about twice
+    as fast."""
 
     EXPLORE = 64
     MAX_EXPLORE = 4096
     FIRST = 2  # measurements of each mode before the estimates decide
-    MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (recording one costs ~1 us)
+    MEASURE_EVERY = 8  # calls that keep the chosen mode's estimate fresh: one in 8 (recording one is not free)
     DECAY = 0.25  # weight of the newest measurement in the running estimates
     CLIP = 2.0  # a measurement counts for at most this many times the estimate it updates
     BURST = 3  # calls in a row of a re-measured mode; their median stands (the first may wake the pool)
@@ -56,7 +56,7 @@ class ThreadChoice:
         self.timed = False  # whether the caller should time this call and `record` it
         # size group -> (its best mode, the last call before the other is re-measured): set when a call finds the
         # group settled and dropped when any of its calls is recorded. Deciding by it is one dict read where the
-        # full rules read eight, ~2 -> ~1 us of a 2,048-key decode call in situ (the caches cold after the kernel).
+        # full rules read eight, a visible part of a decode call's fixed cost with the caches cold after the kernel.
         self.settled: dict[int, tuple[bool, int]] = {}
 
     @staticmethod
@@ -133,8 +133,8 @@ class ThreadChoice:
 
 # One ThreadChoice per kind of call: decode and prefill, INT8 and F16, the two precisions and each head shape
 # cost different amounts per unit of work. A single shared model once learned its seconds per unit on INT8 decode
-# calls, took the F16 calls' larger cost for a wake-up cost, and kept batch 1 x 32,768 keys at 32 / 8 heads on
-# one thread (15.4 ms where two threads take 9.9).
+# calls, took the F16 calls' larger cost for a wake-up cost, and kept long calls on one thread where two
+# threads were clearly faster.
 _THREADS: dict[tuple, ThreadChoice] = {}
 
 

@@ -61,8 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     w = weight if weight.dtype == torch.float32 and weight.device == x.device else weight.to(x.device, torch.float32)
     if x.dtype == torch.float32:
         # torch's rms_norm is this expression's operations in this order (pow, mean, add, rsqrt, mul, mul: its
-        # composite kernel), so the same bits (tests/test_write.py), in one call from Python instead of six: 10.6
-        # against 13.8 us a call for a SmolLM2 row in a loop, and the engine's step runs 61 of them.
+        # composite kernel), so the same bits (tests/test_write.py), in one call from Python instead of six, which
+        # counts because the engine's step runs dozens of them.
         return torch.rms_norm(x, (x.shape[-1],), w, eps)
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * w
 
@@ -128,7 +128,7 @@ def check_positions(positions: torch.Tensor, tokens: int, max_pos: int) -> torch
 
 def _check_finite(x: torch.Tensor, what: str) -> None:
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float16) and x.shape[0] <= _FEW_ROWS:
-        finite = bool(np.isfinite(x.detach().numpy()).all())  # ~3 us where torch's isfinite + all took 18 in a step
+        finite = bool(np.isfinite(x.detach().numpy()).all())  # numpy: torch's isfinite + all cost far more per call
     else:
         finite = bool(torch.isfinite(x).all())
     if not finite:

@@ -50,8 +50,8 @@ T = TypeVar("T", bound=BaseModel)
 # A text prompt is tokenized by prefixes of 4x, 16x, ... the context in characters (cut at a space) until one
 # is known to exceed the context: a prefix has at most this many tokens more than the same text inside the
 # whole prompt (a word-level or BPE tokenizer cut at a space: none; the slack covers tokenizers that merge
-# across spaces). Measured with SmolLM2's tokenizer (2-core machine under load): a 7.6 MB prompt ("the water "
-# repeated) against an 8,192-token context is refused in 0.6 s, after 131 KB; tokenizing all of it takes 52 s.
+# across spaces). So a prompt far beyond the context is refused after tokenizing a small prefix of it, not the
+# whole text, which for a multi-megabyte prompt would hold the server for tens of seconds.
 PREFIX_SLACK = 8
 
 

@@ -31,7 +31,7 @@ __all__ = [
 
 # A temporary no writer has touched for this long is abandoned whoever made it (another host on a shared
 # directory, a reused PID, a name from before PIDs were recorded). A live writer touches its temporary with
-# every chunk it writes, and a whole save of a 2k-token SmolLM2 state takes ~30 ms, so a day is far beyond
+# every chunk it writes, and a whole save of a typical state takes well under a second, so a day is far beyond
 # any stall of a live writer.
 STALE_TEMP_AGE_S = 24 * 3600
 # Identifies this machine in temporary names, so a PID is only tested on the machine that owns it.

@@ -62,8 +62,8 @@ MAX_HEADER_BYTES = 1 << 20
 # json.dumps and the reader's json.loads far from Python's recursion limit (~1000 frames).
 MAX_METADATA_DEPTH = 32
 # The data section is hashed and value-checked in chunks of this many bytes (a multiple of 8, so a chunk
-# holds whole elements of every dtype). Measured on the 2-core dev machine over 64 MiB: sha256 1.20, 1.14
-# and 1.01 GB/s and the value checks 0.74, 1.05 and 0.54 GB/s with 64 KiB, 1 MiB and whole-buffer chunks.
+# holds whole elements of every dtype). 1 MiB gave the value checks their best throughput, against 64 KiB and
+# whole-buffer chunks, at nearly the hash's best.
 CHUNK_BYTES = 1 << 20
 ALIGN = 8
 
@@ -514,8 +514,8 @@ def _value_problem(fmt: KvStorageFormat, model: ModelFingerprint | None, name: s
 
     The digests only prove the bytes are the ones hashed, and a file can be forged with valid digests, so
     values that would poison attention (inf keys, huge scales, out-of-range codes or token ids) are refused.
-    numpy, not torch: on the 2-core dev machine a 1 MiB chunk takes 0.01-1 ms here against 15-85 ms for the
-    same reductions in torch (which made a 12 MiB save 8x slower).
+    numpy, not torch: on a busy machine torch's threaded reductions pay thread start-up under contention, far
+    more than the reductions on one chunk (it made saves several times slower).
     """
     if values.size == 0:
         return None
