@@ -795,7 +795,9 @@ def run_pytest(rep: Report, sh: Shapes, interpret: bool) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["INT8KV_UNVERIFIED_GPU_KERNELS"] = "1"  # the 4-bit kernel's tests: what this run is to verify
     select = ["-k", sh.pytest_k] if sh.pytest_k else []
-    collect = [sys.executable, "-m", "pytest", *map(str, files), *select, "--collect-only", "-q"]
+    # no cache provider: the run writes nothing into the tree
+    collect = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *map(str, files), *select,
+               "--collect-only", "-q"]
     listed = subprocess.run(collect, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     ids = [line for line in listed.stdout.splitlines() if "::" in line]
     if not ids:
@@ -809,7 +811,7 @@ def run_pytest(rep: Report, sh: Shapes, interpret: bool) -> None:
     rep.say(f"  {len(ids)} tests in {len(groups)} parallel shards, {timeout:.0f} s left for them")
     procs = []
     for group in groups:
-        cmd = [sys.executable, "-m", "pytest", "-q", *group]
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *group]
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
