@@ -40,6 +40,8 @@ from int8kv.server.launch import free_port
         (["--dtype", "bfloat16", "--weights", "int8"], "--dtype bfloat16 is --weights bfloat16, and --weights int8"),
         (["--kv-store", "embedded", "--no-enable-prefix-caching"], "needs prefix caching"),
         (["--chat-template", "no-such-template.jinja"], "no such file, and not a Jinja template"),
+        (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}'],
+         "kv_events_config: publisher 'kafka' is not supported"),
         (["--chat-template", "{% for m in messages %}{{ m.content }}"], "--chat-template: Jinja syntax error on "
                                                                         "line 1"),
         (["--kv-store", "embedded", "--kv-store-secret", "0" * 16], "--kv-store-secret: a KV store secret of 16 "
@@ -119,8 +121,10 @@ def test_vllm_flag_names_reach_the_engine_and_the_server(capsys, monkeypatch, tm
     monkeypatch.setattr(int8kv.engine, "LLM", engine)
     monkeypatch.setattr(int8kv.server, "serve", serve)
     argv = ["serve", "--quiet", str(model_dir), "--port", str(free_port()), "--kv-cache-dtype", "auto", "--dtype",
-            "bfloat16", "--no-enable-prefix-caching", "--chat-template", str(template), "--disable-log-requests"]
+            "bfloat16", "--no-enable-prefix-caching", "--chat-template", str(template), "--disable-log-requests",
+            "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "null", "topic": "kv"}']
     assert cli.main(argv) == 0, capsys.readouterr().err
+    assert seen["kv_events_config"].enable_kv_cache_events and seen["kv_events_config"].topic == "kv"
     assert seen["kv_format"] == KvStorageFormat.F16 and seen["prefix_caching"] is False
     assert any(isinstance(m, BFloat16Linear) for m in seen["model"].modules())
     assert seen["tokenizer"].chat_template == template.read_text()

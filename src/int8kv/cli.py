@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                        help="how tool calls are read from a model's output for tool_choice auto: hermes (Qwen 2.5/3, "
                             "Hermes, SmolLM3) or llama3_json (Llama 3.1+); needs --enable-auto-tool-choice")
+    serve.add_argument("--kv-events-config", metavar="JSON",
+                       help='publish the prefix cache\'s block events in vLLM\'s format for KV-aware routers, e.g. '
+                            '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (docs/serving.md)')
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let requests use tool_choice auto (the model decides; calls read by --tool-call-parser)")
     _common(serve)
@@ -520,11 +523,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if len(fmt) != 1:
         raise CliError(f"--kv-format takes one format, got {args.kv_format!r}")
     template = _chat_template(args.chat_template) if args.chat_template is not None else None
+    events = None
+    if args.kv_events_config is not None:
+        from .engine.kv_events import KvEventsConfig
+
+        events = KvEventsConfig.parse(args.kv_events_config)  # before the model loads
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise CliError("--enable-auto-tool-choice and --tool-call-parser go together: auto tool choice reads calls "
                        "with the parser")
     _check_memory_holds_a_block(args, memory_budget(args.memory), fmt[0], "the KV pool would hold no block")
-    extra = {}
+    extra: dict[str, Any] = {} if events is None else {"kv_events_config": events}
     if args.kv_store:
         if "kv_store" not in inspect.signature(LLM).parameters:
             raise CliError("--kv-store needs an engine with a shared KV block store (LLM(kv_store=...)), "

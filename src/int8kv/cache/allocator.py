@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import (
     KvCacheError,
@@ -98,6 +99,8 @@ class BlockAllocator:
         #: None, or how many blocks of a hit's run (first table group's blocks, from the first) a new sequence can
         #: take and compute on from: the hit is cut to that many (module docs).
         self.hit_limit: Callable[[list[int]], int] | None = None
+        #: None, or where the prefix cache's changes go (engine/kv_events.py EventLog: stored, removed, cleared).
+        self.events: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -326,6 +329,8 @@ class BlockAllocator:
                     self._key_of[block] = (g, key)
                     self._block_of[(g, key)] = block
                     added += 1
+                    if self.events is not None:
+                        self.events.stored(g, key)
         return added
 
     def grow(self, seq_id: SeqId, num_tokens: int) -> list[BlockCopy]:
@@ -399,6 +404,8 @@ class BlockAllocator:
         for block in blocks:
             del self._block_of[self._key_of.pop(block)]
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         self._free.extend(reversed(blocks))
         return blocks
 
@@ -469,8 +476,11 @@ class BlockAllocator:
         taken = [self._free.pop() for _ in range(min(n, len(self._free)))]
         while len(taken) < n:
             block, _ = self._cached.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
+            group_key = self._key_of.pop(block)
+            del self._block_of[group_key]
             self.evictions += 1
+            if self.events is not None:
+                self.events.removed(*group_key)
             taken.append(block)
         for block in taken:
             self._refcounts[block] = 1

@@ -57,6 +57,7 @@ from ..ops import BACKENDS
 from . import grammar
 from .chat import chat_prompt_ids
 from .grammar import Grammars
+from .kv_events import KvEvents, KvEventsConfig
 from .model import DecoderModel, check_fused
 from .runner import ModelRunner
 from .sampler import TokenLogprob, make_generator, sample, token_logprobs
@@ -222,6 +223,7 @@ class LLM:
         backend: str | None = None,
         weights: str = "model",
         threads: int | None = None,
+        kv_events_config: KvEventsConfig | str | dict | None = None,
     ) -> None:
         """`prefix_caching`: None (the default) is on, except for a model with state layers (then off, logged);
         True asks for it (refused by name for such a model). `kv_store`: a block store URL (`True` is
@@ -241,9 +243,14 @@ class LLM:
         process may use, whichever is measured faster under the machine's current load (engine/step_threads.py);
         a number fixes it. `block_size`: None is 16 positions, 64
         for ``int4_kchan64_vtok_asym_sink4_win64_v1`` (its pages; another size is refused by name), which runs
-        with prefix caching, forks (cache/paged_q4w.py) and the block store (its pages: engine/store_tier.py)."""
+        with prefix caching, forks (cache/paged_q4w.py) and the block store (its pages: engine/store_tier.py).
+        `kv_events_config`: vLLM's KV events (engine/kv_events.py: JSON text, a dict or a KvEventsConfig); with
+        `enable_kv_cache_events` each step publishes the blocks its prefix cache stored and evicted."""
         # Every setting is checked before the model is loaded or a byte of the pool allocated.
         self._closer = None
+        self._kv_events: KvEvents | None = None
+        if kv_events_config is not None and not isinstance(kv_events_config, KvEventsConfig):
+            kv_events_config = KvEventsConfig.parse(kv_events_config)
         budget = parse_bytes(memory)
         if prefix_caching is not None and not isinstance(prefix_caching, bool):
             raise InvalidEngineConfig(f"prefix_caching must be None or a bool, got {prefix_caching!r}")
@@ -366,6 +373,10 @@ class LLM:
 
             self.runner = SequenceRunner(self.model, self.cache)
         self.threads = StepThreads(threads) if self.cache.device.type == "cpu" else None
+        if kv_events_config is not None and kv_events_config.enable_kv_cache_events:
+            self._kv_events = KvEvents(kv_events_config, self.cache.block_size, self.cache.allocator.num_groups)
+            self.cache.allocator.events = self._kv_events.log
+            weakref.finalize(self, self._kv_events.close)
         self.stats = EngineStats()
         # generate/step/score from several threads run one at a time (an engine step is not reentrant).
         self._lock = threading.RLock()
@@ -473,6 +484,8 @@ class LLM:
                                                   lambda: self.runner.run(batch))
             generated = self._retire(batch, logits, errors)
             self._record(batch, errors, generated, decode_phase, preempted, used, time.perf_counter() - start)
+            if self._kv_events is not None:
+                self._kv_events.flush()
             return len(batch)
 
     def score(self, token_ids: Seq[int], chunk_size: int = 256) -> torch.Tensor:
@@ -535,6 +548,8 @@ class LLM:
             self.scheduler.tier = None
             if self._closer is not None:
                 self._closer()
+            if self._kv_events is not None:
+                self._kv_events.close()
 
     def __enter__(self) -> LLM:
         return self

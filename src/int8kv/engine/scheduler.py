@@ -190,7 +190,7 @@ class Scheduler:
         if stored:
             try:
                 self.cache.write_state(seq.seq_id, hit, state if stored == state.length else state.slice(0, stored))
-                self.cache.register_blocks(seq.seq_id, keys[: (hit + stored) // bs])
+                self._register(seq, keys[: (hit + stored) // bs])
             except BaseException:
                 self.cache.free(seq.seq_id)  # not admitted: no block stays reserved
                 raise
@@ -215,7 +215,7 @@ class Scheduler:
             _, slots = self.cache.add_sequence_with_prefix(seq.seq_id, stored + n, [])
             try:
                 self.cache.write_state(seq.seq_id, 0, state)
-                self.cache.register_blocks(seq.seq_id, keys[: stored // bs])
+                self._register(seq, keys[: stored // bs])
             except KvPoolExhausted:  # every window page or sink slot is held now: compute the run instead
                 self.cache.free(seq.seq_id)
                 faults += 1
@@ -294,6 +294,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _register(self, seq: Sequence, keys: list[bytes]) -> None:
+        """Key `seq`'s first blocks for prefix caching; with KV events on, the blocks newly keyed are logged with
+        their tokens (engine/kv_events.py)."""
+        self.cache.register_blocks(seq.seq_id, keys)
+        events = self.cache.allocator.events
+        if events is not None:
+            events.complete(keys, seq.token_slice)
+
     def advance(self, item: Scheduled) -> bool:
         """The step computed `item`'s tokens; True when the sequence is now fully cached (a token is due)."""
         seq = item.seq
@@ -302,7 +310,7 @@ class Scheduler:
         full = seq.num_cached // self.cache.block_size
         if self.hasher is not None and full > seq.num_registered:
             keys = self.keys(seq, full)
-            self.cache.register_blocks(seq.seq_id, keys[:full])
+            self._register(seq, keys[:full])
             if self.tier is not None:
                 self.tier.push(seq.seq_id, keys, seq.num_registered, full)
             seq.num_registered = full
