@@ -128,3 +128,9 @@ def test_a_named_function_and_auto(client):
     message, reason = r.choices[0].message, r.choices[0].finish_reason
     assert (reason == "tool_calls") == bool(message.tool_calls)
     assert message.tool_calls or isinstance(message.content, str)
+    # streamed, its text comes piece by piece (the parser holds back only what could begin a call)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ASK, tools=TOOLS, max_tokens=40, temperature=0, stream=True)
+        if c.choices]
+    if not message.tool_calls:
+        assert "".join(pieces) == message.content and sum(bool(p) for p in pieces) > 5

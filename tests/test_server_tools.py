@@ -50,7 +50,7 @@ def test_hermes_calls_and_the_text_before_them():
     text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     content, calls = tools.parse(text, "hermes")
-    assert content == "Let me look."
+    assert content == "Let me look.\n"  # the text before the first call, as it was streamed
     assert names_and_args(calls) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
     content, calls = tools.parse('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', "hermes")
     assert content is None and names_and_args(calls) == [("get_time", {})]
@@ -64,6 +64,23 @@ def test_hermes_calls_and_the_text_before_them():
 ])
 def test_hermes_text_without_whole_calls_is_content_unchanged(text):
     assert tools.parse(text, "hermes") == (text, [])
+
+
+@pytest.mark.parametrize(("parser", "text", "ready"), [
+    ("hermes", "It is sunny", 11),
+    ("hermes", "It is sunny <tool", 12),  # " <tool" could begin a call: held back
+    ("hermes", "It is sunny <tool_call>{", 12),
+    ("hermes", "It <b>", 6),  # "<b" cannot begin "<tool_call>"
+    ("hermes", "  \n", 0), ("hermes", "<tool_call>{", 0), ("hermes", " <too", 0),
+    ("llama3_json", "It is sunny", 11), ("llama3_json", " {", 0), ("llama3_json", "<|python", 0),
+    ("llama3_json", "<|python_tag|>{", 0), ("llama3_json", "", 0), ("llama3_json", "  ", 0),
+])
+def test_what_can_stream_before_the_output_ends(parser, text, ready):
+    assert tools.streamable(text, parser) == ready
+    # whatever streams is content in the whole answer, however it goes on
+    for tail in ("", "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>", " and more."):
+        content, calls = tools.parse(text + tail, parser)
+        assert (content or "")[:ready] == text[:ready]
 
 
 def test_llama3_json_calls():

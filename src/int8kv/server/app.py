@@ -253,6 +253,11 @@ class ToolCalls:
         self.mode, self.named, self.parser = body.tool_mode(), body.named_tool(), parser
         self.active = self.mode in ("named", "required") or (self.mode == "auto" and parser is not None)
 
+    def streamable(self, text: str) -> int:
+        """How much of a choice's text so far can be streamed as content now (auto: up to where a call could
+        start; a grammar-held answer is all calls: nothing)."""
+        return tools.streamable(text, self.parser) if self.mode == "auto" else 0
+
     def read(self, text: str, reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
         """(content, calls, finish reason) of a finished choice's text: "tool_calls" when it made calls."""
         if self.mode == "auto":
@@ -663,6 +668,7 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
 
         sent_logprobs = [0] * len(run.texts)
         offsets = [0] * len(run.texts)
+        sent_text = [0] * len(run.texts)  # characters of each choice's text streamed (tool calls: content only)
 
         def pending(i: int) -> dict | None:  # log-probabilities of choice i's tokens not sent yet
             if logprobs is None or sent_logprobs[i] == len(run.logprobs[i]):
@@ -690,12 +696,17 @@ def build_app(llm: LLM, model_name: str, limits: Limits | None = None, api_key: 
                     yield f"data: {json.dumps(error_body(e.message, e.kind))}\n\n"
                     break
                 lp = pending(i)
-                if calls is not None and calls.active:  # the text is read as calls once whole (module tools)
-                    if lp is not None:
-                        yield event([choice(i, "", None, chat, True, lp)])
+                if calls is not None and calls.active:  # calls are read from the whole text (module tools)
+                    text = run.texts[i].text
+                    ready = calls.streamable(text) if reason is None else sent_text[i]
+                    if ready > sent_text[i] or lp is not None:
+                        yield event([choice(i, text[sent_text[i]:ready], None, chat, True, lp)])
+                        sent_text[i] = max(ready, sent_text[i])
                     if reason is not None:
-                        text, found, reason = calls.read(run.texts[i].text, reason)
-                        yield event([choice(i, text, None, chat, True, None, found)])
+                        content, found, reason = calls.read(text, reason)
+                        rest = (content or "")[sent_text[i]:] if found else text[sent_text[i]:]
+                        if rest or found:
+                            yield event([choice(i, rest, None, chat, True, None, found)])
                         yield event([choice(i, "", reason, chat, True)])
                     continue
                 if delta or lp is not None:

@@ -20,7 +20,9 @@ from typing import Any
 from ..engine.grammar import Guide
 
 PARSERS = ("hermes", "llama3_json")
+HERMES_START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
 
 
 def call(name: str, arguments: Any) -> dict[str, Any]:
@@ -75,9 +77,9 @@ def parse(text: str, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
             calls.append(call(value["name"], value.get("arguments", {})))
         if not calls:
             return text, []
-        head = text[: text.index("<tool_call>")].strip()
-        return head or None, calls
-    body = text.strip().removeprefix("<|python_tag|>").strip()
+        head = text[: text.index(HERMES_START)]
+        return (head if head.strip() else None), calls
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return text, []
     decoder, calls, at = json.JSONDecoder(), [], 0
@@ -96,6 +98,26 @@ def parse(text: str, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
             rest = rest[1:].lstrip()
         at = len(body) - len(rest)
     return None, calls
+
+
+def streamable(text: str, parser: str) -> int:
+    """How much of a growing output (the text so far) is surely content under `parser`, to stream before the
+    output ends: hermes, the text before a `<tool_call>` (or before an end that could begin one); llama3_json,
+    everything once the output starts with something other than a call. Leading blanks wait: an answer that is
+    calls alone has no content."""
+    if parser == "hermes":
+        at = text.find(HERMES_START)
+        if at < 0:
+            at = len(text)
+            for n in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+                if text.endswith(HERMES_START[:n]):
+                    at -= n
+                    break
+        return at if text[:at].strip() else 0
+    head = text.lstrip()
+    if not head or head.startswith("{") or head.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(head):
+        return 0
+    return len(text)
 
 
 def _is_call(value: Any, key: str) -> bool:
