@@ -99,8 +99,16 @@ def test_stored_less_removed_is_what_the_pool_caches_and_the_replay_resends(tmp_
             for p in prompts:
                 (out,) = llm.generate([p], SamplingParams(max_tokens=16, ignore_eos=True))
                 texts.append(p + out.token_ids)
-        batches = receive(sub, b"kv")
+        live = receive(sub, b"kv")
+        # The replay from sequence 0 has every batch; a subscriber that joined late (PUB drops what it sends
+        # before the subscription arrives) saw a gapless tail of them, the same bytes decoded.
+        req = ctx.socket(zmq.DEALER)
+        req.connect(replay)
+        batches = replay_from(req, 0)
         assert [s for s, _ in batches] == list(range(len(batches)))  # none lost, in order
+        assert live and live == batches[len(batches) - len(live):]
+        assert replay_from(req, 2) == batches[2:]
+        req.close(0)
         stored, removed, held = [], [], set()
         for _, batch in batches:
             assert batch.data_parallel_rank is None and batch.ts > 0
@@ -129,24 +137,24 @@ def test_stored_less_removed_is_what_the_pool_caches_and_the_replay_resends(tmp_
                 parent = by_hash[e.parent_block_hash].token_ids
                 assert any(at >= 16 and t[at - 16:at] == parent for t, at in starts)
         assert any(e.parent_block_hash is None and e.token_ids == prompts[0][:16] for e in stored)
-        # the replay: every batch kept, from a sequence number, then the end marker
-        req = ctx.socket(zmq.DEALER)
-        req.connect(replay)
-        req.send_multipart([b"", (2).to_bytes(8, "big")])
-        replayed = []
-        while True:
-            assert req.poll(5000)
-            _, seq, payload = req.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
-                break
-            replayed.append((int.from_bytes(seq, "big"), DECODE.decode(payload)))
-        assert replayed == batches[2:]
-        req.close(0)
     finally:
         llm.close()
         sub.close(0)
         ctx.term()
+
+
+def replay_from(req: zmq.Socket, first: int) -> list[tuple[int, VKVEventBatch]]:
+    """The kept batches from sequence `first` on, asked of the replay socket (8 bytes, big-endian), up to its end
+    marker (sequence -1, empty payload)."""
+    req.send_multipart([b"", first.to_bytes(8, "big")])
+    got = []
+    while True:
+        assert req.poll(5000)
+        _, seq, payload = req.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            assert payload == b""
+            return got
+        got.append((int.from_bytes(seq, "big"), DECODE.decode(payload)))
 
 
 def _at(prompt: list[int], tokens: list[int]) -> int | None:
