@@ -65,6 +65,7 @@ class Grammars:
         self._compiler: Any = None
         self._compiled: OrderedDict[Guide, Any] = OrderedDict()
         self._bits = torch.arange(32, dtype=torch.int32)
+        self._batch: Any = None  # xgrammar's batch filler, made at the first mask and kept (the engine thread's)
         self._lock = threading.Lock()  # the server compiles on its tokenizer thread while the engine steps
 
     def _xgrammar(self) -> Any:
@@ -134,7 +135,9 @@ class Grammars:
         xgr = self._xgrammar()
         vocab = logits.shape[-1]
         bitmask = xgr.allocate_token_bitmask(len(rows), vocab)
-        xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask)
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask)
         allowed = ((bitmask.unsqueeze(-1) >> self._bits) & 1).bool().flatten(1)[:, :vocab]
         out = logits.clone()
         out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

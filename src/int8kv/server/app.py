@@ -262,10 +262,8 @@ class ToolCalls:
         """(content, calls, finish reason) of a finished choice's text: "tool_calls" when it made calls."""
         if self.mode == "auto":
             content, found = tools.parse(text, self.parser)
-        else:
+        else:  # a grammar-held answer is all calls, once whole
             content, found = None, (tools.guided_calls(text, self.mode, self.named) if reason == "stop" else None)
-            if not found:
-                content = text
         return (content, found, "tool_calls") if found else (text, None, reason)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..engine import LLM, RequestUpdate, SamplingParams
 from ..errors import KvCacheError
-from .metrics import Metrics
+from .metrics import Metrics, RequestTiming
 
 log = logging.getLogger("int8kv.server")
 
@@ -53,25 +53,6 @@ _REASONS = {"requests_finished": "stop", "requests_failed": "error"}  # counter 
 
 
 @dataclass
-class _Timing:
-    """One request's moments (time.perf_counter()) and sizes, for Metrics.request_done."""
-
-    arrived: float
-    added: float
-    max_tokens: int
-    prompt_tokens: int
-    output_tokens: int = 0
-    admitted: float | None = None
-    first: float | None = None
-    last: float | None = None
-
-    def done(self, metrics: Metrics, reason: str) -> None:
-        times = {"arrived": self.arrived, "added": self.added, "admitted": self.admitted, "first": self.first,
-                 "last": self.last, "end": time.perf_counter()}
-        metrics.request_done(reason, times, self.prompt_tokens, self.output_tokens, self.max_tokens)
-
-
-@dataclass
 class _Add:
     groups: list[tuple[list[int], list[SamplingParams], Sink]]  # (prompt, its choices' params, sink) per group
     done: concurrent.futures.Future
@@ -85,7 +66,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[int, Sink] = {}
-        self._timings: dict[int, _Timing] = {}  # per live request, for the per-request metrics
+        self._timings: dict[int, RequestTiming] = {}  # per live request, for the per-request metrics
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="int8kv-engine", daemon=True)
 
@@ -196,7 +177,7 @@ class EngineLoop:
                     for request_id, p in zip(self.llm.add_forked_request(prompt, params), params, strict=True):
                         ids.append(request_id)
                         self._sinks[request_id] = sink
-                        self._timings[request_id] = _Timing(sink.arrived, now, p.max_tokens, len(prompt))
+                        self._timings[request_id] = RequestTiming(sink.arrived, now, p.max_tokens, len(prompt))
             except BaseException:
                 for request_id in ids:  # all or none: the group's earlier members leave again
                     self.llm.abort_request(request_id)
@@ -217,7 +198,7 @@ class EngineLoop:
             if self.llm.abort_request(request_id):
                 self.metrics.count(counter)
                 if timing is not None:
-                    timing.done(self.metrics, _REASONS.get(counter, "abort"))
+                    self.metrics.request_done(_REASONS.get(counter, "abort"), timing)
             if sink is not None and reason is not None:
                 sink.put(RequestUpdate(request_id, [], True, reason, f"request ended: {reason}", 0, 0))
 
@@ -244,7 +225,7 @@ class EngineLoop:
                 del self._sinks[update.request_id]
                 del self._timings[update.request_id]
                 self.metrics.count("requests_failed" if update.finish_reason == "error" else "requests_finished")
-                timing.done(self.metrics, update.finish_reason or "stop")
+                self.metrics.request_done(update.finish_reason or "stop", timing)
             sink.put(update)
 
     def _publish(self) -> None:

@@ -11,7 +11,9 @@ it never waits for a step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -43,14 +45,17 @@ FIELDS = (
     ("requests_rejected", "requests refused because the queue was full", "counter"),
 )
 
+def _usage(values: dict[str, float]) -> float:
+    """The share of the pool's blocks in use."""
+    return values.get("kv_blocks_used", 0) / max(values.get("kv_blocks_total", 0), 1)
+
+
 # vLLM's names for values of the snapshot: (vLLM name, help, kind, how it is computed from the snapshot)
 VLLM_FIELDS = (
     ("num_requests_running", "requests in the running batch", "gauge", lambda v: v.get("requests_running", 0)),
     ("num_requests_waiting", "requests waiting for a slot", "gauge", lambda v: v.get("requests_waiting", 0)),
-    ("kv_cache_usage_perc", "share of the KV cache pool's blocks in use (1 = full)", "gauge",
-     lambda v: v.get("kv_blocks_used", 0) / max(v.get("kv_blocks_total", 0), 1)),
-    ("gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under the name older vLLM dashboards query", "gauge",
-     lambda v: v.get("kv_blocks_used", 0) / max(v.get("kv_blocks_total", 0), 1)),
+    ("kv_cache_usage_perc", "share of the KV cache pool's blocks in use (1 = full)", "gauge", _usage),
+    ("gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under the name older vLLM dashboards query", "gauge", _usage),
     ("prefix_cache_queries", "prompt tokens looked up in the prefix cache", "counter",
      lambda v: v.get("prefix_cache_queried_tokens", 0)),
     ("prefix_cache_hits", "prompt tokens found in the pool's prefix cache", "counter",
@@ -80,6 +85,22 @@ VLLM_HISTOGRAMS = (
     ("request_params_max_tokens", "a finished request's max_tokens", TOKENS),
 )
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class RequestTiming:
+    """One request's moments (time.perf_counter()) and sizes, kept by the engine thread while it is live:
+    `arrived` at the server, `added` to the engine, `admitted` to its first step, its `first` and `last` tokens
+    (None until they happen)."""
+
+    arrived: float
+    added: float
+    max_tokens: int
+    prompt_tokens: int
+    output_tokens: int = 0
+    admitted: float | None = None
+    first: float | None = None
+    last: float | None = None
 
 
 class _Snapshot(Collector):
@@ -131,29 +152,24 @@ class Metrics:
             for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
                 self.vllm[name].observe(seconds / tokens)
 
-    def request_done(self, reason: str, timing: dict[str, float | None], prompt_tokens: int, output_tokens: int,
-                     max_tokens: int) -> None:
-        """A request ended with `reason` (FINISH_REASONS). `timing`: perf_counter times "arrived" (at the server),
-        "added" (to the engine), "admitted" (its first step; None if it never ran), "first" and "last" (its first
-        and last tokens; None without tokens), and "end"."""
-        h = self.vllm
-        arrived, added, admitted, first, last, end = (timing.get(k) for k in
-                                                      ("arrived", "added", "admitted", "first", "last", "end"))
+    def request_done(self, reason: str, t: RequestTiming) -> None:
+        """A request ended now with `reason` (FINISH_REASONS)."""
+        h, end = self.vllm, time.perf_counter()
         self.success[reason].inc()
-        h["e2e_request_latency_seconds"].observe(end - arrived)
-        if admitted is not None:
-            h["request_queue_time_seconds"].observe(max(admitted - added, 0.0))
-            h["request_inference_time_seconds"].observe(end - admitted)
-            if first is not None:
-                h["request_prefill_time_seconds"].observe(max(first - admitted, 0.0))
-        if first is not None:
-            h["request_decode_time_seconds"].observe(end - first)
-            if output_tokens > 1:
-                h["request_time_per_output_token_seconds"].observe((last - first) / (output_tokens - 1))
-        h["request_prompt_tokens"].observe(prompt_tokens)
-        h["request_generation_tokens"].observe(output_tokens)
-        h["request_max_num_generation_tokens"].observe(max_tokens)
-        h["request_params_max_tokens"].observe(max_tokens)
+        h["e2e_request_latency_seconds"].observe(end - t.arrived)
+        if t.admitted is not None:
+            h["request_queue_time_seconds"].observe(max(t.admitted - t.added, 0.0))
+            h["request_inference_time_seconds"].observe(end - t.admitted)
+            if t.first is not None:
+                h["request_prefill_time_seconds"].observe(max(t.first - t.admitted, 0.0))
+        if t.first is not None:
+            h["request_decode_time_seconds"].observe(end - t.first)
+            if t.output_tokens > 1:
+                h["request_time_per_output_token_seconds"].observe((t.last - t.first) / (t.output_tokens - 1))
+        h["request_prompt_tokens"].observe(t.prompt_tokens)
+        h["request_generation_tokens"].observe(t.output_tokens)
+        h["request_max_num_generation_tokens"].observe(t.max_tokens)
+        h["request_params_max_tokens"].observe(t.max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
